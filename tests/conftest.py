@@ -1,0 +1,51 @@
+"""Shared fixtures. Tests never reach a model hub, and use the tiny random model unless they need
+real language behaviour (then the embedded model, materialised once into the user cache)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from clawbridge.local_gpu import models  # noqa: E402
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a hard dependency
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (run tests/gpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_spec() -> models.ModelSpec:
+    return models.resolve(models.TINY)
+
+
+@pytest.fixture(scope="session")
+def embedded_spec() -> models.ModelSpec:
+    return models.resolve(models.EMBEDDED)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_spec: models.ModelSpec):  # the embedded model's tokenizer (shared by tiny)
+    return models.load_tokenizer(tiny_spec)
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "data"
+    d.mkdir()
+    return d
