@@ -1,0 +1,274 @@
+"""Sessions and turns (DESIGN.md §4): which conversation a request belongs to, whether it trains,
+and the next state of the previous main turn.
+
+A request names its session by header, body key or URL prefix. Untagged requests are joined to the
+conversation they extend: every answered request registers the structural fingerprint of its
+messages plus the reply it got; a later request whose message prefix has that fingerprint
+continues the same session. Fingerprints are structural because real agents re-serialise what
+they replay (FACTS.md, "OpenClaw as a client"): tool-call ids are rewritten, JSON arguments are
+re-encoded, and an internal-context message is rebuilt at the end of every request and never kept
+in history — it is dropped before matching and never becomes a next state.
+
+Everything here is in-memory and synchronous; the proxy calls it from the event loop, so one
+request's admission is atomic with respect to every other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from clawbridge.types import TurnType
+
+INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
+_KEYS_PER_SESSION = 8  # fingerprints kept per session: the last few replies, to allow branching
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class TurnTag:
+    """What a request says about itself (all optional)."""
+
+    session_id: str | None = None
+    turn_type: TurnType | None = None
+    done: bool = False
+    train: bool = True
+    user: str | None = None
+
+
+def _flag(v: Any) -> bool:
+    return v is True or (isinstance(v, str) and v.strip().lower() in _TRUE)
+
+
+def read_tag(
+    headers: Mapping[str, str], body_keys: Mapping[str, Any], path_session: str | None = None
+) -> TurnTag:
+    """Header > URL prefix > body. Raises ValueError on a turn type other than main|side."""
+    sid = headers.get("x-session-id") or path_session or body_keys.get("session_id")
+    ttype = headers.get("x-turn-type") or body_keys.get("turn_type")
+    if ttype is not None:
+        ttype = str(ttype).strip().lower()
+        if ttype not in ("main", "side"):
+            raise ValueError(f"turn type must be 'main' or 'side', got {ttype!r}")
+    done = _flag(headers.get("x-session-done")) or _flag(body_keys.get("session_done"))
+    train = str(headers.get("x-train", "true")).strip().lower() not in {"0", "false", "no", "off"}
+    return TurnTag(
+        session_id=str(sid) if sid else None,
+        turn_type=ttype,  # type: ignore[arg-type]
+        done=done,
+        train=train,
+        user=headers.get("x-session-user"),
+    )
+
+
+# --- structural fingerprints --------------------------------------------------------------------
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content.strip()
+    parts = []
+    for p in content:
+        if p.get("type") == "text":
+            parts.append(str(p.get("text", "")))
+        else:  # images etc.: their payload identifies them
+            parts.append(json.dumps(p, sort_keys=True, separators=(",", ":")))
+    return "\n".join(parts).strip()
+
+
+def _args(arguments: Any) -> str:
+    """Arguments compared by value: `{"a": 1}` and `{"a":1}` are the same call."""
+    if not isinstance(arguments, str):
+        return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments.strip()
+
+
+def is_internal_context(msg: Mapping[str, Any]) -> bool:
+    return msg.get("role") == "user" and INTERNAL_CONTEXT_MARKER in _text(msg.get("content"))
+
+
+def history(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The messages that are part of the conversation (internal-context messages dropped)."""
+    return [m for m in messages if not is_internal_context(m)]
+
+
+def canonical(msg: Mapping[str, Any]) -> bytes:
+    """A message's identity: role, text, tool calls by name and argument value. Ids, reasoning
+    and key order are not part of it."""
+    calls = [
+        (c["function"]["name"], _args(c["function"].get("arguments", "")))
+        for c in msg.get("tool_calls") or ()
+    ]
+    return json.dumps([msg.get("role"), _text(msg.get("content")), calls]).encode()
+
+
+def fingerprints(messages: Sequence[Mapping[str, Any]]) -> list[bytes]:
+    """fp[k] identifies messages[:k+1]: a chained hash, one pass over the conversation."""
+    out: list[bytes] = []
+    prev = b""
+    for m in messages:
+        prev = hashlib.blake2b(prev + canonical(m), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def extend(fp: bytes, msg: Mapping[str, Any]) -> bytes:
+    return hashlib.blake2b(fp + canonical(msg), digest_size=16).digest()
+
+
+# --- the tracker --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NextState:
+    """What the next main request appended after a main turn's reply."""
+
+    turn_id: str
+    session_id: str
+    messages: tuple[dict[str, Any], ...]
+    matched: bool  # False: the request did not extend the turn structurally (history rewritten)
+
+
+@dataclass(frozen=True)
+class Admission:
+    session_id: str
+    turn_type: TurnType
+    train: bool
+    done: bool
+    new_session: bool
+    matched: bool  # an untagged request joined an existing conversation
+    untagged: bool
+    user: str | None
+    fps: tuple[bytes, ...]  # fingerprints of the request's history
+    next_state: NextState | None
+
+
+@dataclass
+class _Pending:
+    turn_id: str
+    fp: bytes  # fingerprint of the turn's history + reply
+    length: int  # messages in that history + 1
+
+
+@dataclass
+class _Session:
+    id: str
+    last_seen: float
+    keys: list[bytes] = field(default_factory=list)
+    last_main: _Pending | None = None
+
+
+class Sessions:
+    def __init__(
+        self,
+        default_turn_type: TurnType = "main",
+        idle_timeout_s: float = 1800.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.default_turn_type = default_turn_type
+        self.idle_timeout_s = idle_timeout_s
+        self._clock = clock
+        self._sessions: dict[str, _Session] = {}
+        self._index: dict[bytes, str] = {}  # fingerprint of history + reply -> session id
+        self.counts = {"untagged": 0, "matched": 0, "side": 0, "main": 0, "no_train": 0}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def admit(self, tag: TurnTag, messages: Sequence[Mapping[str, Any]]) -> Admission:
+        hist = history(messages)
+        fps = fingerprints(hist)
+        sid, matched, untagged = tag.session_id, False, tag.session_id is None
+        if sid is None:
+            self.counts["untagged"] += 1
+            for k in range(len(fps) - 1, -1, -1):  # the longest known prefix wins
+                if fps[k] in self._index:
+                    sid, matched = self._index[fps[k]], True
+                    self.counts["matched"] += 1
+                    break
+        new = sid is None or sid not in self._sessions
+        if sid is None:
+            sid = f"s-{uuid.uuid4().hex[:16]}"
+        sess = self._sessions.get(sid)
+        if sess is None:
+            sess = self._sessions[sid] = _Session(sid, self._clock())
+        sess.last_seen = self._clock()
+        ttype: TurnType = tag.turn_type or self.default_turn_type
+        self.counts[ttype] += 1
+        if not tag.train:
+            self.counts["no_train"] += 1
+        nxt = None
+        if ttype == "main" and sess.last_main is not None:
+            nxt = self._next_state(sess, sess.last_main, hist, fps)
+            sess.last_main = None
+        return Admission(
+            session_id=sid,
+            turn_type=ttype,
+            train=tag.train,
+            done=tag.done,
+            new_session=new,
+            matched=matched,
+            untagged=untagged,
+            user=tag.user,
+            fps=tuple(fps),
+            next_state=nxt,
+        )
+
+    @staticmethod
+    def _next_state(
+        sess: _Session, p: _Pending, hist: list[Mapping[str, Any]], fps: list[bytes]
+    ) -> NextState | None:
+        if len(fps) >= p.length and fps[p.length - 1] == p.fp:
+            appended, ok = hist[p.length :], True
+        else:  # history was rewritten (compaction, edits): what follows the last reply
+            last = max((i for i, m in enumerate(hist) if m.get("role") == "assistant"), default=-1)
+            appended, ok = hist[last + 1 :], False
+        if not appended:
+            return None
+        return NextState(p.turn_id, sess.id, tuple(dict(m) for m in appended), ok)
+
+    def complete(
+        self, adm: Admission, turn_ids: Sequence[str], replies: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """A request was answered (one reply per choice): later requests that extend it join its
+        session, and a main turn waits for its next state. With n > 1 the first choice is the
+        one whose next state is tracked."""
+        sess = self._sessions.get(adm.session_id)
+        if sess is None:  # closed meanwhile
+            return
+        base = adm.fps[-1] if adm.fps else b""
+        for i, reply in enumerate(replies):
+            fp = extend(base, reply)
+            self._index[fp] = sess.id
+            sess.keys.append(fp)
+            if i == 0 and adm.turn_type == "main" and turn_ids:
+                sess.last_main = _Pending(turn_ids[0], fp, len(adm.fps) + 1)
+        while len(sess.keys) > _KEYS_PER_SESSION:
+            self._index.pop(sess.keys.pop(0), None)
+
+    def close(self, session_id: str) -> bool:
+        sess = self._sessions.pop(session_id, None)
+        if sess is None:
+            return False
+        for k in sess.keys:
+            if self._index.get(k) == session_id:
+                del self._index[k]
+        return True
+
+    def expire(self) -> list[str]:
+        """Close the sessions idle for longer than the timeout; returns their ids."""
+        cutoff = self._clock() - self.idle_timeout_s
+        idle = [s.id for s in self._sessions.values() if s.last_seen < cutoff]
+        for sid in idle:
+            self.close(sid)
+        return idle

@@ -1,0 +1,277 @@
+"""The OpenAI wire format: request validation (pydantic), response/chunk/error builders (dicts).
+
+Requests are validated with pydantic so every malformed field gets a precise 400. Responses are
+built as plain dicts and serialised with orjson: they are produced per token on the streaming hot
+path, where constructing a model per chunk would cost more than the whole relay hop.
+
+Only OpenAI's own keys survive validation (`extra="ignore"`): clawbridge's session keys and any
+other non-standard key are dropped before the request reaches the renderer or the model.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
+_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+class APIError(Exception):
+    """An error that leaves the API edge as `{"error": {...}}` with this status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts_are_typed(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for part in v:
+                if "type" not in part:
+                    raise ValueError("every content part needs a `type`")
+        return v
+
+
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not _TOOL_NAME.match(v):
+            raise ValueError("tool names must match ^[a-zA-Z0-9_-]{1,64}$")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON Schema of type object")
+        return v
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatRequest(_Lenient):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def parse_chat_request(raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+    """Validate a body; returns the request and the clawbridge session keys found in it."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    ours = {k: data.pop(k) for k in SESSION_BODY_KEYS if k in data}
+    try:
+        return ChatRequest.model_validate(data), ours
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"Invalid value for '{param}': {err['msg']}", param=param) from None
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def assistant_message(
+    content: str | None, reasoning: str | None, tool_calls: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    msg["refusal"] = None
+    return msg
+
+
+def logprobs_content(
+    tokens: list[str],
+    logprobs: list[float],
+    top: list[list[tuple[str, float]]] | None,
+) -> dict[str, Any]:
+    """OpenAI's `choice.logprobs` object: one entry per sampled token."""
+    content = []
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp,
+                "bytes": list(tok.encode("utf-8", "surrogatepass")),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode("utf-8", "surrogatepass"))}
+                    for t, v in (top[i] if top else ())
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_body(
+    id: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, int],
+    created: int | None = None,
+    fingerprint: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage,
+        "system_fingerprint": fingerprint,
+    }
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def chunk_bytes(
+    id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    usage: dict[str, int] | None = None,
+    fingerprint: str | None = None,
+) -> bytes:
+    """One SSE event of a `chat.completion.chunk`. `delta=None` gives the usage-only chunk."""
+    choices: list[dict[str, Any]] = []
+    if delta is not None:
+        choices.append(
+            {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        )
+    obj: dict[str, Any] = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+    }
+    if usage is not None:
+        obj["usage"] = usage
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_event(err: APIError) -> bytes:
+    """An error after streaming began: the status line is gone, so it travels as an event."""
+    return b"data: " + orjson.dumps(err.body()) + b"\n\n"
