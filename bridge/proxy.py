@@ -1,0 +1,573 @@
+"""The OpenAI-compatible proxy: one request from the socket to the backend and into the store.
+
+    validate (wire) -> tag + render (sessions, renderer) -> admit on version K -> sample / stream
+    -> parse -> record the turn (durable before the last byte leaves) -> answer
+
+A Starlette app with plain routes (no per-request dependency injection): the hop must cost about
+as much as a minimal relay. Turns are written by the store's group-commit writer; the response
+waits only for its own commit, so a turn whose answer a client received survives a kill -9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from clawbridge import wire
+from clawbridge.backends.base import Backend, ContextLengthExceeded, TransientBackendError
+from clawbridge.sessions import Admission, NextState, Sessions, read_tag
+from clawbridge.store.records import TurnRecord, new_turn_id
+from clawbridge.types import Completion, SamplingParams, TokenChunk
+from clawbridge.wire import APIError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+if TYPE_CHECKING:
+    from clawbridge.config import Settings
+    from clawbridge.renderer import Renderer
+    from clawbridge.store import Store
+
+log = logging.getLogger(__name__)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ProxyHooks:
+    """Where the learning loop plugs in: extra routes (e.g. POST /v1/feedback), a callback for
+    every next state attached, and extra fields for the status endpoint and status line."""
+
+    routes: list[BaseRoute] = field(default_factory=list)
+    on_next_state: Callable[[NextState], Awaitable[None] | None] | None = None
+    status_extra: Callable[[], dict[str, Any]] | None = None
+    next_state_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    in_flight: int = 0
+    errors_4xx: int = 0
+    errors_5xx: int = 0
+    turns_recorded: int = 0
+    record_failures: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Draft:
+    """A request that passed validation and was admitted: everything a turn record needs."""
+
+    id: str
+    created: int
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    version: int
+    adm: Admission
+    request_params: dict[str, Any]
+    logprobs: bool
+    t0: float
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: Backend,
+        store: Store,
+        renderer: Renderer,
+        hooks: ProxyHooks | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.store = store
+        self.renderer = renderer
+        self.hooks = hooks or ProxyHooks()
+        self.sessions = Sessions(settings.default_turn_type, settings.session_idle_timeout_s)
+        self.counters = Counters()
+        self.model_name = settings.served_model_name or backend.model_name
+        self.started = time.time()
+        self._key = settings.api_key.get_secret_value().encode() if settings.api_key else None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # --- the edge ---------------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        if self._key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # --- admission --------------------------------------------------------------------------
+
+    def admit(self, request: Request, raw: bytes) -> tuple[wire.ChatRequest, Draft]:
+        """Everything that can reject a request happens here, before any state changes."""
+        req, ours = wire.parse_chat_request(raw)
+        if req.model != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist. This server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+        if req.stream and req.n > 1:
+            raise APIError(400, "n > 1 is supported without streaming only.", param="n")
+        try:
+            tag = read_tag(request.headers, ours, request.path_params.get("session_id"))
+        except ValueError as e:
+            raise APIError(400, str(e), param="turn_type") from None
+        messages, tools = req.message_dicts(), req.tool_dicts()
+        from clawbridge.renderer import RenderError
+
+        try:
+            prompt = self.renderer.render(messages, tools, req.tool_choice)
+        except RenderError as e:
+            raise APIError(400, str(e), param="messages") from None
+        ctx = self.backend.context_length
+        if len(prompt) >= ctx:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, your messages "
+                f"resulted in {len(prompt)} tokens. Please reduce the length of the messages.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        wanted = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens
+        # Agents ask for generous budgets; the answer is cut at the context, not refused.
+        max_tokens = min(wanted, ctx - len(prompt))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop=req.stops(),
+            stop_token_ids=tuple(self.renderer.stop_token_ids),
+            seed=req.seed,
+            top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        )
+        adm = self.sessions.admit(tag, messages)
+        if adm.next_state is not None:
+            self._spawn(self._attach(adm.next_state))
+        if adm.new_session:
+            source = "matched" if adm.matched else ("new" if adm.untagged else "header")
+            self._spawn(self.store.upsert_session(adm.session_id, source=source))
+        draft = Draft(
+            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            created=int(time.time()),
+            model=self.model_name,
+            messages=messages,
+            tools=tools,
+            prompt_ids=prompt,
+            params=params,
+            version=self.backend.version,  # pinned at admission; the backend keeps it
+            adm=adm,
+            request_params=req.model_dump(
+                exclude={"messages", "tools", "model"}, exclude_none=True
+            ),
+            logprobs=req.logprobs,
+            t0=time.perf_counter(),
+        )
+        return req, draft
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _attach(self, ns: NextState) -> None:
+        try:
+            await self.store.attach_next_state(ns.turn_id, list(ns.messages))
+        except Exception:
+            log.exception("could not attach the next state of %s", ns.turn_id)
+            return
+        self.hooks.next_state_event.set()
+        if self.hooks.on_next_state is not None:
+            res = self.hooks.on_next_state(ns)
+            if asyncio.iscoroutine(res):
+                await res
+
+    # --- capture ----------------------------------------------------------------------------
+
+    async def record(
+        self,
+        d: Draft,
+        comps: Sequence[Completion],
+        replies: Sequence[dict[str, Any]],
+        finishes: Sequence[str],
+        ttft_ms: float | None,
+    ) -> None:
+        """Write one turn per choice and wait for the commit; then the session learns the reply.
+        A store failure is logged and counted, never turned into a failed answer."""
+        total_ms = (time.perf_counter() - d.t0) * 1000
+        recs = [
+            TurnRecord(
+                session_id=d.adm.session_id,
+                messages=d.messages,
+                tools=d.tools,
+                prompt_ids=tuple(d.prompt_ids),
+                completion_ids=c.tokens,
+                logprobs=c.logprobs,
+                top_logprobs=c.top_logprobs,
+                version=c.version,
+                finish_reason=fin,
+                response=reply,
+                request_params=d.request_params,
+                sampling=d.params,
+                turn_type=d.adm.turn_type,
+                tagged=not d.adm.untagged,
+                train=d.adm.train,
+                session_source="matched" if d.adm.matched else ("new" if d.adm.untagged else "header"),
+                ttft_ms=ttft_ms,
+                total_ms=total_ms,
+                id=new_turn_id(),
+            )
+            for c, reply, fin in zip(comps, replies, finishes, strict=True)
+        ]
+        try:
+            await asyncio.gather(*(self.store.record_turn(r) for r in recs))
+            self.counters.turns_recorded += len(recs)
+        except Exception:
+            self.counters.record_failures += len(recs)
+            log.exception("could not record turn(s) of %s", d.id)
+        self.sessions.complete(d.adm, [r.id for r in recs], replies)
+        if d.adm.done:
+            await self.close_session(d.adm.session_id, "client")
+
+    async def close_session(self, session_id: str, reason: str) -> bool:
+        known = self.sessions.close(session_id)
+        try:
+            await self.store.close_session(session_id, reason=reason)
+        except Exception:
+            log.exception("could not close session %s", session_id)
+        return known
+
+    # --- answering --------------------------------------------------------------------------
+
+    def choice(self, d: Draft, c: Completion, index: int) -> tuple[dict[str, Any], dict[str, Any], str]:
+        msg = self.renderer.parse(list(c.tokens), c.finish_reason)
+        reply = wire.assistant_message(msg.content, msg.reasoning_content, _tool_calls(msg))
+        fin = msg.finish_reason
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": reply,
+            "logprobs": self.logprobs(c.tokens, c.logprobs, c.top_logprobs) if d.logprobs else None,
+            "finish_reason": fin,
+        }
+        return choice, reply, fin
+
+    def logprobs(self, tokens: Sequence[int], lps: Sequence[float], top: Any) -> dict[str, Any]:
+        tok = self.backend.tokenizer()
+        texts = [tok.decode([t]) for t in tokens]
+        alts = None
+        if top:
+            alts = [[(tok.decode([a.token_id]), a.logprob) for a in row] for row in top]
+        return wire.logprobs_content(texts, list(lps), alts)
+
+    async def complete(self, d: Draft, n: int) -> Response:
+        comps = await self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version)
+        choices, replies, finishes = [], [], []
+        for i, c in enumerate(comps):
+            ch, reply, fin = self.choice(d, c, i)
+            choices.append(ch)
+            replies.append(reply)
+            finishes.append(fin)
+        await self.record(d, comps, replies, finishes, ttft_ms=None)
+        ntok = sum(len(c.tokens) for c in comps)
+        self.counters.completion_tokens += ntok
+        body = wire.completion_body(
+            d.id, d.model, choices, wire.usage(len(d.prompt_ids), ntok), d.created,
+            fingerprint=f"policy@v{d.version}",
+        )
+        return Response(wire.dumps(body), media_type="application/json")
+
+    async def stream(self, d: Draft, include_usage: bool) -> Response:
+        chunks = self.backend.sample_stream(d.prompt_ids, d.params, version=d.version)
+        # The first chunk is awaited before the status line goes out, so a backend that refuses
+        # the prompt still gets a proper 4xx; the first token is what a client waits for anyway.
+        try:
+            first = await anext(aiter(chunks))
+        except StopAsyncIteration:
+            first = TokenChunk((), (), d.version, "stop")
+        return StreamingResponse(
+            self._events(d, chunks, first, include_usage),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+
+    async def _events(
+        self, d: Draft, chunks: AsyncIterator[TokenChunk], first: TokenChunk, include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        fp = f"policy@v{d.version}"
+
+        def event(delta: dict[str, Any] | None, **kw: Any) -> bytes:
+            return wire.chunk_bytes(d.id, d.model, d.created, delta, fingerprint=fp, **kw)
+
+        ttft_ms = (time.perf_counter() - d.t0) * 1000
+        tokens: list[int] = []
+        lps: list[float] = []
+        tops: list[Any] = []
+        decoder = self.renderer.stream_decoder()
+        pending_lp = 0  # tokens whose logprobs were not yet sent with a delta
+        finish: str | None = None
+        version = first.version
+        try:
+            yield event({"role": "assistant", "content": ""})
+            chunk: TokenChunk | None = first
+            while chunk is not None:
+                tokens.extend(chunk.tokens)
+                lps.extend(chunk.logprobs)
+                if chunk.top_logprobs:
+                    tops.extend(chunk.top_logprobs)
+                pending_lp += len(chunk.tokens)
+                for delta in decoder.feed(list(chunk.tokens)):
+                    lp = None
+                    if d.logprobs and pending_lp:
+                        lp = self._tail_logprobs(tokens, lps, tops, pending_lp)
+                        pending_lp = 0
+                    yield event(delta, logprobs=lp)
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason
+                    break
+                chunk = await anext(chunks, None)
+            for delta in decoder.finish(finish or "stop"):
+                yield event(delta)
+        except (ContextLengthExceeded, TransientBackendError) as e:
+            yield wire.error_event(_backend_error(e))
+            return
+        finally:
+            if hasattr(chunks, "aclose"):
+                await chunks.aclose()
+        comp = Completion(
+            tokens=tuple(tokens),
+            logprobs=tuple(lps),
+            finish_reason=finish or "stop",  # type: ignore[arg-type]
+            version=version,
+            top_logprobs=tuple(tops) if tops else None,
+        )
+        msg = self.renderer.parse(tokens, comp.finish_reason)
+        reply = wire.assistant_message(msg.content, msg.reasoning_content, _tool_calls(msg))
+        await self.record(d, [comp], [reply], [msg.finish_reason], ttft_ms)
+        self.counters.completion_tokens += len(tokens)
+        lp = self._tail_logprobs(tokens, lps, tops, pending_lp) if d.logprobs and pending_lp else None
+        yield event({}, finish_reason=msg.finish_reason, logprobs=lp)
+        if include_usage:
+            yield event(None, usage=wire.usage(len(d.prompt_ids), len(tokens)))
+        yield wire.DONE
+
+    def _tail_logprobs(self, tokens: list[int], lps: list[float], tops: list[Any], k: int) -> dict[str, Any]:
+        return self.logprobs(tokens[-k:], lps[-k:], tops[-k:] if tops else None)
+
+    async def status(self) -> dict[str, Any]:
+        c = self.counters
+        out: dict[str, Any] = {
+            "model": self.model_name,
+            "backend": self.backend.name,
+            "version": self.backend.version,
+            "uptime_s": round(time.time() - self.started, 1),
+            "requests": c.requests,
+            "in_flight": c.in_flight,
+            "errors_4xx": c.errors_4xx,
+            "errors_5xx": c.errors_5xx,
+            "turns_recorded": c.turns_recorded,
+            "record_failures": c.record_failures,
+            "completion_tokens": c.completion_tokens,
+            "sessions_open": len(self.sessions),
+            "turn_counts": dict(self.sessions.counts),
+        }
+        try:
+            st = await self.store.stats()
+            out["store"] = {k: v for k, v in vars(st).items()}
+        except Exception as e:  # the status page must work while the store is unhappy
+            out["store"] = {"error": str(e)}
+        if self.hooks.status_extra is not None:
+            out["extra"] = self.hooks.status_extra()
+        return out
+
+
+def _tool_calls(msg: Any) -> list[dict[str, Any]] | None:
+    calls = getattr(msg, "tool_calls", None)
+    if not calls:
+        return None
+    return [c if isinstance(c, dict) else c.to_openai() for c in calls]
+
+
+def _backend_error(e: Exception) -> APIError:
+    if isinstance(e, ContextLengthExceeded):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    return APIError(503, f"The backend is temporarily unavailable: {e}", type="server_error")
+
+
+class Metrics:
+    """Prometheus exposition on a registry of its own (several apps may live in one process)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "clawbridge_requests", "Chat completion requests by status", ["status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "clawbridge_request_seconds", "Time to the response headers (stream) or body",
+            registry=self.registry,
+        )
+        c = proxy.counters
+        for name, doc, fn in (
+            ("clawbridge_in_flight", "Requests being answered", lambda: c.in_flight),
+            ("clawbridge_turns_recorded", "Turns committed to the store", lambda: c.turns_recorded),
+            ("clawbridge_record_failures", "Turns the store failed to write", lambda: c.record_failures),
+            ("clawbridge_completion_tokens", "Tokens generated", lambda: c.completion_tokens),
+            ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
+            ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
+        ):
+            Gauge(name, doc, registry=self.registry).set_function(fn)
+
+    def observe(self, status: int, seconds: float) -> None:
+        self.requests.labels(str(status)).inc()
+        self.latency.observe(seconds)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(wire.dumps(obj), status_code=status, media_type="application/json")
+
+
+def create_app(
+    settings: Settings,
+    backend: Backend,
+    store: Store,
+    hooks: ProxyHooks | None = None,
+    renderer: Renderer | None = None,
+) -> Starlette:
+    """The ASGI app. `hooks.routes` are mounted beside the OpenAI routes."""
+    if renderer is None:
+        from clawbridge.renderer import Renderer
+
+        renderer = Renderer(backend.tokenizer())
+    proxy = Proxy(settings, backend, store, renderer, hooks)
+    metrics = Metrics(proxy)
+
+    async def chat(request: Request) -> Response:
+        proxy.counters.requests += 1
+        proxy.counters.in_flight += 1
+        t0 = time.perf_counter()
+        status = 200
+        try:
+            proxy.check_auth(request)
+            req, d = proxy.admit(request, await proxy.read_body(request))
+            if req.stream:
+                include_usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await proxy.stream(d, include_usage)
+            return await proxy.complete(d, req.n)
+        except APIError as e:
+            status = e.status
+            raise
+        except (ContextLengthExceeded, TransientBackendError) as e:
+            err = _backend_error(e)
+            status = err.status
+            raise err from None
+        finally:
+            proxy.counters.in_flight -= 1
+            metrics.observe(status, time.perf_counter() - t0)
+
+    async def models(request: Request) -> Response:
+        proxy.check_auth(request)
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": proxy.model_name,
+                        "object": "model",
+                        "created": int(proxy.started),
+                        "owned_by": "clawbridge",
+                    }
+                ],
+            }
+        )
+
+    async def healthz(request: Request) -> Response:
+        return _json({"status": "ok", "version": backend.version})
+
+    async def status(request: Request) -> Response:
+        proxy.check_auth(request)
+        return _json(await proxy.status())
+
+    async def session_done(request: Request) -> Response:
+        proxy.check_auth(request)
+        sid = request.path_params["sid"]
+        known = await proxy.close_session(sid, "client")
+        return _json({"id": sid, "object": "session", "done": True, "known": known})
+
+    async def prometheus(request: Request) -> Response:
+        proxy.check_auth(request)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        if exc.status >= 500:
+            proxy.counters.errors_5xx += 1
+        else:
+            proxy.counters.errors_4xx += 1
+        return _json(exc.body(), exc.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        proxy.counters.errors_4xx += 1
+        code = "not_found" if exc.status_code == 404 else None
+        return _json(wire.error_body(str(exc.detail), "invalid_request_error", None, code), exc.status_code)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        proxy.counters.errors_5xx += 1
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return _json(wire.error_body("The server had an error while processing your request.", "server_error"), 500)
+
+    routes: list[BaseRoute] = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/s/{session_id}/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/s/{session_id}/v1/models", models, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
+        Route("/v1/sessions/{sid}/done", session_done, methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        *(hooks.routes if hooks else []),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+    )
+    app.state.proxy = proxy
+    return app

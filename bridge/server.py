@@ -1,0 +1,219 @@
+"""Running the proxy: backend + store + app under uvicorn, background tasks, banner, status line,
+and a clean drain on Ctrl-C (uvicorn stops accepting, finishes in-flight requests, then the store
+flushes its writer and the backend closes)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+
+from clawbridge.proxy import Proxy, ProxyHooks, create_app
+
+if TYPE_CHECKING:
+    from clawbridge.backends.base import Backend
+    from clawbridge.config import Settings
+    from clawbridge.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Running:
+    """What a background task gets: the live pieces of the server."""
+
+    settings: Settings
+    backend: Backend
+    store: Store
+    proxy: Proxy
+    base_url: str
+
+
+BackgroundTask = Callable[[Running], Awaitable[None]]
+
+
+def build_backend(settings: Settings) -> Backend:
+    """The backend the settings name. Imported lazily: each platform pulls its own SDK."""
+    if settings.backend == "local":
+        from clawbridge.backends.local import LocalBackend
+
+        return LocalBackend.from_settings(settings)
+    import importlib
+
+    mod = importlib.import_module(f"clawbridge.backends.{settings.backend}")
+    return mod.from_settings(settings)  # type: ignore[no-any-return]
+
+
+async def open_store(settings: Settings) -> Store:
+    from clawbridge.store import Store
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    res = Store.open(settings.db_url)
+    return await res if inspect.isawaitable(res) else res  # type: ignore[no-any-return]
+
+
+async def _maybe_await(x: Any) -> Any:
+    return await x if inspect.isawaitable(x) else x
+
+
+def openclaw_provider(base_url: str, model: str, context: int, max_tokens: int, keyed: bool) -> dict[str, Any]:
+    """The `openclaw.json` fragment that makes clawbridge an OpenClaw model provider."""
+    return {
+        "models": {
+            "providers": {
+                "clawbridge": {
+                    "baseUrl": f"{base_url}/v1",
+                    "apiKey": "${CLAWBRIDGE_API_KEY}" if keyed else "clawbridge",
+                    "api": "openai-completions",
+                    "models": [
+                        {
+                            "id": model,
+                            "name": f"{model} (clawbridge)",
+                            "reasoning": False,
+                            "input": ["text"],
+                            "contextWindow": context,
+                            "maxTokens": max_tokens,
+                        }
+                    ],
+                }
+            }
+        },
+        "agents": {"defaults": {"model": {"primary": f"clawbridge/{model}"}}},
+    }
+
+
+def banner(settings: Settings, backend: Backend, proxy: Proxy, base_url: str) -> str:
+    keyed = settings.api_key is not None
+    auth = ' -H "Authorization: Bearer $CLAWBRIDGE_API_KEY"' if keyed else ""
+    body = json.dumps({"model": proxy.model_name, "messages": [{"role": "user", "content": "Hello!"}]})
+    provider = openclaw_provider(
+        base_url, proxy.model_name, backend.context_length, settings.default_max_tokens, keyed
+    )
+    return "\n".join(
+        [
+            f"clawbridge serving {proxy.model_name} ({backend.name} backend, policy@v{backend.version})",
+            f"  endpoint  {base_url}/v1",
+            f"  data      {settings.data_dir}",
+            "",
+            "Try it:",
+            f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+            f"    -d '{body}'",
+            "",
+            "OpenClaw: merge into ~/.openclaw/openclaw.json",
+            json.dumps(provider, indent=2),
+            "",
+        ]
+    )
+
+
+def status_line(status: dict[str, Any]) -> str:
+    store = status.get("store", {})
+    parts = [
+        f"requests {status['requests']}",
+        f"in flight {status['in_flight']}",
+        f"sessions {status['sessions_open']}",
+        f"turns captured {store.get('turns', status['turns_recorded'])}",
+        f"policy@v{status['version']}",
+    ]
+    extra = status.get("extra")  # the learning loop's fields (hooks.status_extra)
+    if isinstance(extra, dict):
+        parts += [f"{k} {v}" for k, v in extra.items()]
+    return " · ".join(parts)
+
+
+async def _status_loop(proxy: Proxy, every_s: float, tty: bool) -> None:
+    last = 0.0
+    while True:
+        await asyncio.sleep(every_s)
+        line = status_line(await proxy.status())
+        if tty:
+            sys.stdout.write("\r\x1b[2K" + line)
+            sys.stdout.flush()
+        elif time.monotonic() - last > 60:
+            log.info("%s", line)
+            last = time.monotonic()
+
+
+async def _expire_loop(proxy: Proxy, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        for sid in proxy.sessions.expire():
+            await proxy.close_session(sid, "idle")
+
+
+async def serve(
+    settings: Settings,
+    *,
+    backend: Backend | None = None,
+    store: Store | None = None,
+    hooks: ProxyHooks | None = None,
+    background: Sequence[BackgroundTask] = (),
+    quiet: bool = False,
+    started: Callable[[Running], None] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM, then drain. Background tasks run beside the server and are
+    cancelled once the last in-flight request is answered."""
+    backend = backend or build_backend(settings)
+    await backend.start()
+    store = store or await open_store(settings)
+    app = create_app(settings, backend, store, hooks)
+    proxy: Proxy = app.state.proxy
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        timeout_graceful_shutdown=60,
+        http="httptools",
+        loop="uvloop",
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():  # e.g. the port is taken: uvicorn exits before it starts
+            await serving
+            raise SystemExit(1)
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    base_url = f"http://{host}:{port}"
+    running = Running(settings, backend, store, proxy, base_url)
+    if not quiet:
+        print(banner(settings, backend, proxy, base_url), flush=True)
+    tasks = [asyncio.create_task(t(running)) for t in background]
+    tasks.append(asyncio.create_task(_expire_loop(proxy, min(60.0, settings.session_idle_timeout_s / 4))))
+    if not quiet:
+        tasks.append(asyncio.create_task(_status_loop(proxy, 1.0, sys.stdout.isatty())))
+    if started is not None:
+        started(running)
+    try:
+        await serving
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not quiet and sys.stdout.isatty():
+            print()
+        await _maybe_await(store.close())
+        await backend.close()
+        log.info("clawbridge stopped: %d requests, %d turns", proxy.counters.requests, proxy.counters.turns_recorded)
+
+
+def run(settings: Settings, **kw: Any) -> None:
+    """Blocking entry point for the CLI."""
+    try:
+        import uvloop
+
+        uvloop.run(serve(settings, **kw))
+    except ImportError:  # pragma: no cover - uvloop ships with uvicorn[standard]
+        asyncio.run(serve(settings, **kw))
