@@ -1,0 +1,124 @@
+"""The redaction hook: personal data and secrets are masked before conversation text leaves the
+machine for a cloud platform (sampling, judging, training).
+
+Redaction works on text, before rendering to tokens: the tokens recorded for training are the
+tokens the platform saw, so redacting never breaks the exactness of the record. Defaults mask
+emails, phone numbers and API-key-like strings; callers add their own patterns.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![\w-])")
+
+# Known key shapes first (exact prefixes), then long mixed tokens that look like secrets.
+API_KEY = re.compile(
+    r"(?<![\w-])(?:"
+    r"sk-(?:proj-|ant-)?[A-Za-z0-9_-]{16,}"  # OpenAI / Anthropic
+    r"|tml-[A-Za-z0-9_-]{16,}"  # Tinker
+    r"|fw_[A-Za-z0-9]{16,}"  # Fireworks
+    r"|(?:ak|as)-[A-Za-z0-9]{16,}"  # Modal token id / secret
+    r"|gh[pousr]_[A-Za-z0-9]{20,}"  # GitHub
+    r"|xox[abprs]-[A-Za-z0-9-]{10,}"  # Slack
+    r"|AKIA[0-9A-Z]{16}"  # AWS access key id
+    r"|AIza[0-9A-Za-z_-]{35}"  # Google
+    r"|hf_[A-Za-z0-9]{20,}"  # Hugging Face
+    r"|eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}"  # JWT
+    r")(?![\w-])"
+)
+BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/-]{16,}=*")
+# A long run of letters and digits with both present: most secrets, few words.
+GENERIC_SECRET = re.compile(r"(?<![\w/.-])(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{32,}(?![\w/.-])")
+PHONE = re.compile(
+    r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}(?:[\s.-]\d{2,4}){1,4}(?![\w-])"
+    r"|(?<![\w+])\+\d{7,15}(?!\w)"
+)
+MIN_PHONE_DIGITS = 7
+
+
+def _phone(match: re.Match[str]) -> str:
+    text = match.group(0)
+    digits = sum(c.isdigit() for c in text)
+    # Dates (2026-11-22), times and versions are short digit groups: leave them alone.
+    if digits < MIN_PHONE_DIGITS or re.fullmatch(r"\d{4}-\d{2}-\d{2}", text):
+        return text
+    return "[PHONE]"
+
+
+@dataclass(frozen=True)
+class Redactor:
+    """Applies its rules in order; each rule is a pattern and its replacement."""
+
+    rules: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = field(
+        default_factory=lambda: DEFAULT_RULES
+    )
+
+    def text(self, text: str) -> str:
+        for pattern, repl in self.rules:
+            text = pattern.sub(repl, text)
+        return text
+
+    def with_patterns(self, patterns: Mapping[str, str]) -> Redactor:
+        """A redactor with extra rules: {regex: replacement}."""
+        extra = tuple((re.compile(p), r) for p, r in patterns.items())
+        return Redactor(self.rules + extra)
+
+    def messages(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """OpenAI chat messages with every text field redacted (content strings, text parts,
+        tool-call arguments); the structure and every other key are kept."""
+        return [self._message(m) for m in messages]
+
+    def _message(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(message)
+        content = out.get("content")
+        if isinstance(content, str):
+            out["content"] = self.text(content)
+        elif isinstance(content, list):
+            out["content"] = [self._part(p) for p in content]
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(out.get(key), str):
+                out[key] = self.text(out[key])
+        if isinstance(out.get("tool_calls"), list):
+            out["tool_calls"] = [self._tool_call(c) for c in out["tool_calls"]]
+        return out
+
+    def _part(self, part: Any) -> Any:
+        if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            return {**part, "text": self.text(part["text"])}
+        return part
+
+    def _tool_call(self, call: Any) -> Any:
+        if not isinstance(call, Mapping):
+            return call
+        fn = call.get("function")
+        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+            return {**call, "function": {**fn, "arguments": self.text(fn["arguments"])}}
+        return call
+
+
+DEFAULT_RULES: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]], ...] = (
+    (EMAIL, "[EMAIL]"),
+    (API_KEY, "[SECRET]"),
+    (BEARER, r"\1[SECRET]"),
+    (GENERIC_SECRET, "[SECRET]"),
+    (PHONE, _phone),
+)
+
+DEFAULT = Redactor()
+
+
+def redact(text: str) -> str:
+    """Mask emails, phone numbers and key-like strings with the default rules."""
+    return DEFAULT.text(text)
+
+
+def for_backend(backend_name: str, enabled: bool) -> Redactor | None:
+    """The redactor to run before data leaves for `backend_name` (None: nothing leaves, or the
+    user turned redaction off). Local backends keep everything on the machine."""
+    if not enabled or backend_name == "local":
+        return None
+    return DEFAULT
