@@ -1,0 +1,162 @@
+"""The proxy benchmark: the same canned answer served directly, through a minimal aiohttp relay,
+through LiteLLM's proxy and through clawbridge (capture on), in one run, at 1/10/100 clients,
+streaming and not, short prompts and one OpenClaw-sized conversation growing turn by turn.
+
+    .venv/bin/python bench/proxy/run.py [--quick] [--no-litellm]
+
+Added latency of a path = its percentile minus the direct path's percentile in the same cell.
+LiteLLM runs from its own git-ignored venv (bench/proxy/.venv-litellm; see README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from load import Cell, run_cell, run_conversation
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PY = sys.executable
+LITELLM = HERE / ".venv-litellm" / "bin" / "litellm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            req = urllib.request.Request(url, headers={"Authorization": "Bearer sk-bench"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
+
+
+def summarise(name: str, cell: Cell, base: Cell) -> dict:
+    out = {"path": name, "n": len(cell.latencies), "errors": cell.errors,
+           "rps": len(cell.latencies) / cell.wall if cell.wall else 0.0}
+    for q in (50, 95, 99):
+        out[f"p{q}"] = pct(cell.latencies, q)
+        out[f"added_p{q}"] = pct(cell.latencies, q) - pct(base.latencies, q)
+    out["ttft_p50"] = pct(cell.ttfts, 50)
+    out["added_ttft_p50"] = pct(cell.ttfts, 50) - pct(base.ttfts, 50)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer requests per cell")
+    ap.add_argument("--no-litellm", action="store_true")
+    ap.add_argument("--turns", type=int, default=30)
+    a = ap.parse_args()
+    scale = 0.25 if a.quick else 1.0
+    use_litellm = not a.no_litellm and LITELLM.exists()
+    data = Path(tempfile.mkdtemp(prefix="cb-bench-"))
+    ports = {k: free_port() for k in ("direct", "relay", "litellm", "clawbridge")}
+    procs = {"direct": start([PY, "upstream.py", "--port", str(ports["direct"])])}
+    up = f"http://127.0.0.1:{ports['direct']}"
+    procs["relay"] = start([PY, "relay.py", "--port", str(ports["relay"]), "--upstream", up])
+    procs["clawbridge"] = start([PY, "serve_clawbridge.py", "--port", str(ports["clawbridge"]),
+                                 "--data-dir", str(data)], env={"PYTHONPATH": str(HERE)})
+    if use_litellm:
+        cfg = data / "litellm.yaml"
+        cfg.write_text(
+            "model_list:\n  - model_name: canned\n    litellm_params:\n      model: openai/canned\n"
+            f"      api_base: {up}/v1\n      api_key: sk-none\n"
+            "general_settings:\n  master_key: sk-bench\n"
+        )
+        procs["litellm"] = start([str(LITELLM), "--config", str(cfg), "--port", str(ports["litellm"]),
+                                  "--num_workers", "1", "--telemetry", "False"],
+                                 env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
+    paths = [p for p in ("direct", "relay", "litellm", "clawbridge") if p in procs]
+    rows: list[dict] = []
+    try:
+        for p in paths:
+            wait_ready(f"http://127.0.0.1:{ports[p]}/v1/models", procs[p])
+        url = {p: f"http://127.0.0.1:{ports[p]}/v1/chat/completions" for p in paths}
+        for clients, total in ((1, 200), (10, 500), (100, 1000)):
+            for stream in (False, True):
+                n = max(clients, int(total * scale))
+                cells = {p: asyncio.run(run_cell(url[p], "canned", clients, n, stream)) for p in paths}
+                for p in paths:
+                    r = summarise(p, cells[p], cells["direct"])
+                    rows.append({"cell": f"short c={clients} {'stream' if stream else 'json'}", **r})
+                    print(fmt(rows[-1]), flush=True)
+        for stream in (False, True):
+            cells = {p: asyncio.run(run_conversation(url[p], "canned", a.turns, stream)) for p in paths}
+            for p in paths:
+                r = summarise(p, cells[p], cells["direct"])
+                rows.append({"cell": f"10K-token session c=1 {'stream' if stream else 'json'}", **r})
+                print(fmt(rows[-1]), flush=True)
+    finally:
+        for p in procs.values():
+            stop(p)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "proxy.json").write_text(json.dumps(rows, indent=1))
+    print("\n" + table(rows))
+    (out / "proxy.md").write_text(table(rows) + "\n")
+
+
+def fmt(r: dict) -> str:
+    return (f"{r['cell']:<28} {r['path']:<11} n={r['n']:<5} err={r['errors']:<3} rps={r['rps']:7.1f} "
+            f"p50={r['p50']:7.2f} added p50/p95/p99={r['added_p50']:6.2f}/{r['added_p95']:6.2f}/"
+            f"{r['added_p99']:6.2f} ms ttft={r['ttft_p50']:6.2f}")
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| cell | path | req/s | p50 ms | added p50 | added p95 | added p99 | TTFT p50 | added TTFT p50 | errors |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        ttft = "" if np.isnan(r["ttft_p50"]) else f"{r['ttft_p50']:.2f}"
+        attft = "" if np.isnan(r["added_ttft_p50"]) else f"{r['added_ttft_p50']:+.2f}"
+        lines.append(
+            f"| {r['cell']} | {r['path']} | {r['rps']:.0f} | {r['p50']:.2f} | {r['added_p50']:+.2f} | "
+            f"{r['added_p95']:+.2f} | {r['added_p99']:+.2f} | {ttft} | {attft} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
