@@ -75,6 +75,19 @@ class Settings(BaseSettings):
     redact: bool = Field(True, description="Redact emails, phone numbers and key-like strings before data leaves the machine.")
     seed: int = Field(0)
 
+    # --- cloud backends (docs/backends.md) -----------------------------------------------------
+    tinker_base_model: str = Field("Qwen/Qwen3-4B-Instruct-2507", description="Tinker base model (one from Tinker's list).")
+    tinker_persist_every: int = Field(10, ge=0, description="Also save persistent sampler weights every N publishes (0: never).")
+    fireworks_mode: Literal["serverless", "dedicated"] = Field("serverless", description="Fireworks training API mode.")
+    fireworks_base_model: str = Field("accounts/fireworks/models/qwen3-4b", description="Fireworks base model resource.")
+    fireworks_base_url: str = Field("https://api.fireworks.ai/training/v1/serverless", description="Fireworks training endpoint (dedicated: the trainer job's URL).")
+    fireworks_deployment_id: str | None = Field(None, description="Dedicated mode: the inference deployment that serves and hot-loads the policy.")
+    modal_app: str = Field("clawbridge", description="Deployed Modal app name (`clawbridge modal deploy`).")
+    modal_gpu: str = Field("H100", description="GPU of the Modal engine class.")
+    cloud_timeout_s: float = Field(600.0, gt=0, description="Timeout of every remote call.")
+    cloud_attempts: int = Field(5, ge=1, description="Attempts per remote call on transient errors (backoff between).")
+    cloud_context_length: int = Field(32768, ge=1, description="Context length of the cloud base model.")
+
     # --- local GPU layout ----------------------------------------------------------------------
     num_gpus: int | None = Field(None, ge=0, description="GPUs to use (default: all visible).")
     actor_gpus: int | None = Field(None, ge=0)
