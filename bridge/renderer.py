@@ -137,25 +137,23 @@ def token_bytes_table(tokenizer: Any) -> list[bytes]:
     and multi-byte characters split across tokens are reassembled by an incremental UTF-8 decoder.
     Added tokens (specials, `<think>`, ...) stand for their literal content."""
     backend = tokenizer.backend_tokenizer
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    kinds = json.dumps(decoder)
     vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
     table = [b""] * (max(vocab.values()) + 1)
-    added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
-    if '"ByteLevel"' in kinds:
-        alphabet = _byte_level_alphabet()
+    if "ByteLevel" in repr(backend.decoder):
+        # str.translate + latin-1 maps GPT-2's printable alphabet back to bytes at C speed.
+        to_bytes = {ord(c): b for c, b in _byte_level_alphabet().items()}
         for tok, i in vocab.items():
             try:
-                table[i] = bytes(alphabet[c] for c in tok)
-            except KeyError:
+                table[i] = tok.translate(to_bytes).encode("latin-1")
+            except UnicodeEncodeError:
                 table[i] = tok.encode()
     else:  # SentencePiece style: ▁ is a space, <0xNN> is a raw byte (byte fallback)
         for tok, i in vocab.items():
             m = _SP_BYTE.match(tok)
             table[i] = bytes([int(m.group(1), 16)]) if m else tok.replace("▁", " ").encode()
-    for i, content in added.items():
+    for i, added in tokenizer.added_tokens_decoder.items():
         if i < len(table):
-            table[i] = content.encode()
+            table[i] = added.content.encode()
     return table
 
 
@@ -501,8 +499,8 @@ class Renderer:
         self.supports_tools = "tools" in variables
         self._passes_reasoning = "reasoning_content" in self.chat_template
         self._table = token_bytes_table(tokenizer)
-        vocab = tokenizer.get_vocab()
-        ids = [tokenizer.eos_token_id] + [vocab.get(t) for t in END_TOKENS]
+        backend = tokenizer.backend_tokenizer
+        ids = [tokenizer.eos_token_id] + [backend.token_to_id(t) for t in END_TOKENS]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
         self.tool_role_ok = self._probe_tool_role()
         self.opens_think = self._template_text([{"role": "user", "content": "x"}], None).rstrip().endswith(
