@@ -177,7 +177,7 @@ def materialise_embedded(folder: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             str(src.parent), gguf_file=src.name, dtype=torch.float32, local_files_only=True
         )
-        model.hf_quantizer = None  # dequantized: save_pretrained refuses while it is set
+        model.hf_quantizer = None  # type: ignore[assignment]  # dequantized: save_pretrained refuses while set
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp), safe_serialization=True)
@@ -194,7 +194,7 @@ def materialise_embedded(folder: Path) -> None:
 def tiny_config(context_length: int = TINY_CONTEXT) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    return LlamaConfig(  # type: ignore[call-arg]  # rope_theta is accepted via **kwargs
         vocab_size=49152,
         hidden_size=64,
         intermediate_size=128,
