@@ -16,11 +16,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from clawbridge import wire
 from clawbridge.backends.base import Backend, ContextLengthExceeded, TransientBackendError
+from clawbridge.renderer import AssistantMessage, Delta, Renderer, RenderError
 from clawbridge.sessions import Admission, NextState, Sessions, read_tag
 from clawbridge.store.records import TurnRecord, new_turn_id
 from clawbridge.types import Completion, SamplingParams, TokenChunk
@@ -33,7 +34,6 @@ from starlette.routing import BaseRoute, Route
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
-    from clawbridge.renderer import Renderer
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,6 @@ class Proxy:
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
         messages, tools = req.message_dicts(), req.tool_dicts()
-        from clawbridge.renderer import RenderError
-
         try:
             prompt = self.renderer.render(messages, tools, req.tool_choice)
         except RenderError as e:
@@ -173,9 +171,6 @@ class Proxy:
         adm = self.sessions.admit(tag, messages)
         if adm.next_state is not None:
             self._spawn(self._attach(adm.next_state))
-        if adm.new_session:
-            source = "matched" if adm.matched else ("new" if adm.untagged else "header")
-            self._spawn(self.store.upsert_session(adm.session_id, source=source))
         draft = Draft(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             created=int(time.time()),
@@ -201,7 +196,7 @@ class Proxy:
 
     async def _attach(self, ns: NextState) -> None:
         try:
-            await self.store.attach_next_state(ns.turn_id, list(ns.messages))
+            await self.store.attach_next_state_async(ns.turn_id, list(ns.messages))
         except Exception:
             log.exception("could not attach the next state of %s", ns.turn_id)
             return
@@ -241,7 +236,7 @@ class Proxy:
                 turn_type=d.adm.turn_type,
                 tagged=not d.adm.untagged,
                 train=d.adm.train,
-                session_source="matched" if d.adm.matched else ("new" if d.adm.untagged else "header"),
+                session_source=d.adm.source,
                 ttft_ms=ttft_ms,
                 total_ms=total_ms,
                 id=new_turn_id(),
@@ -249,7 +244,7 @@ class Proxy:
             for c, reply, fin in zip(comps, replies, finishes, strict=True)
         ]
         try:
-            await asyncio.gather(*(self.store.record_turn(r) for r in recs))
+            await asyncio.gather(*(self.store.record_turn_async(r) for r in recs))
             self.counters.turns_recorded += len(recs)
         except Exception:
             self.counters.record_failures += len(recs)
@@ -261,7 +256,7 @@ class Proxy:
     async def close_session(self, session_id: str, reason: str) -> bool:
         known = self.sessions.close(session_id)
         try:
-            await self.store.close_session(session_id, reason=reason)
+            await self.store.close_session_async(session_id, reason)
         except Exception:
             log.exception("could not close session %s", session_id)
         return known
@@ -269,7 +264,7 @@ class Proxy:
     # --- answering --------------------------------------------------------------------------
 
     def choice(self, d: Draft, c: Completion, index: int) -> tuple[dict[str, Any], dict[str, Any], str]:
-        msg = self.renderer.parse(list(c.tokens), c.finish_reason)
+        msg = self.renderer.parse(list(c.tokens), c.finish_reason, d.params.stop)
         reply = wire.assistant_message(msg.content, msg.reasoning_content, _tool_calls(msg))
         fin = msg.finish_reason
         choice: dict[str, Any] = {
@@ -281,11 +276,11 @@ class Proxy:
         return choice, reply, fin
 
     def logprobs(self, tokens: Sequence[int], lps: Sequence[float], top: Any) -> dict[str, Any]:
-        tok = self.backend.tokenizer()
-        texts = [tok.decode([t]) for t in tokens]
+        dec = self.renderer.decode
+        texts = [dec([t]) for t in tokens]
         alts = None
         if top:
-            alts = [[(tok.decode([a.token_id]), a.logprob) for a in row] for row in top]
+            alts = [[(dec([a.token_id]), a.logprob) for a in row] for row in top]
         return wire.logprobs_content(texts, list(lps), alts)
 
     async def complete(self, d: Draft, n: int) -> Response:
@@ -331,7 +326,7 @@ class Proxy:
         tokens: list[int] = []
         lps: list[float] = []
         tops: list[Any] = []
-        decoder = self.renderer.stream_decoder()
+        decoder = self.renderer.stream(d.params.stop)
         pending_lp = 0  # tokens whose logprobs were not yet sent with a delta
         finish: str | None = None
         version = first.version
@@ -344,18 +339,18 @@ class Proxy:
                 if chunk.top_logprobs:
                     tops.extend(chunk.top_logprobs)
                 pending_lp += len(chunk.tokens)
-                for delta in decoder.feed(list(chunk.tokens)):
+                for delta in decoder.feed(chunk.tokens):
                     lp = None
                     if d.logprobs and pending_lp:
                         lp = self._tail_logprobs(tokens, lps, tops, pending_lp)
                         pending_lp = 0
-                    yield event(delta, logprobs=lp)
+                    yield event(_delta(delta), logprobs=lp)
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason
                     break
                 chunk = await anext(chunks, None)
             for delta in decoder.finish(finish or "stop"):
-                yield event(delta)
+                yield event(_delta(delta))
         except (ContextLengthExceeded, TransientBackendError) as e:
             yield wire.error_event(_backend_error(e))
             return
@@ -369,7 +364,7 @@ class Proxy:
             version=version,
             top_logprobs=tuple(tops) if tops else None,
         )
-        msg = self.renderer.parse(tokens, comp.finish_reason)
+        msg = decoder.message()  # the same tool-call ids the client was streamed
         reply = wire.assistant_message(msg.content, msg.reasoning_content, _tool_calls(msg))
         await self.record(d, [comp], [reply], [msg.finish_reason], ttft_ms)
         self.counters.completion_tokens += len(tokens)
@@ -400,8 +395,7 @@ class Proxy:
             "turn_counts": dict(self.sessions.counts),
         }
         try:
-            st = await self.store.stats()
-            out["store"] = {k: v for k, v in vars(st).items()}
+            out["store"] = asdict(await self.store.run(self.store.stats))
         except Exception as e:  # the status page must work while the store is unhappy
             out["store"] = {"error": str(e)}
         if self.hooks.status_extra is not None:
@@ -409,11 +403,16 @@ class Proxy:
         return out
 
 
-def _tool_calls(msg: Any) -> list[dict[str, Any]] | None:
-    calls = getattr(msg, "tool_calls", None)
-    if not calls:
-        return None
-    return [c if isinstance(c, dict) else c.to_openai() for c in calls]
+def _tool_calls(msg: AssistantMessage) -> list[dict[str, Any]] | None:
+    return [c.to_openai() for c in msg.tool_calls] if msg.tool_calls else None
+
+
+def _delta(d: Delta) -> dict[str, Any]:
+    if d.tool_call is not None:
+        return {"tool_calls": [d.tool_call.to_openai()]}
+    if d.reasoning_content is not None:
+        return {"reasoning_content": d.reasoning_content}
+    return {"content": d.content}
 
 
 def _backend_error(e: Exception) -> APIError:
@@ -473,8 +472,6 @@ def create_app(
 ) -> Starlette:
     """The ASGI app. `hooks.routes` are mounted beside the OpenAI routes."""
     if renderer is None:
-        from clawbridge.renderer import Renderer
-
         renderer = Renderer(backend.tokenizer())
     proxy = Proxy(settings, backend, store, renderer, hooks)
     metrics = Metrics(proxy)

@@ -5,7 +5,6 @@ flushes its writer and the backend closes)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import logging
 import sys
@@ -15,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-
 from clawbridge.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
@@ -35,9 +33,23 @@ class Running:
     store: Store
     proxy: Proxy
     base_url: str
+    server: uvicorn.Server  # set `server.should_exit = True` to drain and stop
 
 
 BackgroundTask = Callable[[Running], Awaitable[None]]
+
+
+def serving_extras(settings: Settings) -> dict[str, Any]:
+    """What `clawbridge up` adds to the server: the learning loop, when training is on. The
+    learning engineer's module `clawbridge.learn` provides `serving_extras(settings)` returning
+    `{"hooks": ProxyHooks(...), "background": [task, ...]}`; without it `up` serves and captures."""
+    if not settings.train:
+        return {}
+    try:
+        from clawbridge import learn  # type: ignore[attr-defined]
+    except ImportError:
+        return {}
+    return dict(learn.serving_extras(settings))
 
 
 def build_backend(settings: Settings) -> Backend:
@@ -52,16 +64,11 @@ def build_backend(settings: Settings) -> Backend:
     return mod.from_settings(settings)  # type: ignore[no-any-return]
 
 
-async def open_store(settings: Settings) -> Store:
+def open_store(settings: Settings) -> Store:
     from clawbridge.store import Store
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    res = Store.open(settings.db_url)
-    return await res if inspect.isawaitable(res) else res  # type: ignore[no-any-return]
-
-
-async def _maybe_await(x: Any) -> Any:
-    return await x if inspect.isawaitable(x) else x
+    return Store.open(settings.db_url)
 
 
 def openclaw_provider(base_url: str, model: str, context: int, max_tokens: int, keyed: bool) -> dict[str, Any]:
@@ -163,7 +170,7 @@ async def serve(
     cancelled once the last in-flight request is answered."""
     backend = backend or build_backend(settings)
     await backend.start()
-    store = store or await open_store(settings)
+    store = store or await asyncio.to_thread(open_store, settings)
     app = create_app(settings, backend, store, hooks)
     proxy: Proxy = app.state.proxy
     config = uvicorn.Config(
@@ -187,7 +194,7 @@ async def serve(
     port = server.servers[0].sockets[0].getsockname()[1]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     base_url = f"http://{host}:{port}"
-    running = Running(settings, backend, store, proxy, base_url)
+    running = Running(settings, backend, store, proxy, base_url, server)
     if not quiet:
         print(banner(settings, backend, proxy, base_url), flush=True)
     tasks = [asyncio.create_task(t(running)) for t in background]
@@ -204,7 +211,7 @@ async def serve(
         await asyncio.gather(*tasks, return_exceptions=True)
         if not quiet and sys.stdout.isatty():
             print()
-        await _maybe_await(store.close())
+        await asyncio.to_thread(store.close)  # drains the group-commit writer
         await backend.close()
         log.info("clawbridge stopped: %d requests, %d turns", proxy.counters.requests, proxy.counters.turns_recorded)
 

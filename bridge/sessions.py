@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from clawbridge.types import TurnType
 
@@ -39,6 +39,7 @@ class TurnTag:
     done: bool = False
     train: bool = True
     user: str | None = None
+    source: Literal["header", "body", "path"] | None = None  # where the session id came from
 
 
 def _flag(v: Any) -> bool:
@@ -49,7 +50,12 @@ def read_tag(
     headers: Mapping[str, str], body_keys: Mapping[str, Any], path_session: str | None = None
 ) -> TurnTag:
     """Header > URL prefix > body. Raises ValueError on a turn type other than main|side."""
-    sid = headers.get("x-session-id") or path_session or body_keys.get("session_id")
+    candidates: tuple[tuple[Literal["header", "body", "path"], Any], ...] = (
+        ("header", headers.get("x-session-id")),
+        ("path", path_session),
+        ("body", body_keys.get("session_id")),
+    )
+    source, sid = next(((src, v) for src, v in candidates if v), (None, None))
     ttype = headers.get("x-turn-type") or body_keys.get("turn_type")
     if ttype is not None:
         ttype = str(ttype).strip().lower()
@@ -63,6 +69,7 @@ def read_tag(
         done=done,
         train=train,
         user=headers.get("x-session-user"),
+        source=source,
     )
 
 
@@ -148,6 +155,7 @@ class Admission:
     new_session: bool
     matched: bool  # an untagged request joined an existing conversation
     untagged: bool
+    source: Literal["header", "body", "path", "matched", "new"]
     user: str | None
     fps: tuple[bytes, ...]  # fingerprints of the request's history
     next_state: NextState | None
@@ -219,6 +227,7 @@ class Sessions:
             new_session=new,
             matched=matched,
             untagged=untagged,
+            source=tag.source or ("matched" if matched else "new"),
             user=tag.user,
             fps=tuple(fps),
             next_state=nxt,

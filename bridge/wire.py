@@ -10,7 +10,6 @@ other non-standard key are dropped before the request reaches the renderer or th
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Literal
 
@@ -18,7 +17,6 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
-_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 class APIError(Exception):
@@ -91,20 +89,7 @@ class FunctionDef(_Lenient):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, v: str) -> str:
-        if not _TOOL_NAME.match(v):
-            raise ValueError("tool names must match ^[a-zA-Z0-9_-]{1,64}$")
-        return v
-
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "object") != "object":
-            raise ValueError("function parameters must be a JSON Schema of type object")
-        return v
+    # names and schemas are checked by the renderer (validate_tools), the one authority on tools
 
 
 class Tool(_Lenient):

@@ -22,7 +22,7 @@ class CannedBackend:
     context_length = 32768
 
     def __init__(self) -> None:
-        self._tok = models.load_tokenizer(models.resolve(models.TINY))
+        self._tok = models.load_tokenizer(models.resolve(models.EMBEDDED))
         eos = self._tok.convert_tokens_to_ids("<|im_end|>")
         self.tokens = tuple(self._tok.encode(ANSWER, add_special_tokens=False)) + (eos,)
         self.logprobs = tuple(-0.5 for _ in self.tokens)
