@@ -36,3 +36,97 @@ def plan_cmd(
         typer.echo(f"clawbridge plan: {e}", err=True)
         raise typer.Exit(2) from e
     typer.echo(layout.render_plan(p, json=as_json))
+
+
+# --- serving: up, export, sessions (the proxy engineer's commands) ------------------------------
+
+
+@app.command("up")
+def up_cmd(
+    backend: str | None = typer.Option(None, help="local | tinker | fireworks | modal (default local)."),
+    model: str | None = typer.Option(None, help="smollm2-135m-instruct (default), tiny-random, a local HF dir, or the platform's model."),
+    host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1; any other needs --api-key)."),
+    port: int | None = typer.Option(None, help="Port (default 30000; env PORT)."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Bearer key every request must carry (env CLAWBRIDGE_API_KEY)."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Store, adapters, logs (default ./.clawbridge)."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL (default SQLite in the data directory)."),
+    served_model_name: str | None = typer.Option(None, help="Name /v1/models lists."),
+    default_turn_type: str | None = typer.Option(None, help="Turn type of untagged requests: main | side."),
+    train: bool | None = typer.Option(None, "--train/--no-train", help="Judge and train in the background."),
+    config: str | None = typer.Option(None, "--config", help="Settings file (YAML or JSON)."),
+    plan: bool = typer.Option(False, "--plan", help="Print the local GPU plan and exit without serving."),
+    gpus: int | None = typer.Option(None, "--gpus", help="With --plan: GPU count to plan for."),
+    as_json: bool = typer.Option(False, "--json", help="With --plan: print the plan as JSON."),
+) -> None:
+    """Serve the policy over the OpenAI API, capture every turn, learn in the background."""
+    import logging
+    from pathlib import Path
+
+    from clawbridge.config import Settings
+    from pydantic import ValidationError
+
+    if plan:
+        plan_cmd(gpus=gpus, actor_gpus=None, rollout_gpus=None, prm_gpus=None,
+                 gpu_memory_gib=80.0, model_params_b=4.0, as_json=as_json)
+        return
+    try:
+        settings = Settings.load(
+            Path(config) if config else None, backend=backend, model=model, host=host, port=port,
+            api_key=api_key, data_dir=data_dir, db=db, served_model_name=served_model_name,
+            default_turn_type=default_turn_type, train=train,
+        )
+    except ValidationError as e:
+        msgs = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
+        typer.echo(f"clawbridge up: {msgs}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from clawbridge import server
+
+    server.run(settings, **server.serving_extras(settings))
+
+
+@app.command("export")
+def export_cmd(
+    fmt: str = typer.Option("jsonl", "--format", help="Only jsonl."),
+    out: str | None = typer.Option(None, "--out", "-o", help="File to write (default stdout)."),
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL (default SQLite in the data directory)."),
+) -> None:
+    """Write every captured turn (ids, logprobs, next state, judgments) as JSON lines."""
+    import sys
+
+    from clawbridge.config import Settings
+    from clawbridge.store import Store
+
+    if fmt != "jsonl":
+        typer.echo("clawbridge export: only --format jsonl is supported", err=True)
+        raise typer.Exit(2)
+    settings = Settings.load(data_dir=data_dir, db=db)
+    with Store.open(settings.db_url) as store:
+        n = store.export_jsonl(out if out else sys.stdout)
+    typer.echo(f"{n} turns exported", err=True)
+
+
+@app.command("sessions")
+def sessions_cmd(
+    limit: int = typer.Option(50, help="Most recent sessions to list."),
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None),
+) -> None:
+    """A table of the captured sessions, newest first."""
+    import sqlalchemy as sa
+    from clawbridge.config import Settings
+    from clawbridge.store import Store
+    from clawbridge.store import schema as t
+    from rich.console import Console
+    from rich.table import Table
+
+    settings = Settings.load(data_dir=data_dir, db=db)
+    with Store.open(settings.db_url) as store, store.engine.connect() as conn:
+        s = t.sessions.c
+        rows = conn.execute(sa.select(t.sessions).order_by(s.updated_at.desc()).limit(limit)).all()
+    table = Table("session", "source", "turns", "main", "done", "updated (UTC)")
+    for r in rows:
+        done = f"yes ({r.done_reason})" if r.done else "no"
+        table.add_row(r.id, r.source, str(r.turns), str(r.main_turns), done, r.updated_at.strftime("%Y-%m-%d %H:%M:%S"))
+    Console().print(table)
