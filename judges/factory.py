@@ -1,0 +1,64 @@
+"""Choosing the active judges from settings, and running the ones a method needs on a turn."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from clawbridge.backends.base import Backend
+from clawbridge.config import Settings
+from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJudgeClient
+from clawbridge.judges.hints import HintJudge, HintScorer
+from clawbridge.judges.prm import PRMJudge
+from clawbridge.judges.rules import RulesJudge
+from clawbridge.judges.types import HintJudgment, HintSource, Judgment, RewardJudge, TurnContext
+from clawbridge.types import Method
+
+
+@dataclass(frozen=True)
+class Judges:
+    """The reward judge and the hint source in use; the pipeline does not care which."""
+
+    reward: RewardJudge
+    hint: HintSource
+
+    async def run(self, turn: TurnContext, method: Method) -> tuple[Judgment | None, HintJudgment | None]:
+        """Only what the method uses: binary needs a reward, opd a hint, combine both
+        (concurrently)."""
+        if method == "binary":
+            return await self.reward.judge(turn), None
+        if method == "opd":
+            return None, await self.hint.hint(turn)
+        judgment, hint = await asyncio.gather(self.reward.judge(turn), self.hint.hint(turn))
+        return judgment, hint
+
+
+def judge_kind(settings: Settings) -> str:
+    """`auto` is http when a judge endpoint is configured, else the offline rules judge."""
+    if settings.judge != "auto":
+        return settings.judge
+    return "http" if settings.judge_url else "rules"
+
+
+def build_judges(
+    settings: Settings, backend: Backend | None = None, scorer: HintScorer | None = None
+) -> Judges:
+    kind = judge_kind(settings)
+    if kind == "rules":
+        rules = RulesJudge()
+        return Judges(reward=rules, hint=rules)
+    client: JudgeClient
+    if kind == "http":
+        if not settings.judge_url or not settings.judge_model:
+            raise ValueError("judge 'http' needs --judge-url and --judge-model")
+        key = settings.judge_api_key.get_secret_value() if settings.judge_api_key else None
+        client = OpenAIJudgeClient(settings.judge_url, settings.judge_model, key)
+    else:
+        if backend is None:
+            raise ValueError("judge 'backend' needs the active backend")
+        client = BackendJudgeClient(backend, version=0)
+    selection = settings.hint_selection if scorer is not None else "longest"
+    return Judges(
+        reward=PRMJudge(client, votes=settings.prm_votes, seed=settings.seed),
+        hint=HintJudge(client, votes=settings.hint_votes, selection=selection, scorer=scorer, seed=settings.seed),
+    )
