@@ -1,0 +1,339 @@
+"""The Tinker backend (tinker 0.38): LoRA training and sampling on Thinking Machines' service.
+
+The verbs map one to one onto Tinker's primitives (DESIGN.md §3):
+
+- `sample`: the sampling client of the requested version, token ids in, token ids and sampling
+  logprobs out; temperature 1, top_p 1, top_k -1 unless the request says otherwise.
+- `score`: `compute_logprobs(prompt + completion, prompt_logprobs_last_n=len(completion))`.
+- `train_step`: `forward_backward(loss_fn="ppo", clip thresholds 1-eps_low / 1+eps_high)` then
+  `optim_step(AdamParams)`. Tinker's built-in losses SUM over tokens; advantages are scaled by
+  1 / (completion tokens in the batch) (`clawbridge.loss.sum_loss_scale`), which makes the
+  summed gradient equal the token-mean gradient of `clawbridge.loss.ppo_loss`: the PPO min/clip
+  choice depends only on the sign of A, and the loss is linear in A on either branch.
+- `publish`: `save_weights_and_get_sampling_client()`; every `persist_every` versions also
+  `save_weights_for_sampler` (a persistent `tinker://` path that outlives the session).
+- `save_state` / `load_state`: `save_state(name)` and
+  `create_training_client_from_state_with_optimizer(path)`.
+
+Version 0 is the base model's sampling client: the judge samples there (`sample(version=0)`).
+The SDK is imported lazily, and nothing touches the network before `start()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from clawbridge.backends.base import BackendError, ContextLengthExceeded, ScoreModel
+from clawbridge.backends.remote import RetryPolicy, call
+from clawbridge.costs import CostMeter, Usage
+from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
+from clawbridge.types import (
+    Completion,
+    Datum,
+    LossSpec,
+    OptimSpec,
+    PolicyVersion,
+    SamplingParams,
+    StepMetrics,
+    TokenChunk,
+    TokenLogprob,
+)
+
+if TYPE_CHECKING:
+    from clawbridge.config import Settings
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+KEEP_VERSIONS = 4  # sampling clients kept for requests admitted on older versions
+
+
+# --- pure helpers shared with the Fireworks backend (same Tinker-shaped data) -----------------
+
+
+def platform_datum(d: Datum, scale: float, types: Any) -> Any:
+    """Our Datum as a Tinker-shaped Datum: model_input = full[:-1], targets = full[1:],
+    sampling logprobs and (scaled) advantages on completion positions, zeros on the prompt."""
+    full = [*d.prompt_ids, *d.completion_ids]
+    pad = len(d.prompt_ids) - 1
+    n = len(full) - 1
+
+    def tensor(values: Sequence[float], dtype: str) -> Any:
+        return types.TensorData(data=list(values), dtype=dtype, shape=[n])
+
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tensor(full[1:], "int64"),
+            "logprobs": tensor([0.0] * pad + [float(x) for x in d.logprobs], "float32"),
+            "advantages": tensor([0.0] * pad + [a * scale for a in d.advantages], "float32"),
+        },
+    )
+
+
+def completion_logprobs(d: Datum, output_logprobs: Sequence[float]) -> list[float]:
+    """The completion part of a datum's per-position target logprobs."""
+    return [float(x) for x in output_logprobs[len(d.prompt_ids) - 1 :]]
+
+
+def step_metrics(
+    batch: Sequence[Datum], new_logprobs: Sequence[Sequence[float]], spec: LossSpec,
+    seconds: float, grad_norm: float, extra: dict[str, float] | None = None,
+) -> StepMetrics:
+    """Loss, clip fraction and approximate KL of the step, from the logprobs the platform
+    computed in the forward pass (before the update), with the reference loss terms."""
+    new = torch.tensor([x for lp in new_logprobs for x in lp], dtype=torch.float64)
+    old = torch.tensor([x for d in batch for x in d.logprobs], dtype=torch.float64)
+    adv = torch.tensor([x for d in batch for x in d.advantages], dtype=torch.float64)
+    mask = torch.ones_like(new)
+    terms = ppo_token_losses(new, old, adv, mask, LossSpec(spec.clip_low, spec.clip_high))
+    n = max(len(new), 1)
+    return StepMetrics(
+        loss=float(terms.loss.sum()) / n, clip_fraction=float(terms.clipped.sum()) / n,
+        approx_kl=float(terms.approx_kl.sum()) / n, grad_norm=grad_norm,
+        tokens=batch_tokens(batch), samples=len(batch), seconds=seconds, extra=extra or {},
+    )
+
+
+def stop_list(params: SamplingParams, eos_id: int | None) -> list[str] | list[int] | None:
+    """Tinker's `stop` takes strings or token ids, not both. Token ids replace the default stop
+    set, so the EOS id is added back."""
+    if params.stop_token_ids:
+        ids = list(params.stop_token_ids)
+        if eos_id is not None and eos_id not in ids:
+            ids.append(eos_id)
+        return ids
+    return list(params.stop) if params.stop else None
+
+
+def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
+    if prompt_len + max_tokens > context_length:
+        raise ContextLengthExceeded(prompt_len, max_tokens, context_length)
+
+
+# --- the backend --------------------------------------------------------------------------------
+
+
+class TinkerBackend:
+    name = "tinker"
+
+    def __init__(
+        self,
+        *,
+        service_client: Any,
+        base_model: str,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        served_model_name: str | None = None,
+        context_length: int = 32768,
+        lora_rank: int = 32,
+        seed: int | None = None,
+        persist_every: int = 0,
+        retry: RetryPolicy = RetryPolicy(),
+        meter: CostMeter | None = None,
+    ) -> None:
+        self.service = service_client
+        self.base_model = base_model
+        self.model_name = served_model_name or base_model
+        self.context_length = context_length
+        self.lora_rank = lora_rank
+        self.seed = seed
+        self.persist_every = persist_every
+        self.retry = retry
+        self.meter = meter or CostMeter.for_platform("tinker")
+        self._tokenizer = tokenizer
+        self._training: Any = None
+        self._samplers: dict[int, Any] = {}
+        self._paths: dict[int, str | None] = {0: None}
+        self._states: dict[str, str] = {}
+        self._version = 0
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, client: Any = None, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> TinkerBackend:
+        """`client` is a `tinker.ServiceClient` (or the offline fake); by default one is built
+        from TINKER_API_KEY (lazily: no network until `start`)."""
+        if client is None:
+            import tinker
+
+            client = tinker.ServiceClient()
+        return cls(
+            service_client=client, base_model=settings.tinker_base_model, tokenizer=tokenizer,
+            served_model_name=settings.served_model_name, context_length=settings.cloud_context_length,
+            lora_rank=settings.lora_rank, seed=settings.seed, persist_every=settings.tinker_persist_every,
+            retry=RetryPolicy(attempts=settings.cloud_attempts, timeout_s=settings.cloud_timeout_s),
+            meter=CostMeter.for_platform("tinker", settings.budget_usd, Path(settings.data_dir) / "costs.json"),
+        )
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            if self._training is None:
+                raise BackendError("the Tinker tokenizer is known after start()")
+            self._tokenizer = self._training.get_tokenizer()
+        return self._tokenizer
+
+    async def start(self) -> None:
+        self._training = await call(
+            "tinker create_lora_training_client",
+            lambda: self.service.create_lora_training_client(self.base_model, rank=self.lora_rank, seed=self.seed),
+            self.retry,
+        )
+        self._samplers[0] = await call(
+            "tinker create_sampling_client(base)",
+            lambda: self.service.create_sampling_client(base_model=self.base_model), self.retry,
+        )
+        log.info("tinker: LoRA rank %d on %s ready", self.lora_rank, self.base_model)
+
+    def _sampler(self, version: int | None) -> tuple[int, Any]:
+        v = self._version if version is None else version
+        if v not in self._samplers:
+            raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")
+        return v, self._samplers[v]
+
+    async def sample(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+    ) -> list[Completion]:
+        from tinker import types
+
+        check_context(len(prompt_ids), params.max_tokens, self.context_length)
+        v, sampler = self._sampler(version)
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        sp = types.SamplingParams(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k, seed=params.seed, stop=stop_list(params, eos),
+        )
+        prompt = types.ModelInput.from_ints(list(prompt_ids))
+        resp = await call(
+            "tinker sample",
+            lambda: sampler.sample(prompt=prompt, num_samples=n, sampling_params=sp,
+                                   topk_sample_logprobs=params.top_logprobs),
+            self.retry,
+        )
+        out = [_completion(seq, v, params.top_logprobs) for seq in resp.sequences]
+        self.meter.record("serve", Usage(prefill_tokens=len(prompt_ids), sampled_tokens=sum(len(c.tokens) for c in out)))
+        return out
+
+    async def sample_stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        # Tinker answers whole completions: one chunk.
+        (c,) = await self.sample(prompt_ids, params, n=1, version=version)
+        yield TokenChunk(c.tokens, c.logprobs, c.version, c.finish_reason, c.top_logprobs)
+
+    async def score(
+        self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
+        model: ScoreModel = "policy", temperature: float = 1.0,
+    ) -> list[float]:
+        from tinker import types
+
+        if temperature != 1.0:
+            raise BackendError("Tinker scores at temperature 1 only")
+        if not prompt_ids or not completion_ids:
+            raise BackendError("score needs a non-empty prompt and completion")
+        _, sampler = self._sampler(0 if model == "base" else None)
+        full = types.ModelInput.from_ints([*prompt_ids, *completion_ids])
+        k = len(completion_ids)
+        lps = await call(
+            "tinker compute_logprobs",
+            lambda: sampler.compute_logprobs(full, prompt_logprobs_last_n=k), self.retry,
+        )
+        self.meter.record("score", Usage(prefill_tokens=len(prompt_ids) + k))
+        tail = list(lps)[-k:]
+        if any(x is None for x in tail):
+            raise BackendError("Tinker returned no logprob for a completion token")
+        return [float(x) for x in tail]
+
+    async def train_step(
+        self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()
+    ) -> StepMetrics:
+        from tinker import types
+
+        self.meter.check_training()
+        if loss.kl_coef:
+            raise BackendError("kl_coef > 0 is not supported on Tinker's built-in ppo loss")
+        if not batch:
+            raise BackendError("train_step needs at least one datum")
+        started = time.monotonic()
+        scale = sum_loss_scale(batch)
+        data = [platform_datum(d, scale, types) for d in batch]
+        config = {"clip_low_threshold": 1.0 - loss.clip_low, "clip_high_threshold": 1.0 + loss.clip_high}
+        # forward_backward and optim_step are retried separately: a failed forward_backward has
+        # accumulated nothing, and a failed optim_step leaves the gradients in place.
+        fb = await call("tinker forward_backward",
+                        lambda: self._training.forward_backward(data, "ppo", loss_fn_config=config), self.retry)
+        adam = types.AdamParams(
+            learning_rate=optim.learning_rate, beta1=optim.beta1, beta2=optim.beta2, eps=optim.eps,
+            weight_decay=optim.weight_decay, grad_clip_norm=optim.grad_clip_norm,
+        )
+        step = await call("tinker optim_step", lambda: self._training.optim_step(adam), self.retry)
+        new = [completion_logprobs(d, out["logprobs"].data) for d, out in zip(batch, fb.loss_fn_outputs, strict=True)]
+        grad_norm = float((step.metrics or {}).get("grad_norm", math.nan))
+        trained = sum(len(d.prompt_ids) + len(d.completion_ids) for d in batch)
+        usd = self.meter.record("train", Usage(trained_tokens=trained))
+        return step_metrics(batch, new, loss, time.monotonic() - started, grad_norm,
+                            {"usd": usd, "spent_usd": self.meter.spent_usd, "advantage_scale": scale})
+
+    async def publish(self) -> PolicyVersion:
+        sampler = await call("tinker save_weights_and_get_sampling_client",
+                             lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
+        v = self._version + 1
+        path: str | None = None
+        if self.persist_every and v % self.persist_every == 0:
+            saved = await call("tinker save_weights_for_sampler",
+                               lambda: self._training.save_weights_for_sampler(f"policy-v{v}"), self.retry)
+            path = saved.path
+        self._samplers[v] = sampler
+        self._paths[v] = path
+        self._version = v  # requests admitted from now on get v; older ones keep their sampler
+        for old in [k for k in self._samplers if 0 < k <= v - KEEP_VERSIONS]:
+            del self._samplers[old]
+        return PolicyVersion(v, path)
+
+    async def save_state(self, name: str) -> str:
+        saved = await call("tinker save_state", lambda: self._training.save_state(name), self.retry)
+        self._states[name] = saved.path
+        return str(saved.path)
+
+    async def load_state(self, name: str) -> None:
+        path = name if name.startswith("tinker://") else self._states.get(name)
+        if path is None:
+            raise BackendError(f"no saved state {name!r} in this session: pass its tinker:// path")
+        self._training = await call(
+            "tinker create_training_client_from_state_with_optimizer",
+            lambda: self.service.create_training_client_from_state_with_optimizer(path), self.retry,
+        )
+        # The newest version now serves the resumed weights.
+        sampler = await call("tinker save_weights_and_get_sampling_client",
+                             lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
+        self._samplers[self._version if self._version else 1] = sampler
+        self._version = max(self._version, 1)
+
+    async def close(self) -> None:
+        close = getattr(self.service, "close", None)
+        if callable(close):
+            close()
+
+
+def _completion(seq: Any, version: int, top_k: int) -> Completion:
+    tokens = tuple(int(t) for t in seq.tokens)
+    logprobs = seq.logprobs
+    if logprobs is None or len(logprobs) != len(tokens):
+        raise BackendError("Tinker returned a completion without per-token logprobs")
+    top = None
+    if top_k and seq.topk_logprobs is not None:
+        top = tuple(tuple(TokenLogprob(int(i), float(lp)) for i, lp in (row or ())) for row in seq.topk_logprobs)
+    reason = "stop" if seq.stop_reason == "stop" else "length"
+    return Completion(tokens, tuple(float(x) for x in logprobs), reason, version, top)
+
+
+def create_backend(settings: Settings) -> TinkerBackend:
+    return TinkerBackend.from_settings(settings)

@@ -1,0 +1,233 @@
+"""The Tinker backend against an offline Tinker at the SDK boundary (tests/fakes/fake_tinker.py):
+real `tinker.types` in and out, the platform's summed PPO loss on a tiny LoRA model, faults."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from clawbridge.backends.base import BackendError, ContextLengthExceeded
+from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
+from clawbridge.backends.tinker import TinkerBackend
+from clawbridge.costs import BudgetExceeded, CostMeter, Prices
+from clawbridge.loss import ppo_loss
+from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+from fakes.fake_tinker import FakeTinkerService, status_error, timeout_error
+from fakes.torch_platform import Hang, TinyPlatform
+
+FAST = RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=60.0)
+BASE = "Qwen/Qwen3-4B-Instruct-2507"
+PROMPT = (1, 520, 3121, 28, 1830, 446)
+
+
+def make_backend(tokenizer, service: FakeTinkerService | None = None, **kw) -> TinkerBackend:
+    return TinkerBackend(service_client=service or FakeTinkerService(), base_model=BASE,
+                         tokenizer=tokenizer, retry=kw.pop("retry", FAST), **kw)
+
+
+async def started(tokenizer, **kw) -> TinkerBackend:
+    b = make_backend(tokenizer, **kw)
+    await b.start()
+    return b
+
+
+def fixed_batch(seed: int = 0) -> list[Datum]:
+    """Three samples whose recorded logprobs are off-policy enough to hit both clip branches."""
+    rng = random.Random(seed)
+    out = []
+    for i, adv in enumerate((1.0, -1.0, 0.5)):
+        prompt = tuple(rng.randrange(3, 4000) for _ in range(4 + i))
+        completion = tuple(rng.randrange(3, 4000) for _ in range(3 + 2 * i))
+        logprobs = tuple(-10.8 + rng.uniform(-0.6, 0.6) for _ in completion)
+        advantages = tuple(adv * (1 + 0.5 * j) for j in range(len(completion)))
+        out.append(Datum(prompt, completion, logprobs, advantages))
+    return out
+
+
+def reference_step(batch: list[Datum], spec: LossSpec, optim: OptimSpec) -> dict[str, torch.Tensor]:
+    """The local semantics: token-mean `clawbridge.loss.ppo_loss` + AdamW + clipping, on a
+    platform with the same initial weights."""
+    ref = TinyPlatform()
+    new, old, adv = [], [], []
+    for d in batch:
+        full = [*d.prompt_ids, *d.completion_ids]
+        lp = ref.target_logprobs(full[:-1], full[1:])[len(d.prompt_ids) - 1 :]
+        new.append(lp)
+        old += d.logprobs
+        adv += d.advantages
+    new_t = torch.cat(new)
+    loss = ppo_loss(new_t, torch.tensor(old), torch.tensor(adv), torch.ones_like(new_t), spec)
+    loss.backward()
+    params = list(ref.params.values())
+    torch.nn.utils.clip_grad_norm_(params, optim.grad_clip_norm)
+    opt = torch.optim.AdamW(params, lr=optim.learning_rate, betas=(optim.beta1, optim.beta2),
+                            eps=optim.eps, weight_decay=optim.weight_decay)
+    opt.step()
+    return ref.current_weights()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+async def test_sampling_returns_tokens_with_logprobs_that_score_reproduces(tokenizer) -> None:
+    b = await started(tokenizer)
+    (c,) = await b.sample(PROMPT, SamplingParams(max_tokens=6, seed=3))
+    assert c.version == 0 and 1 <= len(c.tokens) == len(c.logprobs) <= 6
+    scored = await b.score(PROMPT, c.tokens)
+    assert scored == pytest.approx(list(c.logprobs), abs=1e-4)  # on-policy ratio is 1
+    assert b.meter.snapshot()["by_activity"]["serve"]["sampled_tokens"] == len(c.tokens)  # type: ignore[index]
+
+
+async def test_train_step_with_summed_loss_equals_the_local_token_mean_update(tokenizer) -> None:
+    batch, spec, optim = fixed_batch(), LossSpec(), OptimSpec(learning_rate=1e-2, grad_clip_norm=1.0)
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    before = service.platform.current_weights()
+    metrics = await b.train_step(batch, spec, optim)
+    after = service.platform.current_weights()
+    expected = reference_step(batch, spec, optim)
+    assert max_diff(before, after) > 1e-3  # the step moved the adapter
+    assert max_diff(after, expected) < 1e-5
+    assert 0.0 < metrics.clip_fraction < 1.0  # both branches of the clip were exercised
+    assert metrics.tokens == sum(len(d.completion_ids) for d in batch)
+
+
+async def test_the_scale_makes_summed_gradients_equal_token_mean_gradients() -> None:
+    """The proof in numbers: d/dθ Σ_t l_t(A_t/N) = d/dθ (1/N) Σ_t l_t(A_t), clip included."""
+    batch, spec = fixed_batch(1), LossSpec()
+    n = sum(len(d.completion_ids) for d in batch)
+    grads = []
+    for summed in (True, False):
+        p = TinyPlatform()
+        items, news, olds, advs = [], [], [], []
+        for d in batch:
+            full = [*d.prompt_ids, *d.completion_ids]
+            pad = len(d.prompt_ids) - 1
+            adv = [0.0] * pad + [a / n for a in d.advantages]
+            items.append((full[:-1], full[1:], {"logprobs": [0.0] * pad + list(d.logprobs), "advantages": adv}))
+            news.append(p.target_logprobs(full[:-1], full[1:])[pad:])
+            olds += d.logprobs
+            advs += d.advantages
+        if summed:
+            p.forward_backward(items, "ppo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
+        else:
+            new = torch.cat(news)
+            ppo_loss(new, torch.tensor(olds), torch.tensor(advs), torch.ones_like(new), spec).backward()
+        grads.append(torch.cat([q.grad.flatten() for q in p.params.values() if q.grad is not None]))
+    assert grads[0].abs().max() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-7, rtol=1e-4)
+
+
+async def test_rate_limit_then_success_is_retried(tokenizer) -> None:
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    service.faults.add("sample", status_error(429))
+    (c,) = await b.sample(PROMPT, SamplingParams(max_tokens=3))
+    assert c.tokens and service.faults.calls["sample"] == 2
+
+
+async def test_server_error_during_forward_backward_does_not_double_the_update(tokenizer) -> None:
+    batch, optim = fixed_batch(), OptimSpec(learning_rate=1e-2)
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    service.faults.add("forward_backward", status_error(503))
+    service.faults.add("optim_step", status_error(500))
+    await b.train_step(batch, LossSpec(), optim)
+    assert max_diff(service.platform.current_weights(), reference_step(batch, LossSpec(), optim)) < 1e-5
+
+
+async def test_a_call_that_hangs_past_its_timeout_is_retried(tokenizer) -> None:
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service, retry=RetryPolicy(attempts=2, initial_s=0.01, timeout_s=2.0))
+    service.faults.add("compute_logprobs", Hang(3.0))
+    assert len(await b.score(PROMPT, (5, 6, 7))) == 3
+    assert service.faults.calls["compute_logprobs"] == 2
+
+
+async def test_sdk_timeouts_are_retried_and_permanent_errors_are_not(tokenizer) -> None:
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    service.faults.add("sample", timeout_error())
+    await b.sample(PROMPT, SamplingParams(max_tokens=2))
+    assert service.faults.calls["sample"] == 2
+    for status in (400, 402):
+        service.faults.add("sample", status_error(status))
+        before = service.faults.calls["sample"]
+        with pytest.raises(PermanentBackendError, match=str(status)):
+            await b.sample(PROMPT, SamplingParams(max_tokens=2))
+        assert service.faults.calls["sample"] == before + 1
+
+
+async def test_persistent_server_errors_give_up_after_the_configured_attempts(tokenizer) -> None:
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    service.faults.add("sample", *(status_error(502) for _ in range(3)))
+    with pytest.raises(BackendError, match="502"):
+        await b.sample(PROMPT, SamplingParams(max_tokens=2))
+    assert service.faults.calls["sample"] == 3
+
+
+async def test_publish_serves_new_requests_on_the_new_version_and_old_ones_on_theirs(tokenizer) -> None:
+    b = await started(tokenizer, persist_every=2)
+    completion = (17, 401, 2032)
+    base_lp = await b.score(PROMPT, completion)
+    await b.train_step([Datum(PROMPT, completion, tuple(base_lp), (1.0, 1.0, 1.0))], optim=OptimSpec(learning_rate=5e-2))
+    v1 = await b.publish()
+    assert (v1.version, v1.path, b.version) == (1, None, 1)
+    assert await b.score(PROMPT, completion) != pytest.approx(base_lp, abs=1e-4)
+    assert await b.score(PROMPT, completion, model="base") == pytest.approx(base_lp, abs=1e-5)
+    (old,) = await b.sample(PROMPT, SamplingParams(max_tokens=2), version=0)
+    (new,) = await b.sample(PROMPT, SamplingParams(max_tokens=2))
+    assert (old.version, new.version) == (0, 1)
+    v2 = await b.publish()
+    assert v2.path == "tinker://fake-run/sampler_weights/policy-v2"  # persisted every 2 versions
+
+
+async def test_resuming_from_state_continues_training_identically(tokenizer) -> None:
+    batch, optim = fixed_batch(), OptimSpec(learning_rate=1e-2)
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    await b.train_step(batch, optim=optim)
+    path = await b.save_state("step-1")
+    assert path == "tinker://fake-run/weights/step-1"
+    await b.train_step(fixed_batch(2), optim=optim)
+    straight = service.platform.current_weights()
+    resumed = make_backend(tokenizer, service=service)  # a new process, same account
+    await resumed.start()
+    await resumed.load_state(path)
+    await resumed.train_step(fixed_batch(2), optim=optim)
+    assert max_diff(service.platform.current_weights(), straight) < 1e-6
+
+
+async def test_budget_stops_training_and_never_serving(tokenizer) -> None:
+    meter = CostMeter.for_platform("tinker", budget_usd=1e-6, prices=Prices(train_per_mtok=10.0))
+    b = await started(tokenizer, meter=meter)
+    await b.train_step(fixed_batch())
+    with pytest.raises(BudgetExceeded):
+        await b.train_step(fixed_batch())
+    assert await b.sample(PROMPT, SamplingParams(max_tokens=2))
+
+
+async def test_requests_beyond_the_context_and_unsupported_losses_fail_clearly(tokenizer) -> None:
+    b = await started(tokenizer, context_length=16)
+    with pytest.raises(ContextLengthExceeded):
+        await b.sample(PROMPT, SamplingParams(max_tokens=11))
+    with pytest.raises(BackendError, match="kl_coef"):
+        await b.train_step(fixed_batch(), LossSpec(kl_coef=0.1))
+
+
+async def test_an_unknown_base_model_is_a_permanent_error_at_start(tokenizer) -> None:
+    b = TinkerBackend(service_client=FakeTinkerService(), base_model="nope/nope", tokenizer=tokenizer, retry=FAST)
+    with pytest.raises(PermanentBackendError, match="not available"):
+        await b.start()
+
+
+def test_from_settings_builds_a_real_service_client_without_network(monkeypatch, tmp_path) -> None:
+    from clawbridge.config import Settings
+
+    monkeypatch.setenv("TINKER_API_KEY", "tml-" + "x" * 40)
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")  # nothing listens: any call would fail
+    b = TinkerBackend.from_settings(Settings(data_dir=tmp_path, budget_usd=5.0))
+    assert type(b.service).__name__ == "ServiceClient" and b.meter.budget_usd == 5.0
