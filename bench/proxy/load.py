@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-WORDS = ("agent tool file shell search memory session context reply message model token server "
-         "config plugin workspace channel cron heartbeat skill browser gateway policy").split()
+WORDS = ["agent", "tool", "file", "shell", "search", "memory", "session", "context", "reply", "message", "model", "token", "server", "config", "plugin", "workspace", "channel", "cron", "heartbeat", "skill", "browser", "gateway", "policy"]
 
 
 @dataclass
@@ -89,7 +88,7 @@ async def one(s: aiohttp.ClientSession, url: str, body: dict, stream: bool, cell
             if first is not None:
                 cell.ttfts.append(first)
             return "".join(text)
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         cell.errors += 1
         return ""
 

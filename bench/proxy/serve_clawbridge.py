@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from canned import CannedBackend
-
 from clawbridge.config import Settings
 from clawbridge.server import run
 

@@ -1,0 +1,291 @@
+"""The proxy against the official `openai` client: a live uvicorn server on loopback, the local
+backend on the tiny random model, a real SQLite store. Every captured turn is checked for token
+exactness: its prompt ids are the renderer's ids for the request, and the backend's `score` of
+its completion ids reproduces the recorded logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from clawbridge.config import Settings
+from clawbridge.proxy import ProxyHooks
+from clawbridge.server import build_backend
+from clawbridge.store import Store, StoredTurn
+from live_server import LiveServer
+
+MODEL = "tiny-random"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory):
+    data = tmp_path_factory.mktemp("proxy")
+    settings = Settings(model=MODEL, data_dir=data, train=False, max_request_bytes=256 * 1024,
+                        default_max_tokens=16)
+    server = LiveServer(settings, build_backend(settings), hooks=ProxyHooks()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+def store_of(live: LiveServer) -> Store:
+    return live.running.store  # type: ignore[union-attr]
+
+
+def turns(live: LiveServer, session_id: str) -> list[StoredTurn]:
+    return store_of(live).session_turns(session_id)
+
+
+def assert_exact(live: LiveServer, turn: StoredTurn) -> None:
+    """Prompt ids = the renderer's; score(completion) = recorded logprobs (same version, temp)."""
+    renderer = live.proxy.renderer
+    assert list(turn.prompt_ids) == renderer.render(turn.messages, turn.tools)
+    scored = live.call(
+        live.backend.score(turn.prompt_ids, turn.completion_ids, temperature=turn.sampling.temperature)
+    )
+    assert len(scored) == len(turn.logprobs) > 0
+    for got, want in zip(scored, turn.logprobs, strict=True):
+        assert math.isclose(got, want, abs_tol=2e-4), (got, want)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_non_streaming_completion_is_openai_shaped_and_captured_exactly(live: LiveServer, client: openai.OpenAI):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=8,
+        logprobs=True,
+        top_logprobs=2,
+        seed=7,
+        extra_headers={"X-Session-Id": "sync-1"},
+    )
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    ch = r.choices[0]
+    assert ch.finish_reason in ("stop", "length") and ch.message.role == "assistant"
+    assert r.usage is not None and 1 <= r.usage.completion_tokens <= 8
+    assert ch.logprobs is not None and len(ch.logprobs.content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 for t in ch.logprobs.content)
+    [turn] = turns(live, "sync-1")
+    assert turn.response["content"] == ch.message.content
+    assert [t.logprob for t in ch.logprobs.content] == pytest.approx(list(turn.logprobs))
+    assert turn.sampling.seed == 7 and turn.version == 0 and turn.turn_type == "main"
+    assert_exact(live, turn)
+
+
+def test_streaming_sends_role_first_then_tokens_then_finish_and_usage(live: LiveServer, client: openai.OpenAI):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        max_completion_tokens=12,
+        temperature=0.7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"X-Session-Id": "stream-1"},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    texts = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishes) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    [turn] = turns(live, "stream-1")
+    assert "".join(texts) == (turn.response["content"] or "")
+    assert chunks[-1].usage.completion_tokens == len(turn.completion_ids)
+    content_chunks = [t for t in texts if t]
+    if len(turn.completion_ids) > 4:  # token by token, not one chunk at the end
+        assert len(content_chunks) >= 2
+    assert turn.sampling.temperature == 0.7
+    assert_exact(live, turn)
+
+
+def test_n_choices_are_each_captured(live: LiveServer, client: openai.OpenAI):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "pick"}], n=3, max_tokens=4,
+        extra_headers={"X-Session-Id": "n-3"},
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len(turns(live, "n-3")) == 3
+
+
+async def test_async_client_serves_concurrent_sessions(live: LiveServer):
+    client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+    async def one(i: int) -> str:
+        r = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"number {i}"}], max_tokens=6,
+            extra_headers={"X-Session-Id": f"async-{i}"},
+        )
+        return r.choices[0].message.content or ""
+
+    answers = await asyncio.gather(*(one(i) for i in range(4)))
+    await client.close()
+    for i, text in enumerate(answers):
+        [turn] = turns(live, f"async-{i}")
+        assert turn.response["content"] == text
+
+
+def test_session_keys_and_unknown_keys_are_stripped_and_never_leak(live: LiveServer, client: openai.OpenAI):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        extra_body={"session_id": "body-1", "turn_type": "side", "my_custom_key": {"x": 1}},
+    )
+    raw = r.model_dump_json()
+    assert "body-1" not in raw and "my_custom_key" not in raw and "turn_type" not in raw
+    [turn] = turns(live, "body-1")
+    assert turn.turn_type == "side"
+    dumped = json.dumps([turn.messages, turn.request_params])
+    assert "my_custom_key" not in dumped and "session_id" not in dumped
+
+
+def test_url_prefix_names_the_session(live: LiveServer):
+    c = openai.OpenAI(base_url=f"{live.url}/s/prefixed-7/v1", api_key="unused", max_retries=0)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert len(turns(live, "prefixed-7")) == 1
+
+
+def test_next_main_request_attaches_the_next_state_and_signals_it(live: LiveServer, client: openai.OpenAI):
+    hooks = live.proxy.hooks
+    hooks.next_state_event.clear()
+    h = {"X-Session-Id": "ns-1"}
+    m1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=m1, max_tokens=5, extra_headers=h)
+    reply = {"role": "assistant", "content": r1.choices[0].message.content}
+    side = [{"role": "user", "content": "title this chat"}]
+    client.chat.completions.create(model=MODEL, messages=side, max_tokens=3,
+                                   extra_headers={**h, "X-Turn-Type": "side"})
+    user2 = {"role": "user", "content": "second"}
+    client.chat.completions.create(model=MODEL, messages=[*m1, reply, user2], max_tokens=5,
+                                   extra_headers={**h, "X-Session-Done": "true"})
+    live.call(asyncio.wait_for(hooks.next_state_event.wait(), 10))
+    t1, t_side, t2 = turns(live, "ns-1")
+    assert t1.next_state == [user2]
+    assert t_side.turn_type == "side" and t_side.next_state is None
+    assert t2.next_state is None
+    assert store_of(live).get_session("ns-1").done  # type: ignore[union-attr]
+
+
+def test_untagged_follow_up_joins_its_conversation(live: LiveServer, client: openai.OpenAI):
+    m1 = [{"role": "user", "content": "untagged conversation start 42"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=m1, max_tokens=5)
+    m2 = [*m1, {"role": "assistant", "content": r1.choices[0].message.content},
+          {"role": "user", "content": "and then?"}]
+    client.chat.completions.create(model=MODEL, messages=m2, max_tokens=5)
+    with store_of(live).engine.connect() as conn:
+        import sqlalchemy as sa
+        from clawbridge.store import schema as t
+
+        rows = conn.execute(
+            sa.select(t.turns.c.session_id, t.turns.c.idx, t.turns.c.tagged)
+            .where(t.turns.c.tagged == sa.false())
+            .order_by(t.turns.c.created_at)
+        ).all()
+    assert len({r.session_id for r in rows[-2:]}) == 1 and [r.idx for r in rows[-2:]] == [0, 1]
+
+
+def test_opt_out_header_answers_and_marks_the_turn_untrainable(live: LiveServer, client: openai.OpenAI):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "private"}],
+                                   max_tokens=3, extra_headers={"X-Session-Id": "opt-1", "X-Train": "false"})
+    [turn] = turns(live, "opt-1")
+    assert turn.train is False
+
+
+def test_health_metrics_and_status(live: LiveServer):
+    assert httpx.get(f"{live.url}/healthz").json()["status"] == "ok"
+    metrics = httpx.get(f"{live.url}/metrics").text
+    assert "clawbridge_requests_total" in metrics and "clawbridge_turns_recorded" in metrics
+    status = httpx.get(f"{live.url}/v1/status").json()
+    assert status["model"] == MODEL and status["store"]["turns"] >= 1
+
+
+# --- errors: OpenAI-shaped 4xx, nothing written ---------------------------------------------------
+
+
+def _turn_count(live: LiveServer) -> int:
+    return store_of(live).stats().turns
+
+
+def _post(live: LiveServer, content: bytes | dict[str, Any], **headers: str) -> httpx.Response:
+    body = content if isinstance(content, bytes) else json.dumps(content).encode()
+    return httpx.post(f"{live.url}/v1/chat/completions", content=body,
+                      headers={"Content-Type": "application/json", **headers}, timeout=30)
+
+
+def _ok(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (_ok(model="gpt-nonexistent"), 404, "model_not_found"),
+        (_ok(messages=[]), 400, None),
+        (_ok(messages="hi"), 400, None),
+        (_ok(temperature="hot"), 400, None),
+        (_ok(max_tokens=-1), 400, None),
+        (_ok(messages=[{"role": "wizard", "content": "x"}]), 400, None),
+        (_ok(tools=[{"type": "function", "function": {"name": "bad name!"}}]), 400, None),
+        (_ok(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]), 400, None),
+        (_ok(tool_choice={"type": "function", "function": {"name": "missing"}}), 400, None),
+        (_ok(messages=[{"role": "user", "content": "word " * 40000}]), 400, "context_length_exceeded"),
+        (_ok(messages=[{"role": "user", "content": "x" * 300_000}]), 413, "request_too_large"),
+        (b'{"model": "tiny-random", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+        (_ok(stream=True, n=2), 400, None),
+    ],
+)
+def test_bad_requests_get_openai_shaped_4xx_and_write_nothing(live: LiveServer, body: Any, status: int, code: str | None):
+    before = _turn_count(live)
+    r = _post(live, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["code"] == code
+    assert _turn_count(live) == before
+
+
+def test_unicode_content_round_trips(live: LiveServer, client: openai.OpenAI):
+    text = "héllo 😀 中文 \u200b\u0000 done"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                   max_tokens=3, extra_headers={"X-Session-Id": "uni-1"})
+    [turn] = turns(live, "uni-1")
+    assert turn.messages[0]["content"] == text
+    assert_exact(live, turn)
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[])
+
+
+def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
+    from clawbridge.proxy import create_app
+    from starlette.testclient import TestClient
+
+    settings = Settings(model=MODEL, data_dir=tmp_path, api_key="sk-secret-123", train=False)
+    app = create_app(settings, live.backend, store_of(live), renderer=live.proxy.renderer)
+    with TestClient(app) as tc:
+        assert tc.get("/v1/models").status_code == 401
+        bad = tc.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        assert "sk-secret-123" not in bad.text
+        assert tc.get("/v1/models", headers={"Authorization": "Bearer sk-secret-123"}).status_code == 200

@@ -1,0 +1,91 @@
+"""Durability: `clawbridge up` is killed with SIGKILL under concurrent load; every turn whose
+response reached its client is in the store when it is reopened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from clawbridge.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "clawbridge up exited during start-up"
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("clawbridge up did not become ready")
+
+
+def test_kill_minus_9_mid_load_loses_no_answered_turn(tmp_path: Path):
+    port, data = free_port(), tmp_path / "data"
+    cli = Path(sys.executable).with_name("clawbridge")
+    proc = subprocess.Popen(
+        [str(cli), "up", "--backend", "local", "--model", "tiny-random", "--port", str(port),
+         "--data-dir", str(data), "--no-train"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    completed: list[str] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=30) as h:
+            i = 0
+            while not stop.is_set():
+                sid = f"crash-{k}-{i}"
+                i += 1
+                try:
+                    r = h.post(f"{url}/v1/chat/completions", headers={"X-Session-Id": sid},
+                               json={"model": "tiny-random", "max_tokens": 6,
+                                     "messages": [{"role": "user", "content": f"request {sid}"}]})
+                except httpx.HTTPError:
+                    return  # the server died under us: this answer never arrived
+                if r.status_code == 200 and r.json()["choices"]:
+                    with lock:
+                        completed.append(sid)
+
+    try:
+        wait_ready(url, proc, timeout=240)
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while len(completed) < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # mid-load: requests are in flight right now
+        proc.wait(10)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert len(completed) >= 30
+    with Store.open(f"sqlite:///{data.resolve() / 'clawbridge.db'}") as store:
+        missing = [sid for sid in completed if len(store.session_turns(sid)) != 1]
+    assert missing == []
