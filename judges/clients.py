@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -18,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 from clawbridge.backends.base import Backend
 from clawbridge.judges.types import Message
+from clawbridge.renderer import Renderer
 from clawbridge.types import SamplingParams
 from tenacity import (
     AsyncRetrying,
@@ -154,27 +154,23 @@ def _retry_after(response: httpx.Response) -> float | None:
 class BackendJudgeClient:
     """Samples the judge's answer from a model on the active backend.
 
-    `version=0` is the frozen base model (Backend protocol); None is the newest policy. The
-    prompt is rendered with `clawbridge.renderer.Renderer` when that module exists, otherwise with
-    the tokenizer's own chat template (same result for plain-text messages)."""
+    `version=0` is the frozen base model (Backend protocol); None is the newest policy. Prompts
+    and answers go through the same renderer as served traffic (pass the server's own to share
+    its caches); a thinking model's answer is its content, or its reasoning if that is all."""
 
-    def __init__(self, backend: Backend, *, version: int | None = 0) -> None:
+    def __init__(
+        self, backend: Backend, *, version: int | None = 0, renderer: Renderer | None = None
+    ) -> None:
         self.backend = backend
         self.version = version
+        self._renderer = renderer
         self.name = f"backend:{backend.model_name}@v{version if version is not None else 'latest'}"
 
-    def render(self, messages: Sequence[Message]) -> list[int]:
-        tokenizer = self.backend.tokenizer()
-        renderer = _renderer_class()
-        if renderer is not None:
-            rendered = renderer(tokenizer).render([dict(m) for m in messages])
-            return list(getattr(rendered, "prompt_ids", rendered))
-        ids = tokenizer.apply_chat_template(
-            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+    @property
+    def renderer(self) -> Renderer:
+        if self._renderer is None:
+            self._renderer = Renderer(self.backend.tokenizer())
+        return self._renderer
 
     async def complete(
         self,
@@ -184,16 +180,13 @@ class BackendJudgeClient:
         max_tokens: int,
         seed: int | None = None,
     ) -> str:
-        prompt = self.render(messages)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        prompt = self.renderer.render(messages)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=self.renderer.stop_token_ids,
+        )
         [completion] = await self.backend.sample(prompt, params, n=1, version=self.version)
-        return str(self.backend.tokenizer().decode(list(completion.tokens), skip_special_tokens=True))
-
-
-def _renderer_class() -> Any:
-    """The shared renderer if it is installed (it is being written alongside the judges)."""
-    try:
-        module = importlib.import_module("clawbridge.renderer")
-    except ImportError:
-        return None
-    return getattr(module, "Renderer", None)
+        answer = self.renderer.parse(completion.tokens, completion.finish_reason)
+        return answer.content or answer.reasoning_content or ""
