@@ -1,0 +1,35 @@
+"""The store (DESIGN.md §7): sessions, turns with exact token ids and logprobs, judgments with
+every vote, samples and their states, training steps and policy versions. SQLite (WAL) by
+default, PostgreSQL by URL; Alembic migrations run at open. See docs/store.md."""
+
+from clawbridge.store.core import TRANSITIONS, SampleStateError, Store, StoreError
+from clawbridge.store.records import (
+    JudgeVote,
+    Judgment,
+    PolicyVersionRow,
+    Sample,
+    SessionRow,
+    StoredTurn,
+    StoreStats,
+    TrainingStep,
+    TurnRecord,
+)
+from clawbridge.store.writer import AsyncWriter, WriterClosed
+
+__all__ = [
+    "TRANSITIONS",
+    "AsyncWriter",
+    "JudgeVote",
+    "Judgment",
+    "PolicyVersionRow",
+    "Sample",
+    "SampleStateError",
+    "SessionRow",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "StoredTurn",
+    "TrainingStep",
+    "TurnRecord",
+    "WriterClosed",
+]

@@ -1,0 +1,828 @@
+"""The store: the source of truth every loop resumes from after a crash.
+
+Sync core (SQLAlchemy Core over SQLite in WAL mode or PostgreSQL), with async entry points that
+never block the event loop: writes go through the group-commit `AsyncWriter`, reads through a
+worker thread (`Store.run`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, fields
+from datetime import datetime
+from functools import partial
+from importlib import resources
+from pathlib import Path
+from typing import IO, Any, ParamSpec, TypeVar
+
+import sqlalchemy as sa
+from clawbridge.store import schema as t
+from clawbridge.store.records import (
+    JSONObject,
+    JudgeVote,
+    Judgment,
+    PolicyVersionRow,
+    Sample,
+    SessionRow,
+    SessionSource,
+    StoredTurn,
+    StoreStats,
+    TrainingStep,
+    TurnRecord,
+    pack_floats,
+    pack_ids,
+    unpack_floats,
+    unpack_ids,
+    utcnow,
+)
+from clawbridge.store.writer import AsyncWriter
+from clawbridge.types import SampleState, SamplingParams, TokenLogprob
+from sqlalchemy.dialects import postgresql, sqlite
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+# Which states a sample may move to, and from where. `trained` and `dropped` are final: that is
+# what makes "no sample is trained twice" a property of the database, not of the trainer.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset(),
+    "judged": frozenset({"pending"}),
+    "trained": frozenset({"judged"}),
+    "dropped": frozenset({"pending", "judged"}),
+}
+
+
+class StoreError(RuntimeError):
+    """A request the store refuses (inside, typed; the API edge maps it)."""
+
+
+class SampleStateError(StoreError):
+    """A sample is not in a state the requested transition starts from."""
+
+
+_SELECT_TURN_ID = sa.select(t.turns.c.id).where(t.turns.c.id == sa.bindparam("id"))
+_INSERT_TURN = t.turns.insert()
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+class Store:
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self._writer: AsyncWriter | None = None
+        # Built once: building a statement per call costs more than executing it.
+        ins = self._insert(t.sessions)
+        self._upsert_session_for_turn = ins.on_conflict_do_update(
+            index_elements=[t.sessions.c.id],
+            set_={
+                "turns": t.sessions.c.turns + 1,
+                "main_turns": t.sessions.c.main_turns + ins.excluded.main_turns,
+                "updated_at": ins.excluded.updated_at,
+            },
+        ).returning(t.sessions.c.turns)
+
+    # --- opening ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, url: str, *, migrate: bool = True) -> Store:
+        """Open (creating the directory of a SQLite file) and bring the schema to the newest
+        migration."""
+        sa_url = sa.make_url(url)
+        if sa_url.get_backend_name() == "sqlite":
+            if not sa_url.database or sa_url.database == ":memory:":
+                raise StoreError("the store needs a SQLite file (sqlite:///path/clawbridge.db)")
+            Path(sa_url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            engine = sa.create_engine(
+                sa_url,
+                json_serializer=_dumps,
+                connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+                pool_size=8,
+                max_overflow=16,
+            )
+            _configure_sqlite(engine)
+        else:
+            engine = sa.create_engine(sa_url, json_serializer=_dumps, pool_pre_ping=True)
+        store = cls(engine)
+        if migrate:
+            store.migrate()
+        return store
+
+    def migrate(self, revision: str = "head") -> None:
+        from alembic import command
+
+        with self._write() as conn:
+            if self.dialect == "postgresql":
+                # Two processes opening a fresh database at once: one migrates, one waits.
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7411290305)"))
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- transactions -------------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[sa.Connection]:
+        """A write transaction; on SQLite it takes the write lock at BEGIN (IMMEDIATE), so a
+        read-then-write never fails on a stale snapshot."""
+        with self.engine.connect() as conn:
+            conn.execution_options(clawbridge_write=True)
+            with conn.begin():
+                yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[sa.Connection]:
+        with self.engine.connect() as conn, conn.begin():
+            yield conn
+
+    def _insert(self, table: sa.Table) -> Any:
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+
+    # --- async --------------------------------------------------------------------------------
+    @property
+    def writer(self) -> AsyncWriter:
+        if self._writer is None:
+            self._writer = AsyncWriter(self._write)
+        return self._writer
+
+    async def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Any sync method, in a worker thread: `await store.run(store.stats)`."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def record_turn_async(self, rec: TurnRecord) -> str:
+        """Durable (committed, group-committed with concurrent writes) when it returns."""
+        return await self.writer.write(partial(self._record_turn, rec))
+
+    async def attach_next_state_async(
+        self, turn_id: str, next_state: list[JSONObject], at: datetime | None = None
+    ) -> bool:
+        return await self.writer.write(partial(self._attach_next_state, turn_id, next_state, at))
+
+    async def upsert_session_async(self, session_id: str, source: SessionSource = "new") -> bool:
+        return await self.writer.write(partial(self._upsert_session, session_id, source))
+
+    async def close_session_async(self, session_id: str, reason: str) -> bool:
+        return await self.writer.write(partial(self._close_session, session_id, reason))
+
+    # --- sessions -----------------------------------------------------------------------------
+    def upsert_session(self, session_id: str, source: SessionSource = "new") -> bool:
+        """Create the session if it is new (True); otherwise only touch `updated_at`."""
+        with self._write() as conn:
+            return self._upsert_session(session_id, source, conn)
+
+    def _upsert_session(self, session_id: str, source: str, conn: sa.Connection) -> bool:
+        now = utcnow()
+        exists = conn.execute(
+            sa.update(t.sessions).where(t.sessions.c.id == session_id).values(updated_at=now)
+        ).rowcount
+        if exists:
+            return False
+        conn.execute(
+            t.sessions.insert().values(
+                id=session_id, source=source, created_at=now, updated_at=now, turns=0,
+                main_turns=0, done=False,
+            )
+        )
+        return True
+
+    def close_session(self, session_id: str, reason: str) -> bool:
+        """Mark the session done (True if it was open)."""
+        with self._write() as conn:
+            return self._close_session(session_id, reason, conn)
+
+    def _close_session(self, session_id: str, reason: str, conn: sa.Connection) -> bool:
+        now = utcnow()
+        res = conn.execute(
+            sa.update(t.sessions)
+            .where(t.sessions.c.id == session_id, t.sessions.c.done == sa.false())
+            .values(done=True, done_reason=reason, done_at=now, updated_at=now)
+        )
+        return bool(res.rowcount)
+
+    def get_session(self, session_id: str) -> SessionRow | None:
+        with self._read() as conn:
+            row = conn.execute(sa.select(t.sessions).where(t.sessions.c.id == session_id)).first()
+        return None if row is None else SessionRow(**row._asdict())
+
+    def idle_sessions(self, updated_before: datetime) -> list[str]:
+        """Open sessions with no activity since `updated_before` (for the idle timeout)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(t.sessions.c.id).where(
+                    t.sessions.c.done == sa.false(), t.sessions.c.updated_at < updated_before
+                )
+            )
+            return [r.id for r in rows]
+
+    # --- turns --------------------------------------------------------------------------------
+    def record_turn(self, rec: TurnRecord) -> str:
+        """Commit one turn (and create or touch its session); durable when it returns. Recording
+        the same turn id twice is a no-op, so a retry after a lost acknowledgement is safe."""
+        with self._write() as conn:
+            return self._record_turn(rec, conn)
+
+    def _record_turn(self, rec: TurnRecord, conn: sa.Connection) -> str:
+        if conn.execute(_SELECT_TURN_ID, {"id": rec.id}).first():
+            return rec.id
+        main = int(rec.turn_type == "main")
+        # The session row is the per-session lock: its turn count gives the turn's index.
+        count = conn.execute(
+            self._upsert_session_for_turn,
+            {
+                "id": rec.session_id, "source": rec.session_source, "created_at": rec.created_at,
+                "updated_at": rec.created_at, "turns": 1, "main_turns": main, "done": False,
+            },
+        ).scalar_one()
+        conn.execute(
+            _INSERT_TURN,
+            {
+                "id": rec.id,
+                "session_id": rec.session_id,
+                "idx": count - 1,
+                "turn_type": rec.turn_type,
+                "tagged": rec.tagged,
+                "train": rec.train,
+                "messages": rec.messages,
+                "tools": rec.tools,
+                "request_params": rec.request_params,
+                "prompt_ids": pack_ids(rec.prompt_ids),
+                "completion_ids": pack_ids(rec.completion_ids),
+                "logprobs": pack_floats(rec.logprobs),
+                "top_logprobs": _top_to_json(rec.top_logprobs),
+                "n_prompt": len(rec.prompt_ids),
+                "n_completion": len(rec.completion_ids),
+                "sampling": asdict(rec.sampling),
+                "version": rec.version,
+                "finish_reason": rec.finish_reason,
+                "response": rec.response,
+                "queued_ms": rec.queued_ms,
+                "ttft_ms": rec.ttft_ms,
+                "total_ms": rec.total_ms,
+                "created_at": rec.created_at,
+                "next_state": None,
+                "next_state_at": None,
+            },
+        )
+        return rec.id
+
+    def attach_next_state(
+        self, turn_id: str, next_state: list[JSONObject], at: datetime | None = None
+    ) -> bool:
+        """Attach the turn's next state; the first one wins (True if this call attached it)."""
+        with self._write() as conn:
+            return self._attach_next_state(turn_id, next_state, at, conn)
+
+    def _attach_next_state(
+        self, turn_id: str, next_state: list[JSONObject], at: datetime | None, conn: sa.Connection
+    ) -> bool:
+        res = conn.execute(
+            sa.update(t.turns)
+            .where(t.turns.c.id == turn_id, t.turns.c.next_state.is_(None))
+            .values(next_state=next_state, next_state_at=at or utcnow())
+        )
+        return bool(res.rowcount)
+
+    def get_turn(self, turn_id: str) -> StoredTurn | None:
+        with self._read() as conn:
+            found = self._turns(conn, t.turns.c.id == turn_id)
+        return found[0] if found else None
+
+    def session_turns(self, session_id: str) -> list[StoredTurn]:
+        with self._read() as conn:
+            return self._turns(conn, t.turns.c.session_id == session_id)
+
+    def last_turn(self, session_id: str, turn_type: str = "main") -> StoredTurn | None:
+        with self._read() as conn:
+            found = self._turns(
+                conn,
+                sa.and_(t.turns.c.session_id == session_id, t.turns.c.turn_type == turn_type),
+                order=t.turns.c.idx.desc(),
+                limit=1,
+            )
+        return found[0] if found else None
+
+    def turns_awaiting_judgment(
+        self, kinds: Sequence[str] = ("prm",), limit: int = 100
+    ) -> list[StoredTurn]:
+        """Main, trainable turns that have a next state but lack a judgment of one of `kinds`
+        (oldest first). `StoredTurn.judged_kinds` says which kinds they already have, so a
+        judge loop that crashed half-way resumes with the missing ones."""
+        j = t.judgments
+        missing = sa.or_(
+            *(~sa.exists().where(j.c.turn_id == t.turns.c.id, j.c.kind == k) for k in kinds)
+        )
+        with self._read() as conn:
+            return self._turns(
+                conn,
+                sa.and_(
+                    t.turns.c.turn_type == "main",
+                    t.turns.c.train == sa.true(),
+                    t.turns.c.next_state.is_not(None),
+                    missing,
+                ),
+                limit=limit,
+            )
+
+    def _turns(
+        self,
+        conn: sa.Connection,
+        where: sa.ColumnElement[bool],
+        *,
+        order: Any = None,
+        limit: int | None = None,
+    ) -> list[StoredTurn]:
+        q = sa.select(t.turns).where(where).order_by(
+            order if order is not None else t.turns.c.created_at, t.turns.c.id
+        )
+        if limit is not None:
+            q = q.limit(limit)
+        rows = conn.execute(q).all()
+        kinds: dict[str, set[str]] = {}
+        if rows:
+            for tid, kind in conn.execute(
+                sa.select(t.judgments.c.turn_id, t.judgments.c.kind).where(
+                    t.judgments.c.turn_id.in_([r.id for r in rows])
+                )
+            ):
+                kinds.setdefault(tid, set()).add(kind)
+        return [_turn_from_row(r, frozenset(kinds.get(r.id, ()))) for r in rows]
+
+    # --- judgments ----------------------------------------------------------------------------
+    def add_judgment(self, judgment: Judgment) -> int:
+        """Store a judgment with every vote. Idempotent per (turn, kind, judge): a second call
+        returns the first judgment's id and changes nothing."""
+        with self._write() as conn:
+            ins = (
+                self._insert(t.judgments)
+                .values(
+                    turn_id=judgment.turn_id,
+                    judge=judgment.judge,
+                    kind=judgment.kind,
+                    votes=[asdict(v) for v in judgment.votes],
+                    reward=judgment.reward,
+                    hint=judgment.hint,
+                    created_at=judgment.created_at,
+                )
+                .on_conflict_do_nothing()
+                .returning(t.judgments.c.id)
+            )
+            new_id = conn.execute(ins).scalar()
+            if new_id is not None:
+                return int(new_id)
+            return int(
+                conn.execute(
+                    sa.select(t.judgments.c.id).where(
+                        t.judgments.c.turn_id == judgment.turn_id,
+                        t.judgments.c.kind == judgment.kind,
+                        t.judgments.c.judge == judgment.judge,
+                    )
+                ).scalar_one()
+            )
+
+    def judgments(self, turn_id: str) -> list[Judgment]:
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(t.judgments)
+                .where(t.judgments.c.turn_id == turn_id)
+                .order_by(t.judgments.c.id)
+            ).all()
+        return [_judgment_from_row(r) for r in rows]
+
+    # --- samples ------------------------------------------------------------------------------
+    def create_sample(
+        self,
+        turn_id: str,
+        method: str,
+        *,
+        state: SampleState = "judged",
+        reward: float | None = None,
+        hint: str | None = None,
+        teacher_logprobs: Sequence[float] | None = None,
+        advantages: Sequence[float] | None = None,
+        reason: str | None = None,
+    ) -> tuple[int, bool]:
+        """Create the turn's sample for `method`, or find the one that exists: returns
+        (id, created). The policy version is the turn's."""
+        if state not in ("pending", "judged", "dropped"):
+            raise SampleStateError(f"a sample starts pending, judged or dropped, not {state}")
+        with self._write() as conn:
+            turn = conn.execute(
+                sa.select(t.turns.c.version, t.turns.c.n_completion).where(t.turns.c.id == turn_id)
+            ).first()
+            if turn is None:
+                raise StoreError(f"no turn {turn_id}")
+            _check_len(turn.n_completion, advantages, "advantages")
+            _check_len(turn.n_completion, teacher_logprobs, "teacher logprobs")
+            now = utcnow()
+            new_id = conn.execute(
+                self._insert(t.samples)
+                .values(
+                    turn_id=turn_id, method=method, state=state, reason=reason, reward=reward,
+                    hint=hint,
+                    teacher_logprobs=_pack_opt(teacher_logprobs),
+                    advantages=_pack_opt(advantages),
+                    version=turn.version, created_at=now, updated_at=now,
+                )
+                .on_conflict_do_nothing()
+                .returning(t.samples.c.id)
+            ).scalar()
+            if new_id is not None:
+                return int(new_id), True
+            old = conn.execute(
+                sa.select(t.samples.c.id).where(
+                    t.samples.c.turn_id == turn_id, t.samples.c.method == method
+                )
+            ).scalar_one()
+            return int(old), False
+
+    def set_sample_advantages(
+        self,
+        sample_id: int,
+        advantages: Sequence[float],
+        *,
+        teacher_logprobs: Sequence[float] | None = None,
+        reward: float | None = None,
+        hint: str | None = None,
+    ) -> None:
+        """Complete a pending sample (e.g. once the teacher scored it): pending -> judged."""
+        with self._write() as conn:
+            n = conn.execute(
+                sa.select(t.turns.c.n_completion)
+                .join(t.samples, t.samples.c.turn_id == t.turns.c.id)
+                .where(t.samples.c.id == sample_id)
+            ).scalar()
+            if n is None:
+                raise StoreError(f"no sample {sample_id}")
+            _check_len(n, advantages, "advantages")
+            _check_len(n, teacher_logprobs, "teacher logprobs")
+            values: dict[str, Any] = {
+                "state": "judged", "advantages": pack_floats(advantages), "updated_at": utcnow()
+            }
+            if teacher_logprobs is not None:
+                values["teacher_logprobs"] = pack_floats(teacher_logprobs)
+            if reward is not None:
+                values["reward"] = reward
+            if hint is not None:
+                values["hint"] = hint
+            res = conn.execute(
+                sa.update(t.samples)
+                .where(t.samples.c.id == sample_id, t.samples.c.state == "pending")
+                .values(**values)
+            )
+            if res.rowcount != 1:
+                raise SampleStateError(f"sample {sample_id} is not pending")
+
+    def pending_samples(
+        self,
+        limit: int | None = None,
+        *,
+        method: str | None = None,
+        state: SampleState = "judged",
+    ) -> list[Sample]:
+        """Samples waiting for the trainer (state `judged`: advantages ready), oldest first.
+        `state="pending"` lists those still waiting for their advantages."""
+        s = t.samples
+        q = (
+            sa.select(
+                s,
+                t.turns.c.prompt_ids,
+                t.turns.c.completion_ids,
+                t.turns.c.logprobs,
+                t.turns.c.sampling,
+            )
+            .join(t.turns, t.turns.c.id == s.c.turn_id)
+            .where(s.c.state == state)
+            .order_by(s.c.id)
+        )
+        if method is not None:
+            q = q.where(s.c.method == method)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._read() as conn:
+            return [_sample_from_row(r) for r in conn.execute(q)]
+
+    def get_samples(self, ids: Sequence[int]) -> list[Sample]:
+        s = t.samples
+        q = (
+            sa.select(
+                s, t.turns.c.prompt_ids, t.turns.c.completion_ids, t.turns.c.logprobs,
+                t.turns.c.sampling,
+            )
+            .join(t.turns, t.turns.c.id == s.c.turn_id)
+            .where(s.c.id.in_(list(ids)))
+            .order_by(s.c.id)
+        )
+        with self._read() as conn:
+            return [_sample_from_row(r) for r in conn.execute(q)]
+
+    def mark_samples(
+        self,
+        ids: Sequence[int],
+        state: SampleState,
+        reason: str | None = None,
+        step: int | None = None,
+    ) -> int:
+        """Move every sample in `ids` to `state`, all or none: if any is not in a state that
+        `state` may follow (see TRANSITIONS), nothing changes and SampleStateError is raised."""
+        with self._write() as conn:
+            return self._mark(conn, ids, state, reason, step)
+
+    def _mark(
+        self,
+        conn: sa.Connection,
+        ids: Sequence[int],
+        state: str,
+        reason: str | None,
+        step: int | None,
+    ) -> int:
+        wanted = set(ids)
+        if not wanted:
+            return 0
+        sources = TRANSITIONS.get(state)
+        if not sources:
+            raise SampleStateError(f"no sample can move to {state!r}")
+        res = conn.execute(
+            sa.update(t.samples)
+            .where(t.samples.c.id.in_(sorted(wanted)), t.samples.c.state.in_(sorted(sources)))
+            .values(state=state, reason=reason, step=step, updated_at=utcnow())
+        )
+        if res.rowcount != len(wanted):
+            current = dict(
+                conn.execute(
+                    sa.select(t.samples.c.id, t.samples.c.state).where(
+                        t.samples.c.id.in_(sorted(wanted))
+                    )
+                ).tuples()
+            )
+            bad = {i: current.get(i, "missing") for i in wanted if current.get(i) not in sources}
+            raise SampleStateError(f"cannot move samples to {state}: {bad}")
+        return len(wanted)
+
+    def drop_stale_samples(self, current_version: int, max_staleness: int) -> int:
+        """Drop untrained samples produced more than `max_staleness` versions ago."""
+        with self._write() as conn:
+            res = conn.execute(
+                sa.update(t.samples)
+                .where(
+                    t.samples.c.state.in_(("pending", "judged")),
+                    t.samples.c.version < current_version - max_staleness,
+                )
+                .values(state="dropped", reason="stale", updated_at=utcnow())
+            )
+            return int(res.rowcount)
+
+    # --- training -----------------------------------------------------------------------------
+    def record_training_step(
+        self,
+        step: TrainingStep,
+        sample_ids: Sequence[int],
+        policy: PolicyVersionRow | None = None,
+    ) -> None:
+        """In ONE transaction: the step row, its samples judged -> trained, and (optionally) the
+        policy version it published. A crash before the commit leaves every sample judged (it
+        will be trained again, as the weights of that step were never recorded either); a
+        sample already trained makes the whole step fail. Either way none is trained twice."""
+        with self._write() as conn:
+            n = self._mark(conn, sample_ids, "trained", None, step.step)
+            conn.execute(
+                t.training_steps.insert().values(
+                    step=step.step,
+                    version_before=step.version_before,
+                    version_after=step.version_after,
+                    metrics=step.metrics,
+                    samples=n,
+                    created_at=step.created_at,
+                )
+            )
+            if policy is not None:
+                self._put_version(conn, policy)
+
+    def training_steps(self) -> list[TrainingStep]:
+        with self._read() as conn:
+            rows = conn.execute(sa.select(t.training_steps).order_by(t.training_steps.c.step))
+            return [TrainingStep(**r._asdict()) for r in rows]
+
+    def record_policy_version(self, row: PolicyVersionRow) -> None:
+        with self._write() as conn:
+            self._put_version(conn, row)
+
+    def _put_version(self, conn: sa.Connection, row: PolicyVersionRow) -> None:
+        values = asdict(row)
+        ins = self._insert(t.policy_versions).values(**values)
+        conn.execute(
+            ins.on_conflict_do_update(
+                index_elements=[t.policy_versions.c.version],
+                set_={k: ins.excluded[k] for k in values if k != "version"},
+            )
+        )
+
+    def latest_version(self) -> PolicyVersionRow | None:
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(t.policy_versions).order_by(t.policy_versions.c.version.desc()).limit(1)
+            ).first()
+        return None if row is None else PolicyVersionRow(**row._asdict())
+
+    def versions(self) -> list[PolicyVersionRow]:
+        with self._read() as conn:
+            rows = conn.execute(sa.select(t.policy_versions).order_by(t.policy_versions.c.version))
+            return [PolicyVersionRow(**r._asdict()) for r in rows]
+
+    # --- meta ---------------------------------------------------------------------------------
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        with self._read() as conn:
+            row = conn.execute(sa.select(t.meta.c.value).where(t.meta.c.key == key)).first()
+        return default if row is None else row.value
+
+    def set_meta(self, key: str, value: Any) -> None:
+        with self._write() as conn:
+            ins = self._insert(t.meta).values(key=key, value=value, updated_at=utcnow())
+            conn.execute(
+                ins.on_conflict_do_update(
+                    index_elements=[t.meta.c.key],
+                    set_={"value": ins.excluded.value, "updated_at": ins.excluded.updated_at},
+                )
+            )
+
+    # --- status and export --------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        tu, se, sm = t.turns.c, t.sessions.c, t.samples.c
+
+        def count(conn: sa.Connection, table: sa.Table, *where: Any) -> int:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one())
+
+        with self._read() as conn:
+            by_state = {s: 0 for s in TRANSITIONS}
+            for state, n in conn.execute(sa.select(sm.state, sa.func.count()).group_by(sm.state)):
+                by_state[state] = int(n)
+            latest = conn.execute(sa.select(sa.func.max(t.policy_versions.c.version))).scalar()
+            return StoreStats(
+                sessions=count(conn, t.sessions),
+                sessions_done=count(conn, t.sessions, se.done == sa.true()),
+                turns=count(conn, t.turns),
+                main_turns=count(conn, t.turns, tu.turn_type == "main"),
+                side_turns=count(conn, t.turns, tu.turn_type == "side"),
+                untagged_turns=count(conn, t.turns, tu.tagged == sa.false()),
+                opted_out_turns=count(conn, t.turns, tu.train == sa.false()),
+                awaiting_next_state=count(
+                    conn, t.turns, tu.turn_type == "main", tu.next_state.is_(None)
+                ),
+                judged_turns=int(
+                    conn.execute(sa.select(sa.func.count(sa.distinct(t.judgments.c.turn_id)))).scalar_one()
+                ),
+                samples=by_state,
+                steps=count(conn, t.training_steps),
+                latest_version=int(latest or 0),
+            )
+
+    def export_jsonl(self, dest: str | Path | IO[str], since: datetime | None = None) -> int:
+        from clawbridge.store.export import export_jsonl
+
+        return export_jsonl(self, dest, since)
+
+
+# --- SQLite set-up ------------------------------------------------------------------------------
+def _configure_sqlite(engine: sa.Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # We emit BEGIN ourselves (below): pysqlite's implicit transactions break savepoints and
+        # cannot take the write lock up front.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode: a commit survives a crash of the process (kill -9); only a power
+        # loss can take back the last commits. FULL would fsync every commit.
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        write = conn.get_execution_options().get("clawbridge_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def alembic_config() -> Any:
+    from alembic.config import Config
+
+    ini = resources.files("clawbridge").joinpath("alembic.ini")
+    with resources.as_file(ini) as path:
+        cfg = Config(str(path))
+    cfg.set_main_option("script_location", "clawbridge:migrations")
+    return cfg
+
+
+# --- row decoding -------------------------------------------------------------------------------
+_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def _sampling_from_json(d: JSONObject) -> SamplingParams:
+    kw = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
+    for k in ("stop", "stop_token_ids"):
+        if k in kw:
+            kw[k] = tuple(kw[k])
+    return SamplingParams(**kw)
+
+
+def _top_to_json(top: Sequence[Sequence[TokenLogprob]] | None) -> list[Any] | None:
+    if top is None:
+        return None
+    return [[[c.token_id, c.logprob] for c in alts] for alts in top]
+
+
+def _top_from_json(data: list[Any] | None) -> tuple[tuple[TokenLogprob, ...], ...] | None:
+    if data is None:
+        return None
+    return tuple(tuple(TokenLogprob(int(i), float(lp)) for i, lp in alts) for alts in data)
+
+
+def _turn_from_row(r: Any, judged: frozenset[str]) -> StoredTurn:
+    return StoredTurn(
+        id=r.id,
+        session_id=r.session_id,
+        index=r.idx,
+        turn_type=r.turn_type,
+        tagged=r.tagged,
+        train=r.train,
+        messages=r.messages,
+        tools=r.tools,
+        request_params=r.request_params,
+        prompt_ids=unpack_ids(r.prompt_ids),
+        completion_ids=unpack_ids(r.completion_ids),
+        logprobs=unpack_floats(r.logprobs),
+        top_logprobs=_top_from_json(r.top_logprobs),
+        sampling=_sampling_from_json(r.sampling),
+        version=r.version,
+        finish_reason=r.finish_reason,
+        response=r.response,
+        queued_ms=r.queued_ms,
+        ttft_ms=r.ttft_ms,
+        total_ms=r.total_ms,
+        created_at=r.created_at,
+        next_state=r.next_state,
+        next_state_at=r.next_state_at,
+        judged_kinds=judged,
+    )
+
+
+def _judgment_from_row(r: Any) -> Judgment:
+    return Judgment(
+        id=r.id,
+        turn_id=r.turn_id,
+        judge=r.judge,
+        kind=r.kind,
+        votes=tuple(JudgeVote(**v) for v in r.votes),
+        reward=r.reward,
+        hint=r.hint,
+        created_at=r.created_at,
+    )
+
+
+def _sample_from_row(r: Any) -> Sample:
+    return Sample(
+        id=r.id,
+        turn_id=r.turn_id,
+        method=r.method,
+        state=r.state,
+        reason=r.reason,
+        reward=r.reward,
+        hint=r.hint,
+        teacher_logprobs=None if r.teacher_logprobs is None else unpack_floats(r.teacher_logprobs),
+        advantages=None if r.advantages is None else unpack_floats(r.advantages),
+        version=r.version,
+        step=r.step,
+        prompt_ids=unpack_ids(r.prompt_ids),
+        completion_ids=unpack_ids(r.completion_ids),
+        logprobs=unpack_floats(r.logprobs),
+        temperature=float(r.sampling.get("temperature", 1.0)),
+        created_at=r.created_at,
+        updated_at=r.updated_at,
+    )
+
+
+def _pack_opt(xs: Sequence[float] | None) -> bytes | None:
+    return None if xs is None else pack_floats(xs)
+
+
+def _check_len(n: int, xs: Sequence[float] | None, what: str) -> None:
+    if xs is not None and len(xs) != n:
+        raise StoreError(f"{len(xs)} {what} for a completion of {n} tokens")

@@ -1,0 +1,215 @@
+"""The store's records: what goes in (`TurnRecord`, ...) and what comes back (`StoredTurn`, ...).
+
+Frozen, keyword-only dataclasses. Token ids and logprobs are tuples, exactly as sampled; they are
+kept as packed little-endian arrays in the database (see `pack_ids` / `pack_floats`), which is
+both smaller and faster than JSON and round-trips every float64 bit for bit (inf included).
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from clawbridge.types import SampleState, SamplingParams, TokenLogprob, TurnType
+
+SessionSource = Literal["header", "body", "path", "matched", "new"]
+JudgmentKind = Literal["prm", "hint", "feedback"]
+JSONObject = dict[str, Any]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_turn_id() -> str:
+    return f"turn-{uuid.uuid4().hex}"
+
+
+# --- packed arrays ------------------------------------------------------------------------------
+# array('i') is 4 bytes and array('d') 8 bytes on every platform CPython supports; the byte order
+# is fixed to little-endian so a database file moves between machines.
+_SWAP = sys.byteorder == "big"
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    a = array("i", ids)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_ids(data: bytes) -> tuple[int, ...]:
+    a = array("i")
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return tuple(a)
+
+
+def pack_floats(xs: Sequence[float]) -> bytes:
+    a = array("d", xs)
+    if _SWAP:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_floats(data: bytes) -> tuple[float, ...]:
+    a = array("d")
+    a.frombytes(data)
+    if _SWAP:
+        a.byteswap()
+    return tuple(a)
+
+
+# --- turns --------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TurnRecord:
+    """One answered request, as the proxy captured it. `record_turn` assigns its index in the
+    session; `tagged` is False when the turn type came from the default setting (so untagged
+    traffic is counted, never silent); `train=False` is the client's opt-out."""
+
+    session_id: str
+    messages: list[JSONObject]
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    version: int
+    finish_reason: str
+    response: JSONObject
+    tools: list[JSONObject] | None = None
+    request_params: JSONObject = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
+    turn_type: TurnType = "main"
+    tagged: bool = True
+    train: bool = True
+    session_source: SessionSource = "new"
+    queued_ms: float | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    id: str = field(default_factory=new_turn_id)
+    created_at: datetime = field(default_factory=utcnow)
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"turn {self.id}: {len(self.completion_ids)} completion tokens but "
+                f"{len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredTurn(TurnRecord):
+    """A turn read back: its index in the session and, once the next main request of the
+    session arrived, its next state (the user's reply or tool results)."""
+
+    index: int
+    next_state: list[JSONObject] | None = None
+    next_state_at: datetime | None = None
+    judged_kinds: frozenset[str] = frozenset()
+
+
+# --- sessions -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class SessionRow:
+    id: str
+    source: SessionSource
+    created_at: datetime
+    updated_at: datetime
+    turns: int
+    main_turns: int
+    done: bool
+    done_reason: str | None
+    done_at: datetime | None
+
+
+# --- judgments ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class JudgeVote:
+    """One judge call: the raw text, the parsed value (a reward in {-1, 0, 1}, or a hint, or
+    None when the vote declined or failed) and the error, if the call failed."""
+
+    raw: str
+    value: float | str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Judgment:
+    turn_id: str
+    judge: str
+    kind: JudgmentKind
+    votes: tuple[JudgeVote, ...]
+    reward: float | None = None
+    hint: str | None = None
+    id: int | None = None  # assigned by the store
+    created_at: datetime = field(default_factory=utcnow)
+
+
+# --- samples ------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    """A turn turned into a training sample for one method. The token sequences come from the
+    turn (exactly as sampled) so the trainer can build a `Datum` without another query."""
+
+    id: int
+    turn_id: str
+    method: str
+    state: SampleState
+    reason: str | None
+    reward: float | None
+    hint: str | None
+    teacher_logprobs: tuple[float, ...] | None
+    advantages: tuple[float, ...] | None
+    version: int
+    step: int | None
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    temperature: float
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- training -----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TrainingStep:
+    step: int
+    version_before: int
+    version_after: int
+    metrics: JSONObject = field(default_factory=dict)
+    samples: int = 0  # filled in by the store from the sample ids it marks
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyVersionRow:
+    version: int
+    path: str | None = None
+    step: int | None = None
+    mean_reward: float | None = None
+    samples: int = 0
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreStats:
+    """Counts for the status line."""
+
+    sessions: int
+    sessions_done: int
+    turns: int
+    main_turns: int
+    side_turns: int
+    untagged_turns: int
+    opted_out_turns: int
+    awaiting_next_state: int
+    judged_turns: int
+    samples: dict[str, int]
+    steps: int
+    latest_version: int

@@ -1,0 +1,159 @@
+"""Tables (SQLAlchemy Core). The Alembic migrations in `clawbridge.migrations` create exactly
+this schema; a test compares the two so they cannot drift.
+
+Token ids and logprobs are packed binary (see `records.pack_ids`); everything structured but
+not queried on the hot path (messages, tools, params, votes, metrics) is JSON.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Aware UTC datetimes in, aware UTC datetimes out. SQLite keeps no zone, so values are
+    normalised to UTC before they are written and tagged as UTC when read."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: the store keeps aware UTC datetimes")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("id", sa.String(200), primary_key=True),
+    sa.Column("source", sa.String(16), nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("turns", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("main_turns", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("done_reason", sa.String(64)),
+    sa.Column("done_at", UTCDateTime()),
+)
+
+turns = sa.Table(
+    "turns",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("session_id", sa.String(200), sa.ForeignKey("sessions.id"), nullable=False),
+    sa.Column("idx", sa.Integer, nullable=False),
+    sa.Column("turn_type", sa.String(8), nullable=False),
+    sa.Column("tagged", sa.Boolean, nullable=False),
+    sa.Column("train", sa.Boolean, nullable=False),
+    sa.Column("messages", sa.JSON, nullable=False),
+    sa.Column("tools", sa.JSON),
+    sa.Column("request_params", sa.JSON, nullable=False),
+    sa.Column("prompt_ids", sa.LargeBinary, nullable=False),
+    sa.Column("completion_ids", sa.LargeBinary, nullable=False),
+    sa.Column("logprobs", sa.LargeBinary, nullable=False),
+    sa.Column("top_logprobs", sa.JSON),
+    sa.Column("n_prompt", sa.Integer, nullable=False),
+    sa.Column("n_completion", sa.Integer, nullable=False),
+    sa.Column("sampling", sa.JSON, nullable=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("finish_reason", sa.String(16), nullable=False),
+    sa.Column("response", sa.JSON, nullable=False),
+    sa.Column("queued_ms", sa.Float),
+    sa.Column("ttft_ms", sa.Float),
+    sa.Column("total_ms", sa.Float),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("next_state", sa.JSON),
+    sa.Column("next_state_at", UTCDateTime()),
+    sa.Index(None, "session_id", "idx"),
+    sa.Index(None, "created_at"),
+)
+
+judgments = sa.Table(
+    "judgments",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("turn_id", sa.String(64), sa.ForeignKey("turns.id"), nullable=False),
+    sa.Column("judge", sa.String(200), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("votes", sa.JSON, nullable=False),
+    sa.Column("reward", sa.Float),
+    sa.Column("hint", sa.Text),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    # A re-run after a crash must not double a turn's judgment.
+    sa.UniqueConstraint("turn_id", "kind", "judge"),
+)
+
+samples = sa.Table(
+    "samples",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("turn_id", sa.String(64), sa.ForeignKey("turns.id"), nullable=False),
+    sa.Column("method", sa.String(16), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("reason", sa.String(200)),
+    sa.Column("reward", sa.Float),
+    sa.Column("hint", sa.Text),
+    sa.Column("teacher_logprobs", sa.LargeBinary),
+    sa.Column("advantages", sa.LargeBinary),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("step", sa.Integer),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    # A turn can never yield two samples of the same kind.
+    sa.UniqueConstraint("turn_id", "method"),
+    sa.Index(None, "state", "id"),
+)
+
+training_steps = sa.Table(
+    "training_steps",
+    metadata,
+    sa.Column("step", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("version_before", sa.Integer, nullable=False),
+    sa.Column("version_after", sa.Integer, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=False),
+    sa.Column("samples", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+)
+
+policy_versions = sa.Table(
+    "policy_versions",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("path", sa.Text),
+    sa.Column("step", sa.Integer),
+    sa.Column("mean_reward", sa.Float),
+    sa.Column("samples", sa.Integer, nullable=False),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+)
+
+meta = sa.Table(
+    "meta",
+    metadata,
+    sa.Column("key", sa.String(200), primary_key=True),
+    sa.Column("value", sa.JSON),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+)

@@ -1,0 +1,110 @@
+"""A throwaway PostgreSQL cluster for tests.
+
+PostgreSQL 15 is installed but not running (FACTS.md). `PgCluster.start()` runs `initdb` in a
+fresh temp dir and starts a server on a free loopback port with its socket in that dir; `stop()`
+kills it (`-m immediate`: the data is thrown away anyway) and removes the dir. initdb refuses to
+run as root, so as root the cluster runs as the `postgres` user.
+
+Use the `pg_cluster` fixture (session-scoped) and `pg_url(pg_cluster)` for a fresh database per
+test:  `from pg import pg_cluster  # noqa: F401` in a test module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PG_BIN_DIRS = [Path("/usr/lib/postgresql/15/bin"), Path("/usr/lib/postgresql/16/bin")]
+
+
+def find_pg_bin() -> Path | None:
+    env = os.environ.get("CLAWBRIDGE_PG_BIN")
+    for d in [Path(env)] if env else PG_BIN_DIRS:
+        if (d / "initdb").exists() and (d / "pg_ctl").exists():
+            return d
+    on_path = shutil.which("pg_ctl")
+    return Path(on_path).parent if on_path and shutil.which("initdb") else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PgCluster:
+    def __init__(self, bin_dir: Path) -> None:
+        self.bin = bin_dir
+        self.dir = Path(tempfile.mkdtemp(prefix="clawbridge-pg-"))
+        self.data = self.dir / "data"
+        self.port = _free_port()
+        self._as_postgres = os.geteuid() == 0
+
+    def _run(self, *args: str, timeout: float = 60) -> None:
+        cmd = [str(self.bin / args[0]), *args[1:]]
+        if self._as_postgres:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=timeout)
+
+    def start(self) -> PgCluster:
+        if self._as_postgres:
+            pw = pwd.getpwnam("postgres")
+            os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8")
+        opts = f"-k {self.dir} -p {self.port} -c listen_addresses=127.0.0.1"
+        self._run(
+            "pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start"
+        )
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str | None = None) -> str:
+        """A fresh, empty database; returns its SQLAlchemy URL."""
+        import psycopg
+
+        name = name or f"t_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(
+            f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres", autocommit=True
+        ) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    bin_dir = find_pg_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found; set CLAWBRIDGE_PG_BIN")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg 3 is not installed (pip install 'clawbridge[postgres]')")
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        pytest.skip("running as root without runuser: initdb refuses root")
+    cluster = PgCluster(bin_dir)
+    try:
+        cluster.start()
+    except subprocess.CalledProcessError as e:
+        cluster.stop()
+        pytest.skip(f"could not start PostgreSQL: {e.stderr.decode(errors='replace')[-500:]}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
