@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import contextlib
 import hashlib
 import json
 import logging
 import re
 import secrets
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -401,8 +403,13 @@ class _PromptCache:
             i for i, t in tokenizer.added_tokens_decoder.items() if not (t.lstrip or t.rstrip)
         )
         self.hits = 0
+        self._lock = threading.Lock()  # the proxy may render from a thread pool
 
     def encode(self, text: str, keys: Sequence[bytes]) -> list[int]:
+        with self._lock:
+            return self._encode(text, keys)
+
+    def _encode(self, text: str, keys: Sequence[bytes]) -> list[int]:
         base = self._lookup(keys)
         start, prefix_ids, cuts, cut_ids = 0, array("l"), array("l"), array("l")
         if base is not None:
@@ -625,7 +632,7 @@ class Renderer:
         ]
         extended = [*convo, {"role": "assistant", "content": " Hi! ¿Qué tal? "},
                     {"role": "user", "content": "Fine\n\nthanks"}]
-        for msgs in (convo, extended, convo[:1] + [{"role": "user", "content": "other"}]):
+        for msgs in (convo, extended, [*convo[:1], {"role": "user", "content": "other"}]):
             try:
                 text = self._template_text(msgs, None)
             except RenderError:
@@ -688,10 +695,8 @@ def _tool_call_in(call: Any, where: str) -> tuple[str, str, Any]:
         raise RenderError(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
-        try:
+        with contextlib.suppress(ValueError):  # invalid JSON is kept as the string sent
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            pass  # kept as the string the client sent
     return str(call.get("id") or ""), fn["name"], args
 
 
