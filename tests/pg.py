@@ -43,8 +43,11 @@ def _free_port() -> int:
 
 
 class PgCluster:
-    def __init__(self, bin_dir: Path) -> None:
+    def __init__(self, bin_dir: Path, *, fsync: bool = False) -> None:
         self.bin = bin_dir
+        # fsync off by default: tests kill clients, never this server, and its data is thrown
+        # away. Benchmarks turn it on.
+        self.fsync = fsync
         self.dir = Path(tempfile.mkdtemp(prefix="clawbridge-pg-"))
         self.data = self.dir / "data"
         self.port = _free_port()
@@ -60,8 +63,10 @@ class PgCluster:
         if self._as_postgres:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
-        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8")
+        self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         opts = f"-k {self.dir} -p {self.port} -c listen_addresses=127.0.0.1"
+        if not self.fsync:
+            opts += " -c fsync=off -c full_page_writes=off"
         self._run(
             "pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start"
         )

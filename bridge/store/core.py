@@ -565,13 +565,14 @@ class Store:
             .values(state=state, reason=reason, step=step, updated_at=utcnow())
         )
         if res.rowcount != len(wanted):
-            current = dict(
-                conn.execute(
+            current = {
+                r.id: r.state
+                for r in conn.execute(
                     sa.select(t.samples.c.id, t.samples.c.state).where(
                         t.samples.c.id.in_(sorted(wanted))
                     )
-                ).tuples()
-            )
+                )
+            }
             bad = {i: current.get(i, "missing") for i in wanted if current.get(i) not in sources}
             raise SampleStateError(f"cannot move samples to {state}: {bad}")
         return len(wanted)

@@ -1,0 +1,532 @@
+"""The store on a real SQLite file (WAL) and a real PostgreSQL 15 cluster: every test runs on
+both. PostgreSQL tests skip, saying why, where its binaries are missing."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from pg import PgCluster, pg_cluster  # noqa: F401
+
+from clawbridge.store import (
+    Judgment,
+    JudgeVote,
+    PolicyVersionRow,
+    SampleStateError,
+    Store,
+    TrainingStep,
+    TurnRecord,
+)
+from clawbridge.store.core import alembic_config
+from clawbridge.store.schema import metadata
+from clawbridge.types import SamplingParams, TokenLogprob
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'nested' / 'dir' / 'clawbridge.db'}"
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    return cluster.create_database()
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store.open(db_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def turn(session: str = "s1", n: int = 4, **kw: object) -> TurnRecord:
+    args: dict[str, object] = dict(
+        session_id=session,
+        messages=[{"role": "user", "content": "hi"}],
+        prompt_ids=tuple(range(100, 110)),
+        completion_ids=tuple(range(200, 200 + n)),
+        logprobs=tuple(-0.5 - i / 7 for i in range(n)),
+        version=0,
+        finish_reason="stop",
+        response={"role": "assistant", "content": "hello"},
+    )
+    args.update(kw)
+    return TurnRecord(**args)  # type: ignore[arg-type]
+
+
+def all_turn_ids(store: Store) -> set[str]:
+    with store.engine.connect() as conn:
+        return set(conn.execute(sa.text("SELECT id FROM turns")).scalars())
+
+
+# --- capture ------------------------------------------------------------------------------------
+def test_a_turn_round_trips_with_exact_token_ids_and_logprobs(store: Store) -> None:
+    logprobs = (-0.1, -1e-300, 5e-324, -0.0, -math.inf, -2.718281828459045, -1 / 3, -7.25e-08)
+    rec = turn(
+        messages=[
+            {"role": "system", "content": "Be brief. ✓ ünïcode 中文"},
+            {"role": "user", "content": "weather?", "name": "al"},
+        ],
+        tools=[{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}],
+        prompt_ids=(0, 1, 49151, 151_935, 2**31 - 1, 7),
+        completion_ids=(11, 22, 33, 44, 55, 66, 77, 88),
+        logprobs=logprobs,
+        top_logprobs=tuple((TokenLogprob(i, -0.25), TokenLogprob(i + 1, -1.5)) for i in range(8)),
+        sampling=SamplingParams(max_tokens=64, temperature=0.7, stop=("\n\n",), stop_token_ids=(2,)),
+        request_params={"model": "m", "max_completion_tokens": 64},
+        version=3,
+        finish_reason="tool_calls",
+        response={"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        turn_type="side",
+        tagged=False,
+        train=False,
+        session_source="header",
+        queued_ms=0.5,
+        ttft_ms=12.25,
+        total_ms=80.0,
+    )
+    assert store.record_turn(rec) == rec.id
+    got = store.get_turn(rec.id)
+    assert got is not None
+    assert got.prompt_ids == rec.prompt_ids
+    assert got.completion_ids == rec.completion_ids
+    # Bit for bit, signed zero and -inf included.
+    assert [x.hex() for x in got.logprobs] == [x.hex() for x in logprobs]
+    assert got.top_logprobs == rec.top_logprobs
+    assert got.sampling == rec.sampling
+    for name in ("messages", "tools", "request_params", "response", "version", "finish_reason",
+                 "turn_type", "tagged", "train", "queued_ms", "ttft_ms", "total_ms", "created_at"):
+        assert getattr(got, name) == getattr(rec, name), name
+    assert got.index == 0 and got.next_state is None
+
+
+def test_turns_get_consecutive_indexes_and_create_their_session(store: Store) -> None:
+    recs = [turn("a"), turn("b", turn_type="side"), turn("a"), turn("a", turn_type="side")]
+    for r in recs:
+        store.record_turn(r)
+    assert [t.index for t in store.session_turns("a")] == [0, 1, 2]
+    sess = store.get_session("a")
+    assert sess is not None and (sess.turns, sess.main_turns, sess.done) == (3, 2, False)
+    last = store.last_turn("a")
+    assert last is not None and last.id == recs[2].id
+
+
+def test_recording_the_same_turn_twice_is_a_no_op(store: Store) -> None:
+    rec = turn()
+    store.record_turn(rec)
+    store.record_turn(rec)
+    assert len(store.session_turns("s1")) == 1
+    assert store.stats().turns == 1
+
+
+def test_a_turn_with_mismatched_logprobs_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="3 completion tokens but 2 logprobs"):
+        turn(completion_ids=(1, 2, 3), logprobs=(-0.1, -0.2))
+
+
+def test_the_next_state_is_attached_once_and_the_first_wins(store: Store) -> None:
+    rec = turn()
+    store.record_turn(rec)
+    assert store.attach_next_state(rec.id, [{"role": "user", "content": "thanks!"}])
+    assert not store.attach_next_state(rec.id, [{"role": "user", "content": "later"}])
+    got = store.get_turn(rec.id)
+    assert got is not None and got.next_state == [{"role": "user", "content": "thanks!"}]
+    assert got.next_state_at is not None
+
+
+def test_sessions_upsert_close_and_idle(store: Store) -> None:
+    assert store.upsert_session("x", "body")
+    assert not store.upsert_session("x", "header")
+    sess = store.get_session("x")
+    assert sess is not None and sess.source == "body"
+    assert store.idle_sessions(datetime.now(UTC) + timedelta(seconds=1)) == ["x"]
+    assert store.idle_sessions(datetime.now(UTC) - timedelta(hours=1)) == []
+    assert store.close_session("x", "client")
+    assert not store.close_session("x", "idle")
+    sess = store.get_session("x")
+    assert sess is not None and sess.done and sess.done_reason == "client"
+    assert store.idle_sessions(datetime.now(UTC) + timedelta(seconds=1)) == []
+
+
+# --- migrations ---------------------------------------------------------------------------------
+def test_migrations_build_the_schema_from_empty_and_match_the_tables(db_url: str) -> None:
+    s = Store.open(db_url)
+    try:
+        head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+        with s.engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == head
+            # The hand-written migrations and the live table definitions agree exactly.
+            diff = compare_metadata(
+                MigrationContext.configure(conn, opts={"compare_type": True}), metadata
+            )
+            assert diff == []
+    finally:
+        s.close()
+    # Opening again migrates nothing and keeps the data.
+    s = Store.open(db_url)
+    s.record_turn(turn())
+    s.close()
+    s = Store.open(db_url)
+    assert s.stats().turns == 1
+    s.close()
+
+
+# --- concurrency and group commit ---------------------------------------------------------------
+async def test_concurrent_writers_lose_nothing(store: Store) -> None:
+    n_threads, per_thread, n_async = 6, 25, 300
+
+    def sync_writer(k: int) -> list[str]:
+        return [store.record_turn(turn(f"sync{k % 3}")) for _ in range(per_thread)]
+
+    threads_done = asyncio.gather(
+        *(asyncio.to_thread(sync_writer, k) for k in range(n_threads))
+    )
+    async_ids = await asyncio.gather(
+        *(store.record_turn_async(turn(f"async{i % 10}")) for i in range(n_async))
+    )
+    sync_ids = [i for ids in await threads_done for i in ids]
+    assert len(set(async_ids)) == n_async
+    assert all_turn_ids(store) == set(async_ids) | set(sync_ids)
+    assert len(sync_ids) == n_threads * per_thread
+    # Indexes in each session are exactly 0..n-1: no duplicates, no gaps.
+    for sid in [f"sync{k}" for k in range(3)] + [f"async{k}" for k in range(10)]:
+        idx = [t.index for t in store.session_turns(sid)]
+        assert sorted(idx) == list(range(len(idx)))
+
+
+async def test_the_writer_groups_concurrent_writes_into_few_commits(store: Store) -> None:
+    ids = await asyncio.gather(*(store.record_turn_async(turn(f"s{i % 7}")) for i in range(200)))
+    assert len(set(ids)) == 200 and len(all_turn_ids(store)) == 200
+    assert store.writer.written == 200
+    assert store.writer.batches <= 50, store.writer.batches
+
+
+async def test_a_failing_write_fails_alone_in_its_batch(store: Store) -> None:
+    good = [turn() for _ in range(20)]
+    bad = turn(messages=[{"role": "user", "content": {1, 2}}])  # a set is not JSON
+    results = await asyncio.gather(
+        *(store.record_turn_async(r) for r in [*good[:10], bad, *good[10:]]),
+        return_exceptions=True,
+    )
+    assert isinstance(results[10], Exception)
+    assert all_turn_ids(store) == {r.id for r in good}
+
+
+async def test_async_reads_and_session_writes_run_off_the_event_loop(store: Store) -> None:
+    assert await store.upsert_session_async("z", "path")
+    rec = turn("z")
+    await store.record_turn_async(rec)
+    assert await store.attach_next_state_async(rec.id, [{"role": "user", "content": "ok"}])
+    assert await store.close_session_async("z", "client")
+    stats = await store.run(store.stats)
+    assert (stats.turns, stats.sessions_done) == (1, 1)
+
+
+def test_a_closed_writer_refuses_new_writes(db_url: str) -> None:
+    from clawbridge.store import WriterClosed
+
+    s = Store.open(db_url)
+    w = s.writer
+    fut = w.submit(lambda conn: 42)
+    s.close()
+    assert fut.result(timeout=5) == 42  # queued before close: still done
+    with pytest.raises(WriterClosed):
+        w.submit(lambda conn: 1)
+
+
+# --- judging and samples ------------------------------------------------------------------------
+def _judged_turn(store: Store, session: str = "s1", **kw: object) -> str:
+    rec = turn(session, **kw)
+    store.record_turn(rec)
+    store.attach_next_state(rec.id, [{"role": "user", "content": "no, shorter"}])
+    return rec.id
+
+
+def test_turns_awaiting_judgment_are_main_trainable_with_a_next_state(store: Store) -> None:
+    ready = _judged_turn(store)
+    _judged_turn(store, turn_type="side")
+    _judged_turn(store, train=False)
+    store.record_turn(turn())  # no next state yet
+    assert [t.id for t in store.turns_awaiting_judgment()] == [ready]
+    store.add_judgment(Judgment(turn_id=ready, judge="rules", kind="prm", votes=(), reward=1.0))
+    assert store.turns_awaiting_judgment() == []
+    # A loop that judges prm and hint resumes with the kind that is missing.
+    waiting = store.turns_awaiting_judgment(kinds=("prm", "hint"))
+    assert [t.id for t in waiting] == [ready] and waiting[0].judged_kinds == {"prm"}
+
+
+def test_judgments_keep_every_vote_and_are_idempotent(store: Store) -> None:
+    tid = _judged_turn(store)
+    votes = (
+        JudgeVote(raw="... \\boxed{1}", value=1.0),
+        JudgeVote(raw="\\boxed{-1}", value=-1.0),
+        JudgeVote(raw="", value=None, error="timeout after 30s"),
+    )
+    j = Judgment(turn_id=tid, judge="prm:gpt", kind="prm", votes=votes, reward=0.0)
+    first = store.add_judgment(j)
+    again = store.add_judgment(Judgment(turn_id=tid, judge="prm:gpt", kind="prm", votes=(), reward=1.0))
+    assert first == again
+    hint_id = store.add_judgment(
+        Judgment(turn_id=tid, judge="hint:gpt", kind="hint", votes=(JudgeVote(raw="[HINT]be brief[/HINT]", value="be brief"),), hint="be brief")
+    )
+    assert hint_id != first
+    got = store.judgments(tid)
+    assert [(g.kind, g.votes, g.reward, g.hint) for g in got] == [
+        ("prm", votes, 0.0, None),
+        ("hint", (JudgeVote(raw="[HINT]be brief[/HINT]", value="be brief"),), None, "be brief"),
+    ]
+
+
+def test_a_turn_yields_at_most_one_sample_per_method(store: Store) -> None:
+    tid = _judged_turn(store, version=2)
+    sid, created = store.create_sample(tid, "binary", reward=1.0, advantages=[1.0] * 4)
+    again, created_again = store.create_sample(tid, "binary", reward=-1.0, advantages=[-1.0] * 4)
+    assert created and not created_again and sid == again
+    other, created_other = store.create_sample(tid, "opd", state="pending", hint="be brief")
+    assert created_other and other != sid
+    [s] = store.pending_samples()
+    assert (s.id, s.reward, s.advantages, s.version) == (sid, 1.0, (1.0,) * 4, 2)
+    assert s.prompt_ids == tuple(range(100, 110)) and s.completion_ids == (200, 201, 202, 203)
+    assert s.logprobs == turn().logprobs and s.temperature == 1.0
+
+
+def test_advantages_must_cover_every_completion_token(store: Store) -> None:
+    tid = _judged_turn(store)
+    from clawbridge.store import StoreError
+
+    with pytest.raises(StoreError, match="3 advantages for a completion of 4 tokens"):
+        store.create_sample(tid, "binary", advantages=[1.0] * 3)
+
+
+def test_sample_states_only_move_forward(store: Store) -> None:
+    tids = [_judged_turn(store) for _ in range(3)]
+    a, _ = store.create_sample(tids[0], "opd", state="pending")
+    b, _ = store.create_sample(tids[1], "binary", advantages=[1.0] * 4)
+    c, _ = store.create_sample(tids[2], "binary", advantages=[-1.0] * 4)
+    assert [s.id for s in store.pending_samples(state="pending")] == [a]
+    store.set_sample_advantages(a, [0.5] * 4, teacher_logprobs=[-0.1] * 4, reward=0.0)
+    with pytest.raises(SampleStateError):
+        store.set_sample_advantages(a, [0.5] * 4)  # no longer pending
+    assert [s.id for s in store.pending_samples()] == [a, b, c]
+    assert store.pending_samples(method="opd")[0].teacher_logprobs == (-0.1,) * 4
+
+    store.mark_samples([c], "dropped", reason="zero advantage")
+    # All or nothing: c is dropped, so b must not move either.
+    with pytest.raises(SampleStateError, match="dropped"):
+        store.mark_samples([b, c], "trained", step=1)
+    assert [s.state for s in store.get_samples([a, b, c])] == ["judged", "judged", "dropped"]
+    with pytest.raises(SampleStateError):
+        store.mark_samples([b], "pending")
+    with pytest.raises(SampleStateError, match="missing"):
+        store.mark_samples([b, 99_999], "dropped")
+    assert store.get_samples([c])[0].reason == "zero advantage"
+
+
+def test_stale_samples_are_dropped(store: Store) -> None:
+    old = _judged_turn(store, version=1)
+    new = _judged_turn(store, version=5)
+    store.create_sample(old, "binary", advantages=[1.0] * 4)
+    store.create_sample(new, "binary", advantages=[1.0] * 4)
+    assert store.drop_stale_samples(current_version=6, max_staleness=4) == 1
+    [kept] = store.pending_samples()
+    assert kept.turn_id == new
+    assert store.stats().samples["dropped"] == 1
+
+
+# --- training steps: no sample trained twice ----------------------------------------------------
+def test_a_crash_inside_the_training_step_leaves_samples_judged_and_none_trains_twice(
+    store: Store,
+) -> None:
+    ids = [store.create_sample(_judged_turn(store), "binary", advantages=[1.0] * 4)[0] for _ in range(3)]
+    step1 = TrainingStep(step=1, version_before=0, version_after=1, metrics={"loss": 0.5})
+
+    def crash(conn: sa.Connection) -> None:
+        raise RuntimeError("power cut between marking and commit")
+
+    sa.event.listen(store.engine, "commit", crash)
+    try:
+        with pytest.raises(RuntimeError, match="power cut"):
+            store.record_training_step(step1, ids, PolicyVersionRow(version=1, path="/a/v1"))
+    finally:
+        sa.event.remove(store.engine, "commit", crash)
+    # Nothing of the step happened: samples are still waiting, no step row, no new version.
+    assert [s.id for s in store.pending_samples()] == ids
+    assert store.training_steps() == [] and store.latest_version() is None
+
+    store.record_training_step(step1, ids, PolicyVersionRow(version=1, path="/a/v1", step=1))
+    assert store.pending_samples() == []
+    assert {s.step for s in store.get_samples(ids)} == {1}
+    [row] = store.training_steps()
+    assert (row.step, row.samples, row.metrics) == (1, 3, {"loss": 0.5})
+    latest = store.latest_version()
+    assert latest is not None and (latest.version, latest.path) == (1, "/a/v1")
+
+    # A trainer that resumes and tries the same samples again is refused, atomically.
+    fresh = store.create_sample(_judged_turn(store), "binary", advantages=[1.0] * 4)[0]
+    step2 = TrainingStep(step=2, version_before=1, version_after=2)
+    with pytest.raises(SampleStateError, match="trained"):
+        store.record_training_step(step2, [ids[0], fresh])
+    assert [s.id for s in store.pending_samples()] == [fresh]
+    assert {s.step for s in store.get_samples(ids)} == {1}
+    assert len(store.training_steps()) == 1
+
+
+def test_policy_versions_are_listed_in_order_and_updatable(store: Store) -> None:
+    assert store.latest_version() is None
+    store.record_policy_version(PolicyVersionRow(version=0))
+    store.record_policy_version(PolicyVersionRow(version=2, path="tinker://x/2", step=2, samples=32))
+    store.record_policy_version(PolicyVersionRow(version=1, path="/ckpt/1", mean_reward=0.25))
+    store.record_policy_version(PolicyVersionRow(version=1, path="/ckpt/1b", mean_reward=0.5))
+    assert [(v.version, v.path) for v in store.versions()] == [
+        (0, None), (1, "/ckpt/1b"), (2, "tinker://x/2")
+    ]
+    latest = store.latest_version()
+    assert latest is not None and latest.version == 2 and latest.samples == 32
+
+
+def test_meta_keeps_json_values(store: Store) -> None:
+    assert store.get_meta("served_version", -1) == -1
+    store.set_meta("served_version", 3)
+    store.set_meta("served_version", {"v": 4, "path": "/x"})
+    assert store.get_meta("served_version") == {"v": 4, "path": "/x"}
+
+
+def test_stats_count_sessions_turns_judgments_samples_and_steps(store: Store) -> None:
+    a = _judged_turn(store, "s1")
+    _judged_turn(store, "s2", turn_type="side", tagged=False)
+    store.record_turn(turn("s2", tagged=False))
+    store.record_turn(turn("s3", train=False))
+    store.close_session("s3", "client")
+    store.add_judgment(Judgment(turn_id=a, judge="rules", kind="prm", votes=(), reward=1.0))
+    sid, _ = store.create_sample(a, "binary", advantages=[1.0] * 4)
+    store.record_training_step(TrainingStep(step=1, version_before=0, version_after=1), [sid])
+    store.record_policy_version(PolicyVersionRow(version=1))
+    st = store.stats()
+    assert (st.sessions, st.sessions_done) == (3, 1)
+    assert (st.turns, st.main_turns, st.side_turns, st.untagged_turns) == (4, 3, 1, 2)
+    assert (st.opted_out_turns, st.awaiting_next_state, st.judged_turns) == (1, 2, 1)
+    assert st.samples == {"pending": 0, "judged": 0, "trained": 1, "dropped": 0}
+    assert (st.steps, st.latest_version) == (1, 1)
+
+
+# --- export -------------------------------------------------------------------------------------
+def test_export_jsonl_writes_every_turn_with_ids_logprobs_and_judgments(
+    store: Store, tmp_path: Path
+) -> None:
+    t0 = datetime.now(UTC)
+    early = turn("e", created_at=t0 - timedelta(hours=1))
+    store.record_turn(early)
+    recs = [turn("s1", logprobs=(-0.1, -0.2, -1 / 3, -math.inf)) for _ in range(250)]  # > a page
+    for r in recs:
+        store.record_turn(r)
+    store.attach_next_state(recs[0].id, [{"role": "user", "content": "thanks"}])
+    votes = (JudgeVote(raw="\\boxed{1}", value=1.0),)
+    store.add_judgment(Judgment(turn_id=recs[0].id, judge="prm", kind="prm", votes=votes, reward=1.0))
+    store.create_sample(recs[0].id, "binary", reward=1.0, advantages=[1.0] * 4)
+
+    path = tmp_path / "out" / "turns.jsonl"
+    assert store.export_jsonl(path) == 251
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [o["id"] for o in lines] == [early.id] + [r.id for r in recs]
+    first = lines[1]
+    assert first["prompt_ids"] == list(range(100, 110))
+    assert first["completion_ids"] == [200, 201, 202, 203]
+    assert first["logprobs"][:3] == [-0.1, -0.2, -1 / 3] and first["logprobs"][3] == -math.inf
+    assert first["next_state"] == [{"role": "user", "content": "thanks"}]
+    assert first["judgments"][0]["votes"] == [{"raw": "\\boxed{1}", "value": 1.0, "error": None}]
+    assert first["samples"][0]["method"] == "binary"
+
+    buf = io.StringIO()
+    assert store.export_jsonl(buf, since=t0 - timedelta(minutes=1)) == 250
+    assert early.id not in buf.getvalue()
+
+
+# --- crash durability ---------------------------------------------------------------------------
+WRITER_SCRIPT = r"""
+import asyncio, sys
+from clawbridge.store import Store, TurnRecord
+
+async def main(url: str) -> None:
+    store = Store.open(url)
+    async def client(w: int) -> None:
+        n = 0
+        while True:
+            rec = TurnRecord(
+                session_id=f"s{w}", messages=[{"role": "user", "content": "x" * 200}],
+                prompt_ids=tuple(range(500)), completion_ids=tuple(range(64)),
+                logprobs=tuple(-0.01 * i for i in range(64)), version=0,
+                finish_reason="stop", response={"role": "assistant", "content": "y" * 200},
+                id=f"t-{w}-{n}",
+            )
+            await store.record_turn_async(rec)
+            # Acknowledged: this is where the proxy would send the response.
+            sys.stdout.write(rec.id + "\n")
+            sys.stdout.flush()
+            n += 1
+    await asyncio.gather(*(client(w) for w in range(16)))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_every_acknowledged_turn_survives_kill_9(db_url: str, tmp_path: Path) -> None:
+    Store.open(db_url).close()  # migrate first, so the kill lands in the write load
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), db_url], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    acked: list[str] = []
+    try:
+        assert proc.stdout is not None
+        while len(acked) < 300:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            acked.append(line.strip())
+        os.kill(proc.pid, signal.SIGKILL)
+        acked += [line.strip() for line in proc.stdout if line.endswith("\n")]
+        proc.wait(timeout=10)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert len(acked) >= 300
+    s = Store.open(db_url)
+    try:
+        stored = all_turn_ids(s)
+        missing = set(acked) - stored
+        assert not missing, f"{len(missing)} acknowledged turns lost"
+        if s.dialect == "sqlite":
+            with s.engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
+    finally:
+        s.close()
+
+
+def test_opening_creates_the_sqlite_directory_in_wal_mode(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "c.db"
+    with Store.open(f"sqlite:///{path}") as s, s.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+    assert path.exists()
