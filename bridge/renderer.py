@@ -109,6 +109,19 @@ class Delta:
     tool_call: ToolCallDelta | None = None
 
 
+def merge_deltas(deltas: Sequence[Delta]) -> dict[str, Any] | None:
+    """Several deltas as one OpenAI `choices[0].delta` object (None when there is nothing)."""
+    merged: dict[str, Any] = {}
+    for d in deltas:
+        if d.content is not None:
+            merged["content"] = merged.get("content", "") + d.content
+        if d.reasoning_content is not None:
+            merged["reasoning_content"] = merged.get("reasoning_content", "") + d.reasoning_content
+        if d.tool_call is not None:
+            merged.setdefault("tool_calls", []).append(d.tool_call.to_openai())
+    return merged or None
+
+
 def new_tool_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 

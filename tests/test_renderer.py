@@ -14,6 +14,7 @@ from clawbridge.renderer import (
     Renderer,
     RenderError,
     StreamDecoder,
+    merge_deltas,
     token_bytes_table,
 )
 
@@ -348,6 +349,17 @@ def test_tool_call_deltas_carry_their_index_and_a_whole_call(renderer: Renderer,
     ]
     assert decoder.finish_reason == "tool_calls"
     assert decoder.message().tool_calls[1].id == "call_1"
+
+
+def test_deltas_merge_into_one_openai_delta_object(renderer: Renderer, tokenizer: Any) -> None:
+    decoder = renderer.stream(id_factory=counter_ids())
+    deltas = decoder.feed(ids_of(tokenizer, '<think>hm</think>Yes.<tool_call>{"name": "f"}</tool_call>')) + decoder.finish()
+    assert merge_deltas(deltas) == {
+        "reasoning_content": "hm",
+        "content": "Yes.",
+        "tool_calls": [{"index": 0, "id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    assert merge_deltas([]) is None
 
 
 @pytest.mark.parametrize("stop", [["END"], ["\n\n", "😀!"]])
