@@ -3,6 +3,7 @@
     PRMJudge    m votes of a judge model, \\boxed{1|0|-1}, majority (tie: 0)
     HintJudge   m votes: a hint between [HINT_START]...[HINT_END], or a decline
     RulesJudge  offline default: explicit corrections (-1, the correction as hint) and thanks (+1)
+    Teacher     the hinted prompt scored on the student's tokens (OPD), and a hint scorer
 """
 
 from clawbridge.judges.clients import (
@@ -16,6 +17,7 @@ from clawbridge.judges.factory import Judges, build_judges, judge_kind
 from clawbridge.judges.hints import HintJudge, teacher_messages
 from clawbridge.judges.prm import PRMJudge
 from clawbridge.judges.rules import RulesJudge
+from clawbridge.judges.teacher import Teacher
 from clawbridge.judges.types import (
     HintJudgment,
     HintSource,
@@ -40,6 +42,7 @@ __all__ = [
     "PRMJudge",
     "RewardJudge",
     "RulesJudge",
+    "Teacher",
     "TransientJudgeError",
     "TurnContext",
     "Vote",

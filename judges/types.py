@@ -19,6 +19,11 @@ class TurnContext:
     messages: Sequence[Message]
     response: Message
     next_state: Sequence[Message]
+    # what the OPD teacher needs to score the student's own tokens (empty when not known)
+    tools: Sequence[Mapping[str, Any]] | None = None
+    completion_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()  # log pi_old of completion_ids, as sampled
+    temperature: float = 1.0  # the sampling temperature the logprobs were taken at
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from aiohttp import web
 from clawbridge.config import Settings
 from clawbridge.judges import (
@@ -21,6 +22,7 @@ from clawbridge.judges import (
     OpenAIJudgeClient,
     PRMJudge,
     RulesJudge,
+    Teacher,
     TransientJudgeError,
     TurnContext,
     build_judges,
@@ -560,3 +562,61 @@ async def test_backend_client_renders_the_chat_and_samples_the_frozen_base(token
     assert "process reward model" in text and text.rstrip().endswith("assistant")
     assert params.stop_token_ids  # the template's end-of-turn token stops the judge
 
+
+
+# --- the teacher and the backend judge on the real local engine (tiny random model) ------------------
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def tiny_backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Any]:
+    from clawbridge.backends.local import LocalBackend
+
+    backend = LocalBackend("tiny-random", data_dir=tmp_path_factory.mktemp("tiny"), lora_rank=4, lora_alpha=4)
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_backend: Any) -> Any:
+    from clawbridge.renderer import Renderer
+
+    return Renderer(tiny_backend.tokenizer())
+
+
+SHORT = [{"role": "system", "content": "You are a weather bot."}, *TURN.messages[1:]]
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_teacher_scores_the_students_tokens_under_the_hinted_prompt(tiny_backend: Any, renderer: Any) -> None:
+    completion = tuple(tiny_backend.tokenizer().encode("It is 18C and sunny.", add_special_tokens=False))
+    student = await tiny_backend.score(renderer.render(SHORT), completion, model="base")
+    turn = TurnContext(SHORT, TURN.response, TURN.next_state, completion_ids=completion, logprobs=tuple(student))
+    teacher = Teacher(tiny_backend, renderer, model="base")
+
+    lp = await teacher.logprobs(turn, "Answer in Celsius.")
+    hinted = renderer.render(teacher_messages(SHORT, "Answer in Celsius."))
+    assert lp == await tiny_backend.score(hinted, completion, model="base")
+    assert len(lp) == len(completion) and lp != student  # the hint changed the teacher's view
+    assert await teacher.logprobs(turn, "Answer in Celsius.") is lp  # cached: one score per hint
+
+    agreement = await teacher.agreement(turn, "Answer in Celsius.")
+    assert -1.0 <= agreement < 0.0
+    same = TurnContext(SHORT, TURN.response, TURN.next_state, completion_ids=completion, logprobs=tuple(lp))
+    assert await teacher.agreement(same, "Answer in Celsius.") == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="module")
+async def test_backend_judge_on_the_local_engine_counts_nonsense_as_failed_votes(
+    tiny_backend: Any, renderer: Any
+) -> None:
+    client = BackendJudgeClient(tiny_backend, version=0, renderer=renderer)
+    turn = TurnContext(SHORT, TURN.response, TURN.next_state)
+    judgment = await PRMJudge(client, votes=2, max_tokens=8).judge(turn)
+    assert judgment.judge == "prm:backend:tiny-random@v0"
+    assert (judgment.reward, judgment.failed) == (0, 2)  # random weights never box a score
+    assert all(v.raw_text for v in judgment.votes)

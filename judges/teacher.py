@@ -1,0 +1,67 @@
+"""The OPD teacher: the turn's prompt with the hint appended, scored on the student's own
+completion tokens (DESIGN.md §5). `logprobs` feeds `advantages.opd_advantages`; `agreement` is a
+hint scorer for `HintJudge(selection="overlap")`.
+
+The Backend protocol scores only the given tokens (no top-k), so agreement stands in for
+OpenClaw-RL's top-k overlap with what the protocol can measure: minus the mean clipped gap
+|teacher - student| over the sampled tokens. Both prefer the hint whose teacher stays closest to
+the student's own distribution, which keeps the OPD update small and on-policy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from clawbridge.backends.base import Backend, ScoreModel
+from clawbridge.judges.hints import teacher_messages
+from clawbridge.judges.types import TurnContext
+from clawbridge.renderer import Renderer
+
+
+class Teacher:
+    def __init__(
+        self,
+        backend: Backend,
+        renderer: Renderer,
+        *,
+        model: ScoreModel = "base",
+        clip: float = 1.0,
+        cache_size: int = 64,
+    ) -> None:
+        self.backend = backend
+        self.renderer = renderer
+        self.model = model
+        self.clip = clip
+        self._cache: OrderedDict[tuple[object, ...], list[float]] = OrderedDict()
+        self._cache_size = cache_size
+
+    def prompt_ids(self, turn: TurnContext, hint: str) -> list[int]:
+        return self.renderer.render(teacher_messages(turn.messages, hint), turn.tools)
+
+    async def logprobs(self, turn: TurnContext, hint: str) -> list[float]:
+        """log p_teacher(completion_ids[i] | prompt + hint, completion_ids[:i]). Cached for the
+        last few (prompt, hint, completion) so scoring candidates and training share one call."""
+        if not turn.completion_ids:
+            raise ValueError("the teacher needs the turn's completion ids")
+        prompt = self.prompt_ids(turn, hint)
+        key = (tuple(prompt), turn.completion_ids, self.model, turn.temperature)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        lp = await self.backend.score(
+            prompt, turn.completion_ids, model=self.model, temperature=turn.temperature
+        )
+        if len(lp) != len(turn.completion_ids):
+            raise ValueError(f"backend scored {len(lp)} of {len(turn.completion_ids)} tokens")
+        self._cache[key] = lp
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return lp
+
+    async def agreement(self, turn: TurnContext, hint: str) -> float:
+        """Minus the mean clipped |teacher - student| gap: 0 is full agreement."""
+        if len(turn.logprobs) != len(turn.completion_ids):
+            raise ValueError("agreement needs the turn's sampled logprobs")
+        teacher = await self.logprobs(turn, hint)
+        gaps = [min(abs(t - s), self.clip) for t, s in zip(teacher, turn.logprobs, strict=True)]
+        return -sum(gaps) / len(gaps)
