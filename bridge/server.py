@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ class Running:
     server: uvicorn.Server  # set `server.should_exit = True` to drain and stop
 
 
-BackgroundTask = Callable[[Running], Awaitable[None]]
+BackgroundTask = Callable[[Running], Coroutine[Any, Any, None]]
 
 
 def serving_extras(settings: Settings) -> dict[str, Any]:
@@ -170,7 +170,8 @@ async def serve(
     cancelled once the last in-flight request is answered."""
     backend = backend or build_backend(settings)
     await backend.start()
-    store = store or await asyncio.to_thread(open_store, settings)
+    if store is None:
+        store = await asyncio.to_thread(open_store, settings)
     app = create_app(settings, backend, store, hooks)
     proxy: Proxy = app.state.proxy
     config = uvicorn.Config(
@@ -197,7 +198,7 @@ async def serve(
     running = Running(settings, backend, store, proxy, base_url, server)
     if not quiet:
         print(banner(settings, backend, proxy, base_url), flush=True)
-    tasks = [asyncio.create_task(t(running)) for t in background]
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(t(running)) for t in background]
     tasks.append(asyncio.create_task(_expire_loop(proxy, min(60.0, settings.session_idle_timeout_s / 4))))
     if not quiet:
         tasks.append(asyncio.create_task(_status_loop(proxy, 1.0, sys.stdout.isatty())))

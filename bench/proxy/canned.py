@@ -24,7 +24,7 @@ class CannedBackend:
     def __init__(self) -> None:
         self._tok = models.load_tokenizer(models.resolve(models.EMBEDDED))
         eos = self._tok.convert_tokens_to_ids("<|im_end|>")
-        self.tokens = tuple(self._tok.encode(ANSWER, add_special_tokens=False)) + (eos,)
+        self.tokens = (*self._tok.encode(ANSWER, add_special_tokens=False), eos)
         self.logprobs = tuple(-0.5 for _ in self.tokens)
 
     @property
