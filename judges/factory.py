@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from clawbridge.backends.base import Backend
@@ -11,8 +12,11 @@ from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJud
 from clawbridge.judges.hints import HintJudge, HintScorer
 from clawbridge.judges.prm import PRMJudge
 from clawbridge.judges.rules import RulesJudge
+from clawbridge.judges.teacher import Teacher
 from clawbridge.judges.types import HintJudgment, HintSource, Judgment, RewardJudge, TurnContext
 from clawbridge.types import Method
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,14 @@ def judge_kind(settings: Settings) -> str:
 
 
 def build_judges(
-    settings: Settings, backend: Backend | None = None, scorer: HintScorer | None = None
+    settings: Settings,
+    backend: Backend | None = None,
+    *,
+    teacher: Teacher | None = None,
+    scorer: HintScorer | None = None,
 ) -> Judges:
+    """The judges the settings ask for. `hint_selection="overlap"` scores candidates with
+    `scorer`, or the teacher's agreement; without either it falls back to the longest hint."""
     kind = judge_kind(settings)
     if kind == "rules":
         rules = RulesJudge()
@@ -57,7 +67,12 @@ def build_judges(
         if backend is None:
             raise ValueError("judge 'backend' needs the active backend")
         client = BackendJudgeClient(backend, version=0)
-    selection = settings.hint_selection if scorer is not None else "longest"
+    if scorer is None and teacher is not None:
+        scorer = teacher.agreement
+    selection = settings.hint_selection
+    if selection == "overlap" and scorer is None:
+        log.warning("hint selection 'overlap' needs the teacher; choosing the longest hint instead")
+        selection = "longest"
     return Judges(
         reward=PRMJudge(client, votes=settings.prm_votes, seed=settings.seed),
         hint=HintJudge(client, votes=settings.hint_votes, selection=selection, scorer=scorer, seed=settings.seed),

@@ -377,6 +377,13 @@ def test_auto_picks_the_rules_judge_offline_and_http_with_an_endpoint() -> None:
     online = build_judges(Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", prm_votes=5))
     assert isinstance(online.reward, PRMJudge) and online.reward.votes == 5
     assert online.reward.name == "prm:http:judge"
+    overlap = Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", hint_selection="overlap")
+    assert build_judges(overlap).hint.selection == "longest"  # type: ignore[attr-defined]  # no teacher
+
+    async def scorer(turn: TurnContext, hint: str) -> float:
+        return 0.0
+
+    assert build_judges(overlap, scorer=scorer).hint.selection == "overlap"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="judge-model"):
         build_judges(Settings(judge="http", judge_url="http://127.0.0.1:9/v1"))
     with pytest.raises(ValueError, match="backend"):
