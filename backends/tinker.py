@@ -26,7 +26,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from clawbridge.backends.base import BackendError, ContextLengthExceeded, ScoreModel
@@ -331,7 +331,7 @@ def _completion(seq: Any, version: int, top_k: int) -> Completion:
     top = None
     if top_k and seq.topk_logprobs is not None:
         top = tuple(tuple(TokenLogprob(int(i), float(lp)) for i, lp in (row or ())) for row in seq.topk_logprobs)
-    reason = "stop" if seq.stop_reason == "stop" else "length"
+    reason: Literal["stop", "length"] = "stop" if seq.stop_reason == "stop" else "length"
     return Completion(tokens, tuple(float(x) for x in logprobs), reason, version, top)
 
 
