@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import codecs
 import contextlib
-import hashlib
 import json
 import logging
 import re
@@ -176,13 +175,17 @@ def token_bytes_table(tokenizer: Any) -> list[bytes]:
 
 
 def _partial_suffix(text: str, patterns: Iterable[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`."""
-    best = 0
+    """Length of the longest suffix of `text` that is a proper prefix of one of `patterns`.
+    Only a pattern's first character can start such a suffix, so `find` skips the rest in C."""
+    best, end = 0, len(text)
     for p in patterns:
-        for k in range(min(len(p) - 1, len(text)), best, -1):
-            if text.endswith(p[:k]):
-                best = k
+        n = min(len(p) - 1, end)
+        i = text.find(p[0], end - n)
+        while i >= 0 and end - i > best:
+            if p.startswith(text[i:]):
+                best = end - i
                 break
+            i = text.find(p[0], i + 1)
     return best
 
 
@@ -333,6 +336,10 @@ class StreamDecoder:
                 self._mode = "content"
                 self._close_tool(body, closed=True, out=out)
                 continue
+            if "<" not in self._buf:  # every tag starts with "<": the common case is one check
+                safe, self._buf = self._buf, ""
+                self._emit(safe, out, segment_end=False)
+                return
             tags = (THINK_CLOSE,) if self._mode == "reasoning" else (TOOL_OPEN, THINK_OPEN)
             pos, tag = _earliest(self._buf, tags)
             if pos < 0:
@@ -391,7 +398,7 @@ class _Entry:
     ids: array  # token ids of `text`
     cuts: array  # char offsets just after a splitting added token ...
     cut_ids: array  # ... and the number of ids up to that offset
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)
 
 
 class _PromptCache:
@@ -409,7 +416,7 @@ class _PromptCache:
         self._tok = tokenizer.backend_tokenizer
         self._size = size
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._keys: dict[bytes, int] = {}
+        self._keys: dict[int, int] = {}
         self._next = 0
         # Tokens whose flags let them eat neighbouring whitespace are not safe boundaries.
         self._split_ids = frozenset(
@@ -418,11 +425,11 @@ class _PromptCache:
         self.hits = 0
         self._lock = threading.Lock()  # the proxy may render from a thread pool
 
-    def encode(self, text: str, keys: Sequence[bytes]) -> list[int]:
+    def encode(self, text: str, keys: Sequence[int]) -> list[int]:
         with self._lock:
             return self._encode(text, keys)
 
-    def _encode(self, text: str, keys: Sequence[bytes]) -> list[int]:
+    def _encode(self, text: str, keys: Sequence[int]) -> list[int]:
         base = self._lookup(keys)
         start, prefix_ids, cuts, cut_ids = 0, array("l"), array("l"), array("l")
         if base is not None:
@@ -443,7 +450,7 @@ class _PromptCache:
         self._store(_Entry(text, ids, cuts, cut_ids), keys)
         return ids.tolist()
 
-    def _lookup(self, keys: Sequence[bytes]) -> _Entry | None:
+    def _lookup(self, keys: Sequence[int]) -> _Entry | None:
         for key in reversed(keys):
             slot = self._keys.get(key)
             if slot is not None and slot in self._entries:
@@ -451,7 +458,7 @@ class _PromptCache:
                 return self._entries[slot]
         return None
 
-    def _store(self, entry: _Entry, keys: Sequence[bytes]) -> None:
+    def _store(self, entry: _Entry, keys: Sequence[int]) -> None:
         slot, self._next = self._next, self._next + 1
         entry.keys = list(keys)
         self._entries[slot] = entry
@@ -476,12 +483,15 @@ def _common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
-def _prefix_keys(messages: Sequence[Mapping[str, Any]], tools: Any) -> list[bytes]:
-    h = hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16)
+def _prefix_keys(messages: Sequence[Mapping[str, Any]], tools: Any) -> list[int]:
+    """A chained hash per message prefix. Python's string hash runs in C; the long contents
+    (a 40 K-character system prompt) are hashed as they are, only small extra fields as JSON."""
+    key = hash(json.dumps(tools, sort_keys=True)) if tools else 0
     keys = []
     for m in messages:
-        h.update(json.dumps(m, sort_keys=True, ensure_ascii=False).encode())
-        keys.append(h.copy().digest())
+        rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+        key = hash((key, m.get("role"), m.get("content"), json.dumps(rest, sort_keys=True) if rest else None))
+        keys.append(key)
     return keys
 
 
