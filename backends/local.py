@@ -1,0 +1,155 @@
+"""The `local` backend: the in-process torch engine (`clawbridge.local_gpu.engine`) on CPU, or on
+one GPU when `device="cuda"`. An adapter from the Backend protocol to the engine, nothing more:
+it checks the context length at the edge and maps settings onto engine arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clawbridge.backends.base import BackendError, ContextLengthExceeded, ScoreModel
+from clawbridge.local_gpu import models
+from clawbridge.local_gpu.engine import Engine
+from clawbridge.types import (
+    Completion,
+    Datum,
+    LossSpec,
+    OptimSpec,
+    PolicyVersion,
+    SamplingParams,
+    StepMetrics,
+    TokenChunk,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from clawbridge.config import Settings
+    from transformers import PreTrainedTokenizerBase
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(
+        self,
+        model: str = models.EMBEDDED,
+        data_dir: Path = Path(".clawbridge"),
+        *,
+        cache_dir: Path | None = None,
+        served_model_name: str | None = None,
+        lora_rank: int = 32,
+        lora_alpha: int = 32,
+        seed: int = 0,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        max_batch: int = 16,
+        train_token_budget: int = 2048,
+        threads: int | None = None,
+    ) -> None:
+        spec = models.resolve(model, cache_dir)
+        self.model_name = served_model_name or spec.name
+        self.context_length = spec.context_length
+        self.engine = Engine(
+            spec,
+            data_dir=Path(data_dir),
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            max_batch=max_batch,
+            train_token_budget=train_token_budget,
+            threads=threads,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **overrides: object) -> LocalBackend:
+        kwargs: dict[str, object] = dict(
+            model=settings.model,
+            data_dir=settings.data_dir,
+            cache_dir=settings.cache_dir,
+            served_model_name=settings.served_model_name,
+            lora_rank=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            seed=settings.seed,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.engine.tokenizer
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.engine.start)
+
+    def _check_length(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if len(prompt_ids) + params.max_tokens > self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), params.max_tokens, self.context_length)
+
+    async def sample(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        version: int | None = None,
+    ) -> list[Completion]:
+        self._check_length(prompt_ids, params)
+        return await self.engine.sample(prompt_ids, params, n=n, version=version)
+
+    async def sample_stream(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        version: int | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        self._check_length(prompt_ids, params)
+        async for chunk in self.engine.sample_stream(prompt_ids, params, version=version):
+            yield chunk
+
+    async def score(
+        self,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        *,
+        model: ScoreModel = "policy",
+        temperature: float = 1.0,
+    ) -> list[float]:
+        if len(prompt_ids) + len(completion_ids) > self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), len(completion_ids), self.context_length)
+        return await self.engine.score(prompt_ids, completion_ids, model=model, temperature=temperature)
+
+    async def train_step(
+        self,
+        batch: Sequence[Datum],
+        loss: LossSpec = LossSpec(),
+        optim: OptimSpec = OptimSpec(),
+    ) -> StepMetrics:
+        return await self.engine.train_step(batch, loss, optim)
+
+    async def publish(self) -> PolicyVersion:
+        return await self.engine.publish()
+
+    async def save_state(self, name: str) -> str:
+        return await self.engine.save_state(name)
+
+    async def load_state(self, name: str) -> None:
+        await self.engine.load_state(name)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.close)
+
+
+def from_settings(settings: Settings) -> LocalBackend:
+    return LocalBackend.from_settings(settings)
+
+
+__all__ = ["BackendError", "LocalBackend", "from_settings"]

@@ -1,0 +1,653 @@
+"""The torch engine: one HF causal LM + PEFT LoRA, owned by one scheduler thread.
+
+Every verb (sample, score, train_step, publish, save/load) runs on that thread, so the model is
+never mutated mid-forward. Sampling is continuously batched: new requests are prefilled and
+merged into the running batch between decode steps (`kvbatch.KVBatch`); other jobs run one per
+iteration between decode steps. Results reach asyncio callers through thread-safe futures and
+per-request queues.
+
+Versions. The trainable adapter is PEFT's "default" and is never served. Version 0 is the base
+(PEFT's "__base__" row name); `publish()` writes the trainable weights to
+`data_dir/adapters/vK/` (PEFT format) and loads that folder back as adapter "vK". Each decode
+row names its own adapter (PEFT mixed-batch LoRA, `adapter_names`), so a request admitted on vK
+finishes on vK while newer requests run on vK+1 in the same batch. An adapter is deleted once no
+request uses it and a newer version exists; an older version asked for by number is reloaded
+from its folder (rollback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import math
+import queue
+import secrets
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from clawbridge.backends.base import BackendError
+from clawbridge.local_gpu import models
+from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.sampling import draw_token, needs_uniform
+from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
+from clawbridge.types import (
+    Completion,
+    Datum,
+    LossSpec,
+    OptimSpec,
+    PolicyVersion,
+    SamplingParams,
+    StepMetrics,
+    TokenChunk,
+)
+
+log = logging.getLogger(__name__)
+
+BASE = "__base__"  # PEFT's row name for "no adapter"
+TRAIN = "default"  # the trainable adapter; saved without a sub-folder under this name
+
+
+def adapter_name(version: int) -> str:
+    return BASE if version == 0 else f"v{version}"
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One completion being generated."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    requested_version: int | None
+    emit: Callable[[TokenChunk | BaseException], None]
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    version: int = -1
+    tokens: list[int] = field(default_factory=list)
+    text_checked: int = 0
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any]
+
+
+class Engine:
+    def __init__(
+        self,
+        spec: models.ModelSpec,
+        *,
+        data_dir: Path,
+        lora_rank: int = 32,
+        lora_alpha: int = 32,
+        target_modules: str | list[str] = "all-linear",
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        seed: int = 0,
+        max_batch: int = 16,
+        train_token_budget: int = 2048,
+        threads: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.threads = threads
+        self.data_dir = Path(data_dir)
+        self.lora_rank, self.lora_alpha, self.target_modules = lora_rank, lora_alpha, target_modules
+        self.device, self.dtype, self.seed = device, dtype or torch.float32, seed
+        self.max_batch, self.train_token_budget = max_batch, train_token_budget
+        self.context_length = spec.context_length
+        self.tokenizer = models.load_tokenizer(spec)
+        self.stop_ids = self._default_stop_ids()
+        self._model: Any = None
+        self._optimizer: torch.optim.AdamW | None = None
+        self._newest = 0
+        self._steps = 0
+        self._refs: dict[int, int] = {}
+        self._loaded: set[int] = set()  # published versions with an adapter in memory
+        self._inbox: queue.Queue[_Seq | _Job | None] = queue.Queue()
+        self._waiting: deque[_Seq] = deque()
+        self._jobs: deque[_Job] = deque()
+        self._active: list[_Seq] = []
+        self._batch = KVBatch()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the model and start the scheduler thread (blocking: seconds)."""
+        if self._thread is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+
+        if self.threads:  # process-wide; on a shared, busy CPU one thread beats contended two
+            torch.set_num_threads(self.threads)
+        base = models.load_model(self.spec, dtype=self.dtype, device=self.device, seed=self.seed)
+        config = LoraConfig(
+            r=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            target_modules=self.target_modules,
+            lora_dropout=0.0,
+        )
+        with torch.random.fork_rng(devices=[]):  # LoRA A init must not depend on global state
+            torch.manual_seed(self.seed)
+            self._model = get_peft_model(base, config, adapter_name=TRAIN)
+        self._model.eval()  # no dropout anywhere; PEFT mixed-batch rows require eval mode
+        self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is None or self._closed:
+            return
+        self._closed = True
+        self._inbox.put(None)
+        self._thread.join(timeout=60)
+
+    @property
+    def version(self) -> int:
+        return self._newest
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    # --- async API ---------------------------------------------------------------------------
+
+    async def sample_stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
+        seq = self._new_seq(prompt_ids, params, version, loop, chunks)
+        self._put(seq)
+        try:
+            while True:
+                item = await chunks.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            seq.cancelled = True  # a consumer that stops early frees its batch row
+
+    async def sample(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        version: int | None = None,
+    ) -> list[Completion]:
+        def nth(i: int) -> SamplingParams:
+            if params.seed is None or i == 0:
+                return params
+            return SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+
+        return list(
+            await asyncio.gather(
+                *(collect(self.sample_stream(prompt_ids, nth(i), version=version)) for i in range(n))
+            )
+        )
+
+    async def score(
+        self,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        *,
+        model: Literal["policy", "base"] = "policy",
+        temperature: float = 1.0,
+    ) -> list[float]:
+        return await self._call(self._score, tuple(prompt_ids), tuple(completion_ids), model, temperature)
+
+    async def train_step(
+        self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()
+    ) -> StepMetrics:
+        return await self._call(self._train_step, tuple(batch), loss, optim)
+
+    async def publish(self) -> PolicyVersion:
+        return await self._call(self._publish)
+
+    async def save_state(self, name: str) -> str:
+        return await self._call(self._save_state, name)
+
+    async def load_state(self, name: str) -> None:
+        await self._call(self._load_state, name)
+
+    async def trainable_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the trainable LoRA weights (PEFT state-dict keys); for tests and tools."""
+        return await self._call(self._trainable_state)
+
+    # --- plumbing between the event loop and the scheduler thread ---------------------------
+
+    def _put(self, item: _Seq | _Job) -> None:
+        if self._thread is None:
+            raise BackendError("the engine is not started: call start() first")
+        if self._closed:
+            raise BackendError("the engine is closed")
+        self._inbox.put(item)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._put(_Job(fn, args, future))
+        return await asyncio.wrap_future(future)
+
+    def _new_seq(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        version: int | None,
+        loop: asyncio.AbstractEventLoop,
+        chunks: asyncio.Queue[TokenChunk | BaseException],
+    ) -> _Seq:
+        if not prompt_ids:
+            raise ValueError("the prompt needs at least one token")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq: _Seq
+
+        def emit(item: TokenChunk | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
+            except RuntimeError:  # the caller's event loop is gone: nobody is listening
+                seq.cancelled = True
+
+        seq = _Seq(
+            prompt=tuple(int(t) for t in prompt_ids),
+            params=params,
+            requested_version=version,
+            emit=emit,
+            generator=torch.Generator().manual_seed(seed),
+            stop_ids=self.stop_ids | frozenset(params.stop_token_ids),
+        )
+        return seq
+
+    def _default_stop_ids(self) -> frozenset[int]:
+        ids = {self.tokenizer.eos_token_id}
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        return frozenset(i for i in ids if isinstance(i, int))
+
+    # --- the scheduler thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not (self._waiting or self._jobs or self._active)
+            try:
+                item = self._inbox.get(block=idle)
+                while True:
+                    if item is None:
+                        self._shutdown()
+                        return
+                    if isinstance(item, _Job):
+                        self._jobs.append(item)
+                    else:
+                        self._waiting.append(item)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            if self._jobs:
+                self._run_job(self._jobs.popleft())
+            self._admit()
+            if self._active:
+                self._decode_step()
+
+    def _run_job(self, job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(job.fn(*job.args))
+        except BaseException as exc:
+            log.exception("engine job %s failed", getattr(job.fn, "__name__", job.fn))
+            job.future.set_exception(exc)
+
+    def _shutdown(self) -> None:
+        error = BackendError("the engine was closed")
+        for seq in [*self._active, *self._waiting]:
+            seq.emit(error)
+        for job in self._jobs:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(error)
+        self._active, self._batch = [], KVBatch()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch:
+            seq = self._waiting.popleft()
+            if seq.cancelled:
+                continue
+            try:
+                seq.version = self._acquire(seq.requested_version)
+            except BaseException as exc:
+                seq.emit(exc)
+                continue
+            try:
+                with torch.inference_mode():
+                    ids = torch.tensor([seq.prompt], device=self.device)
+                    out = self._model(
+                        input_ids=ids,
+                        use_cache=True,
+                        adapter_names=[adapter_name(seq.version)],
+                        logits_to_keep=1,
+                    )
+                token = self._take(seq, out.logits[0, -1])
+            except BaseException as exc:
+                self._release(seq.version)
+                seq.emit(exc)
+                continue
+            if token is None:
+                self._release(seq.version)
+            else:
+                self._batch.add(out.past_key_values, len(seq.prompt), token)
+                self._active.append(seq)
+
+    def _decode_step(self) -> None:
+        try:
+            with torch.inference_mode():
+                out = self._model(
+                    **self._batch.step_inputs(),
+                    use_cache=True,
+                    adapter_names=[adapter_name(s.version) for s in self._active],
+                )
+                logits = out.logits[:, -1]
+                nexts = [self._take(seq, logits[i]) for i, seq in enumerate(self._active)]
+        except BaseException as exc:
+            log.exception("decode step failed; failing %d requests", len(self._active))
+            for seq in self._active:
+                seq.emit(exc)
+                self._release(seq.version)
+            self._active, self._batch = [], KVBatch()
+            return
+        self._batch.advance([t if t is not None else 0 for t in nexts])
+        keep = [i for i, t in enumerate(nexts) if t is not None]
+        for i, t in enumerate(nexts):
+            if t is None:
+                self._release(self._active[i].version)
+        self._active = [self._active[i] for i in keep]
+        self._batch.keep(keep)
+
+    def _take(self, seq: _Seq, logits: torch.Tensor) -> int | None:
+        """Draw the next token, stream it; the token to feed next, or None once finished."""
+        if seq.cancelled:
+            return None
+        u = float(torch.rand((), generator=seq.generator, dtype=torch.float64)) if needs_uniform(seq.params) else 0.0
+        draw = draw_token(logits, seq.params, u)
+        seq.tokens.append(draw.token)
+        finish = self._finish_reason(seq, draw.token)
+        seq.emit(
+            TokenChunk(
+                tokens=(draw.token,),
+                logprobs=(draw.logprob,),
+                version=seq.version,
+                finish_reason=finish,
+                top_logprobs=(draw.top,) if draw.top is not None else None,
+            )
+        )
+        return None if finish is not None else draw.token
+
+    def _finish_reason(self, seq: _Seq, token: int) -> Literal["stop", "length"] | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if seq.params.stop:
+            # decode the whole completion (merges and multi-byte characters settle late) but
+            # search only the text that could contain a new match
+            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
+            longest = max(len(s) for s in seq.params.stop)
+            window = text[max(0, seq.text_checked - longest + 1) :]
+            seq.text_checked = len(text)
+            if any(s and s in window for s in seq.params.stop):
+                return "stop"
+        if len(seq.tokens) >= seq.params.max_tokens:
+            return "length"
+        if len(seq.prompt) + len(seq.tokens) >= self.context_length:
+            return "length"
+        return None
+
+    # --- versions ------------------------------------------------------------------------------
+
+    def _acquire(self, requested: int | None) -> int:
+        version = self._newest if requested is None else requested
+        if version < 0 or version > self._newest:
+            raise BackendError(f"unknown policy version {version}; the newest is {self._newest}")
+        if version and version not in self._loaded:
+            path = self._adapter_dir(version)
+            if not (path / "adapter_config.json").exists():
+                raise BackendError(f"policy@v{version} is no longer available ({path} is missing)")
+            self._model.load_adapter(str(path), adapter_name=adapter_name(version))
+            self._loaded.add(version)
+        self._refs[version] = self._refs.get(version, 0) + 1
+        return version
+
+    def _release(self, version: int) -> None:
+        self._refs[version] -= 1
+        self._collect()
+
+    def _collect(self) -> None:
+        """Drop adapters of versions nobody uses any more (the newest always stays)."""
+        for version in sorted(self._loaded):
+            if version != self._newest and self._refs.get(version, 0) <= 0:
+                self._model.delete_adapter(adapter_name(version))
+                self._loaded.discard(version)
+                self._refs.pop(version, None)
+
+    def _adapter_dir(self, version: int) -> Path:
+        return self.data_dir / "adapters" / f"v{version}"
+
+    def _publish(self) -> PolicyVersion:
+        version = self._newest + 1
+        path = self._adapter_dir(version)
+        self._write_adapter(path)
+        # serve exactly what was persisted: the folder is what restarts and rollbacks load
+        self._model.load_adapter(str(path), adapter_name=adapter_name(version))
+        self._loaded.add(version)
+        self._newest = version
+        self._collect()
+        log.info("published policy@v%d (%s)", version, path)
+        return PolicyVersion(version, str(path))
+
+    def _write_adapter(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._model.save_pretrained(str(tmp), selected_adapters=[TRAIN])
+        shutil.rmtree(path, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.rename(path)
+
+    # --- scoring and training ----------------------------------------------------------------
+
+    def _score(
+        self,
+        prompt: tuple[int, ...],
+        completion: tuple[int, ...],
+        model: Literal["policy", "base"],
+        temperature: float,
+    ) -> list[float]:
+        if not prompt or not completion:
+            raise ValueError("score needs a non-empty prompt and completion")
+        name = BASE if model == "base" else adapter_name(self._newest)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + completion], device=self.device)
+            logits = self._model(
+                input_ids=ids, adapter_names=[name], logits_to_keep=len(completion) + 1
+            ).logits[0, :-1]
+            targets = torch.tensor(completion, device=self.device)
+            lp = token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
+        return [float(x) for x in lp.tolist()]
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self._model.parameters() if p.requires_grad]
+
+    def _get_optimizer(self) -> torch.optim.AdamW:
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(self._params(), lr=1e-4)
+        return self._optimizer
+
+    def _micro_batches(self, batch: tuple[Datum, ...]) -> list[list[Datum]]:
+        """Consecutive groups whose padded length stays within the token budget."""
+        groups: list[list[Datum]] = []
+        current: list[Datum] = []
+        longest = 0
+        for d in batch:
+            n = len(d.prompt_ids) + len(d.completion_ids)
+            if current and (len(current) + 1) * max(longest, n) > self.train_token_budget:
+                groups.append(current)
+                current, longest = [], 0
+            current.append(d)
+            longest = max(longest, n)
+        if current:
+            groups.append(current)
+        return groups
+
+    def _batch_logprobs(
+        self, group: list[Datum], names: list[str] | None = None
+    ) -> torch.Tensor:
+        """New logprobs of every completion token of `group`, concatenated, each datum at its
+        own temperature. Only the completion positions' logits are materialised."""
+        lengths = [len(d.prompt_ids) + len(d.completion_ids) for d in group]
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for i, d in enumerate(group):
+            ids[i, : lengths[i]] = torch.tensor(d.prompt_ids + d.completion_ids)
+            mask[i, : lengths[i]] = 1
+        first = min(len(d.prompt_ids) for d in group) - 1  # first position whose logits we need
+        extra = {"adapter_names": names} if names is not None else {}
+        logits = self._model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            logits_to_keep=width - first,
+            **extra,
+        ).logits
+        parts = []
+        for i, d in enumerate(group):
+            start = len(d.prompt_ids) - 1 - first
+            rows = logits[i, start : start + len(d.completion_ids)]
+            targets = torch.tensor(d.completion_ids, device=self.device)
+            parts.append(token_logprobs(rows, targets, d.temperature if d.temperature > 0 else 1.0))
+        return torch.cat(parts)
+
+    def _train_step(self, batch: tuple[Datum, ...], loss: LossSpec, optim: OptimSpec) -> StepMetrics:
+        if not batch:
+            raise ValueError("train_step needs at least one Datum")
+        started = time.perf_counter()
+        total = batch_tokens(batch)
+        optimizer = self._get_optimizer()
+        for param_group in optimizer.param_groups:
+            param_group.update(
+                lr=optim.learning_rate,
+                betas=(optim.beta1, optim.beta2),
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = clipped = kl = 0.0
+        for group in self._micro_batches(batch):
+            base = None
+            if loss.kl_coef:
+                with torch.no_grad():
+                    base = self._batch_logprobs(group, names=[BASE] * len(group))
+            new = self._batch_logprobs(group)
+            old = torch.tensor([x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype)
+            adv = torch.tensor([x for d in group for x in d.advantages], device=new.device, dtype=new.dtype)
+            terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
+            part = terms.loss.sum() / total  # token-mean over the WHOLE batch
+            part.backward()
+            loss_sum += float(part.detach())
+            clipped += float(terms.clipped.sum())
+            kl += float(terms.approx_kl.sum())
+        max_norm = optim.grad_clip_norm if optim.grad_clip_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params(), max_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self._steps += 1
+        return StepMetrics(
+            loss=loss_sum,
+            clip_fraction=clipped / total,
+            approx_kl=kl / total,
+            grad_norm=grad_norm,
+            tokens=total,
+            samples=len(batch),
+            seconds=time.perf_counter() - started,
+        )
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self._model, adapter_name=TRAIN)
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def _checkpoint_dir(self, name: str) -> Path:
+        path = Path(name)
+        return path if path.is_absolute() else self.data_dir / "checkpoints" / name
+
+    def _save_state(self, name: str) -> str:
+        path = self._checkpoint_dir(name)
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._model.save_pretrained(str(tmp / "adapter"), selected_adapters=[TRAIN])
+        optimizer = self._optimizer.state_dict() if self._optimizer is not None else None
+        torch.save({"optimizer": optimizer}, tmp / "optimizer.pt")
+        meta = {"version": self._newest, "steps": self._steps, "lora_rank": self.lora_rank,
+                "lora_alpha": self.lora_alpha, "model": self.spec.name}
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+        return str(path)
+
+    def _load_state(self, name: str) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = self._checkpoint_dir(name)
+        if not (path / "state.json").exists():
+            raise BackendError(f"no checkpoint at {path}")
+        meta = json.loads((path / "state.json").read_text())
+        weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
+        with torch.no_grad():
+            set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
+        saved = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
+        self._optimizer = None
+        if saved["optimizer"] is not None:
+            self._get_optimizer().load_state_dict(saved["optimizer"])
+        self._steps = int(meta["steps"])
+        self._newest = int(meta["version"])
+        self._release(self._acquire(None))  # loads the newest version's adapter if missing
+
+
+async def collect(stream: AsyncIterator[TokenChunk]) -> Completion:
+    """Gather a streamed completion into one record."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    tops: list[Any] = []
+    version, finish = 0, None
+    async for chunk in stream:
+        tokens += chunk.tokens
+        logprobs += chunk.logprobs
+        if chunk.top_logprobs is not None:
+            tops += chunk.top_logprobs
+        version, finish = chunk.version, chunk.finish_reason
+    if finish is None:
+        raise BackendError("the completion stream ended without a finish reason")
+    return Completion(
+        tokens=tuple(tokens),
+        logprobs=tuple(logprobs),
+        finish_reason=finish,
+        version=version,
+        top_logprobs=tuple(tops) if tops else None,
+    )
+
+
+__all__ = ["BASE", "TRAIN", "Engine", "adapter_name", "collect"]
