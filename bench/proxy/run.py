@@ -38,7 +38,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -53,9 +53,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     raise RuntimeError(f"{url} not ready after {timeout}s")
 
 
-def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -93,11 +94,11 @@ def main() -> None:
     use_litellm = not a.no_litellm and LITELLM.exists()
     data = Path(tempfile.mkdtemp(prefix="cb-bench-"))
     ports = {k: free_port() for k in ("direct", "relay", "litellm", "clawbridge")}
-    procs = {"direct": start([PY, "upstream.py", "--port", str(ports["direct"])])}
+    procs = {"direct": start([PY, "upstream.py", "--port", str(ports["direct"])], data / "direct.log")}
     up = f"http://127.0.0.1:{ports['direct']}"
-    procs["relay"] = start([PY, "relay.py", "--port", str(ports["relay"]), "--upstream", up])
+    procs["relay"] = start([PY, "relay.py", "--port", str(ports["relay"]), "--upstream", up], data / "relay.log")
     procs["clawbridge"] = start([PY, "serve_clawbridge.py", "--port", str(ports["clawbridge"]),
-                                 "--data-dir", str(data)], env={"PYTHONPATH": str(HERE)})
+                                 "--data-dir", str(data)], data / "clawbridge.log", env={"PYTHONPATH": str(HERE)})
     if use_litellm:
         cfg = data / "litellm.yaml"
         cfg.write_text(
@@ -106,13 +107,14 @@ def main() -> None:
             "general_settings:\n  master_key: sk-bench\n"
         )
         procs["litellm"] = start([str(LITELLM), "--config", str(cfg), "--port", str(ports["litellm"]),
-                                  "--num_workers", "1", "--telemetry", "False"],
+                                  "--num_workers", "1", "--telemetry", "False"], data / "litellm.log",
                                  env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
     paths = [p for p in ("direct", "relay", "litellm", "clawbridge") if p in procs]
     rows: list[dict] = []
     try:
         for p in paths:
             wait_ready(f"http://127.0.0.1:{ports[p]}/v1/models", procs[p])
+            print(f"{p} ready", flush=True)
         url = {p: f"http://127.0.0.1:{ports[p]}/v1/chat/completions" for p in paths}
         for clients, total in ((1, 200), (10, 500), (100, 1000)):
             for stream in (False, True):
