@@ -436,3 +436,36 @@ def test_incremental_render_equals_apply_chat_template_for_plain_growth(tokenize
         messages.append({"role": "user", "content": f"u{t} 中文"})
         assert incremental.render(messages) == template_ids(tokenizer, messages)
         messages.append({"role": "assistant", "content": f"a{t} ok"})
+
+
+def test_incremental_render_of_a_10k_token_session_is_several_times_faster(tokenizer: Any) -> None:
+    """The figures in docs/renderer.md: `pytest tests/test_renderer.py -k faster -s`."""
+    tools = [
+        {"type": "function", "function": {
+            "name": f"tool_{k}", "description": f"Does thing {k}. " * 8,
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}},
+        }}
+        for k in range(12)
+    ]
+    system = "You are a personal agent.\n" + "\n".join(
+        f"- Guideline {i}: for topic {i}, check the workspace files first and answer briefly." for i in range(380)
+    )
+    history: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    requests = []
+    for t in range(8):
+        history.append({"role": "user", "content": f"[Sun 2026-11-22 08:{t:02d} UTC] please do task {t}"})
+        requests.append([*history, {"role": "user", "content": [{"type": "text", "text": f"<<<INTERNAL>>> {t}"}]}])
+        history.append({"role": "assistant", "content": f"Done with task {t}. " + "Details follow. " * 15})
+    incremental, full = Renderer(tokenizer), Renderer(tokenizer, incremental=False)
+    full_s, inc_s = [], []
+    for messages in requests:
+        start = time.perf_counter()
+        expected = full.render(messages, tools=tools)
+        full_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert incremental.render(messages, tools=tools) == expected
+        inc_s.append(time.perf_counter() - start)
+    assert len(expected) > 10_000
+    full_ms, inc_ms = 1e3 * sorted(full_s)[len(full_s) // 2], 1e3 * sorted(inc_s[1:])[len(inc_s) // 2 - 1]
+    print(f"\n{len(expected)}-token prompt: full render {full_ms:.1f} ms, incremental {inc_ms:.1f} ms (medians)")
+    assert inc_ms * 3 < full_ms
