@@ -22,11 +22,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from pg import PgCluster, pg_cluster  # noqa: F401
-
 from clawbridge.store import (
-    Judgment,
     JudgeVote,
+    Judgment,
     PolicyVersionRow,
     SampleStateError,
     Store,
@@ -36,6 +34,7 @@ from clawbridge.store import (
 from clawbridge.store.core import alembic_config
 from clawbridge.store.schema import metadata
 from clawbridge.types import SamplingParams, TokenLogprob
+from pg import PgCluster, pg_cluster  # noqa: F401
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -111,7 +110,7 @@ def test_a_turn_round_trips_with_exact_token_ids_and_logprobs(store: Store) -> N
     assert got.top_logprobs == rec.top_logprobs
     assert got.sampling == rec.sampling
     for name in ("messages", "tools", "request_params", "response", "version", "finish_reason",
-                 "turn_type", "tagged", "train", "queued_ms", "ttft_ms", "total_ms", "created_at"):
+                 "turn_type", "tagged", "train", "session_source", "queued_ms", "ttft_ms", "total_ms", "created_at"):
         assert getattr(got, name) == getattr(rec, name), name
     assert got.index == 0 and got.next_state is None
 
@@ -523,6 +522,23 @@ def test_every_acknowledged_turn_survives_kill_9(db_url: str, tmp_path: Path) ->
                 assert conn.exec_driver_sql("PRAGMA integrity_check").scalar() == "ok"
     finally:
         s.close()
+
+
+def test_a_sqlite_store_backs_up_while_open_and_postgresql_says_to_use_pg_dump(
+    store: Store, tmp_path: Path
+) -> None:
+    from clawbridge.store import StoreError
+
+    rec = turn()
+    store.record_turn(rec)
+    if store.dialect != "sqlite":
+        with pytest.raises(StoreError, match="pg_dump"):
+            store.backup(tmp_path / "b.db")
+        return
+    copy = store.backup(tmp_path / "backups" / "b.db")
+    with Store.open(f"sqlite:///{copy}") as restored:
+        got = restored.get_turn(rec.id)
+        assert got is not None and got.logprobs == rec.logprobs
 
 
 def test_opening_creates_the_sqlite_directory_in_wal_mode(tmp_path: Path) -> None:

@@ -349,8 +349,13 @@ class Store:
         order: Any = None,
         limit: int | None = None,
     ) -> list[StoredTurn]:
-        q = sa.select(t.turns).where(where).order_by(
-            order if order is not None else t.turns.c.created_at, t.turns.c.id
+        q = (
+            sa.select(t.turns, t.sessions.c.source.label("session_source"))
+            .join(t.sessions, t.sessions.c.id == t.turns.c.session_id)
+            .where(where)
+            .order_by(
+                order if order is not None else t.turns.c.created_at, t.turns.c.id
+            )
         )
         if limit is not None:
             q = q.limit(limit)
@@ -694,6 +699,25 @@ class Store:
                 latest_version=int(latest or 0),
             )
 
+    def backup(self, dest: str | Path) -> Path:
+        """A consistent copy of a SQLite store while it keeps serving (SQLite's online backup
+        API). For PostgreSQL use pg_dump; the store does not shell out."""
+        if self.dialect != "sqlite":
+            raise StoreError("backup() copies SQLite files; back PostgreSQL up with pg_dump")
+        import sqlite3
+
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        target = sqlite3.connect(dest)
+        try:
+            with self.engine.connect() as conn:
+                raw = conn.connection.dbapi_connection
+                assert raw is not None
+                raw.backup(target)
+        finally:
+            target.close()
+        return dest
+
     def export_jsonl(self, dest: str | Path | IO[str], since: datetime | None = None) -> int:
         from clawbridge.store.export import export_jsonl
 
@@ -760,6 +784,7 @@ def _turn_from_row(r: Any, judged: frozenset[str]) -> StoredTurn:
     return StoredTurn(
         id=r.id,
         session_id=r.session_id,
+        session_source=r.session_source,
         index=r.idx,
         turn_type=r.turn_type,
         tagged=r.tagged,

@@ -80,6 +80,7 @@ def _turn_json(tu: StoredTurn, judgments: list[JSONObject], samples: list[JSONOb
     return {
         "id": tu.id,
         "session_id": tu.session_id,
+        "session_source": tu.session_source,
         "index": tu.index,
         "turn_type": tu.turn_type,
         "tagged": tu.tagged,
