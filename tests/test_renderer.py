@@ -469,3 +469,27 @@ def test_incremental_render_of_a_10k_token_session_is_several_times_faster(token
     full_ms, inc_ms = 1e3 * sorted(full_s)[len(full_s) // 2], 1e3 * sorted(inc_s[1:])[len(inc_s) // 2 - 1]
     print(f"\n{len(expected)}-token prompt: full render {full_ms:.1f} ms, incremental {inc_ms:.1f} ms (medians)")
     assert inc_ms * 3 < full_ms
+
+
+def test_an_unclosed_tool_call_at_the_end_is_a_call_only_if_its_json_is_complete(renderer: Renderer, tokenizer: Any) -> None:
+    complete = renderer.parse(ids_of(tokenizer, '<tool_call>\n{"name": "get_time", "arguments": {}}\n'), "length")
+    assert [c.name for c in complete.tool_calls] == ["get_time"] and complete.finish_reason == "tool_calls"
+    cut = renderer.parse(ids_of(tokenizer, 'Ok <tool_call>{"name": "get_ti'), "length")
+    assert (cut.content, cut.tool_calls, cut.finish_reason) == ('Ok\n<tool_call>{"name": "get_ti', (), "length")
+
+
+def test_sentencepiece_style_byte_fallback_tokens_decode_to_their_bytes() -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<0xE4>": 1, "<0xB8>": 2, "<0xAD>": 3, "▁hi": 4, "▁": 5, "h": 6, "i": 7, "<|im_end|>": 8}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", unk_token="<unk>",
+                                  chat_template="{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}")
+    sp = Renderer(tok)
+    assert sp.stop_token_ids == (8,)
+    assert sp.parse([4, 1, 2, 3, 8]).content == "hi中"
+    decoder = sp.stream()
+    assert decoder.feed([4, 1, 2]) == [Delta(content="hi")] and decoder.feed([3]) == [Delta(content="中")]
