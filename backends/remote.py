@@ -50,6 +50,8 @@ class RetryPolicy:
 
 def status_of(exc: BaseException) -> int | None:
     code = getattr(exc, "status_code", None)
+    if code is None:  # Fireworks' DeploymentSampler reports the last status it saw
+        code = getattr(exc, "final_status", None)
     if code is None:
         code = getattr(getattr(exc, "response", None), "status_code", None)
     return code if isinstance(code, int) else None

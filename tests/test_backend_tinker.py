@@ -3,8 +3,6 @@ real `tinker.types` in and out, the platform's summed PPO loss on a tiny LoRA mo
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from clawbridge.backends.base import BackendError, ContextLengthExceeded
@@ -14,6 +12,7 @@ from clawbridge.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.loss import ppo_loss
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 from fakes.fake_tinker import FakeTinkerService, status_error, timeout_error
+from fakes.reference import fixed_batch, max_diff, reference_step
 from fakes.torch_platform import Hang, TinyPlatform
 
 FAST = RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=60.0)
@@ -30,45 +29,6 @@ async def started(tokenizer, **kw) -> TinkerBackend:
     b = make_backend(tokenizer, **kw)
     await b.start()
     return b
-
-
-def fixed_batch(seed: int = 0) -> list[Datum]:
-    """Three samples whose recorded logprobs are off-policy enough to hit both clip branches."""
-    rng = random.Random(seed)
-    out = []
-    for i, adv in enumerate((1.0, -1.0, 0.5)):
-        prompt = tuple(rng.randrange(3, 4000) for _ in range(4 + i))
-        completion = tuple(rng.randrange(3, 4000) for _ in range(3 + 2 * i))
-        logprobs = tuple(-10.8 + rng.uniform(-0.6, 0.6) for _ in completion)
-        advantages = tuple(adv * (1 + 0.5 * j) for j in range(len(completion)))
-        out.append(Datum(prompt, completion, logprobs, advantages))
-    return out
-
-
-def reference_step(batch: list[Datum], spec: LossSpec, optim: OptimSpec) -> dict[str, torch.Tensor]:
-    """The local semantics: token-mean `clawbridge.loss.ppo_loss` + AdamW + clipping, on a
-    platform with the same initial weights."""
-    ref = TinyPlatform()
-    new, old, adv = [], [], []
-    for d in batch:
-        full = [*d.prompt_ids, *d.completion_ids]
-        lp = ref.target_logprobs(full[:-1], full[1:])[len(d.prompt_ids) - 1 :]
-        new.append(lp)
-        old += d.logprobs
-        adv += d.advantages
-    new_t = torch.cat(new)
-    loss = ppo_loss(new_t, torch.tensor(old), torch.tensor(adv), torch.ones_like(new_t), spec)
-    loss.backward()
-    params = list(ref.params.values())
-    torch.nn.utils.clip_grad_norm_(params, optim.grad_clip_norm)
-    opt = torch.optim.AdamW(params, lr=optim.learning_rate, betas=(optim.beta1, optim.beta2),
-                            eps=optim.eps, weight_decay=optim.weight_decay)
-    opt.step()
-    return ref.current_weights()
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 async def test_sampling_returns_tokens_with_logprobs_that_score_reproduces(tokenizer) -> None:

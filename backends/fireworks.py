@@ -1,0 +1,378 @@
+"""The Fireworks backend (fireworks-ai 1.2.28, `fireworks.training.sdk`, its own types).
+
+The training SDK is Tinker-shaped, so the data and metrics are the Tinker backend's
+(`platform_datum`, `step_metrics`); what differs:
+
+- the loss is normalised by the server: `optim_step(...,
+  grad_accumulation_normalization=GradAccNormalization.NUM_LOSS_TOKENS)` divides the summed
+  PPO gradient by the number of loss tokens, so advantages go unscaled and the gradient is the
+  token mean of `clawbridge.loss.ppo_loss` (loss tokens = completion tokens: prompt positions
+  carry zero advantage);
+- teacher / policy logprobs come from `training_client.forward(data, "cross_entropy")`, the base
+  model's from a frozen `create_base_training_client`;
+- two modes. `serverless`: each published version is a sampler snapshot
+  (`save_weights_for_sampler` + `create_sampling_client(model_path=...)`), older versions keep
+  serving. `dedicated`: one inference deployment serves the policy; `publish` is
+  `WeightSyncer.save_and_hotload`, and while the adapter loads the deployment answers HTTP 425:
+  sampling waits and retries, the user's request never fails for it.
+
+The serverless constructor connects at once, so the backend takes a `connect` callable and
+calls it in `start()`; tests pass the offline fake (tests/fakes/fake_fireworks.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from clawbridge.backends.base import BackendError, ScoreModel
+from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
+from clawbridge.backends.tinker import (
+    KEEP_VERSIONS,
+    check_context,
+    completion_logprobs,
+    platform_datum,
+    step_metrics,
+    stop_list,
+)
+from clawbridge.costs import CostMeter, Usage
+from clawbridge.types import (
+    Completion,
+    Datum,
+    LossSpec,
+    OptimSpec,
+    PolicyVersion,
+    SamplingParams,
+    StepMetrics,
+    TokenChunk,
+)
+
+if TYPE_CHECKING:
+    from clawbridge.config import Settings
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+Mode = Literal["serverless", "dedicated"]
+NO_TRAINING_ACCESS = (
+    "this Fireworks API key has no Training API access (HTTP {status}). clawbridge needs the "
+    "Training API (token-level advantages); without it Fireworks only offers dataset-driven "
+    "managed fine-tuning jobs. Ask Fireworks to enable the Training API for your account, or "
+    "use --backend tinker|modal|local."
+)
+
+
+def _types() -> Any:
+    from fireworks.training.sdk import types
+
+    return types
+
+
+class FireworksBackend:
+    name = "fireworks"
+
+    def __init__(
+        self,
+        *,
+        connect: Callable[[], Any],
+        base_model: str,
+        mode: Mode = "serverless",
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        served_model_name: str | None = None,
+        context_length: int = 32768,
+        lora_rank: int = 32,
+        deployment_sampler: Any = None,
+        weight_syncer: Callable[[Any], Any] | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        hotload_patience_s: float = 900.0,
+        meter: CostMeter | None = None,
+    ) -> None:
+        if mode == "dedicated" and (deployment_sampler is None or weight_syncer is None):
+            raise BackendError("dedicated mode needs a deployment sampler and a weight syncer")
+        self._connect = connect
+        self.base_model = base_model
+        self.mode = mode
+        self.model_name = served_model_name or base_model
+        self.context_length = context_length
+        self.lora_rank = lora_rank
+        self.retry = retry
+        self.meter = meter or CostMeter.for_platform("fireworks" if mode == "serverless" else "fireworks-dedicated")
+        self._tokenizer = tokenizer
+        self._deployment = deployment_sampler
+        self._make_syncer = weight_syncer
+        self._syncer: Any = None
+        # 425 means "the adapter is loading": wait as long as a hot-load takes, not 5 attempts.
+        self._hotload_retry = replace(retry, attempts=max(retry.attempts, int(hotload_patience_s / retry.max_s) + 1))
+        self.service: Any = None
+        self._training: Any = None
+        self._base: Any = None
+        self._samplers: dict[int, Any] = {}
+        self._states: dict[str, str] = {}
+        self._version = 0
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, client: Any = None, tokenizer: PreTrainedTokenizerBase | None = None,
+        **dedicated: Any,
+    ) -> FireworksBackend:
+        """`client`: a ready service client (or the fake). Without one, a
+        `FiretitanServiceClient` is built from FIREWORKS_API_KEY at `start()`. Dedicated mode
+        also takes `deployment_sampler=` and `weight_syncer=` (a function of the training client)
+        or builds them from `fireworks_deployment_id`."""
+        connect = (lambda: client) if client is not None else _connector(settings)
+        if settings.fireworks_mode == "dedicated" and not dedicated:
+            dedicated = _dedicated_parts(settings)
+        return cls(
+            connect=connect, base_model=settings.fireworks_base_model, mode=settings.fireworks_mode,
+            tokenizer=tokenizer, served_model_name=settings.served_model_name,
+            context_length=settings.cloud_context_length, lora_rank=settings.lora_rank,
+            retry=RetryPolicy(attempts=settings.cloud_attempts, timeout_s=settings.cloud_timeout_s),
+            meter=CostMeter.for_platform(
+                "fireworks" if settings.fireworks_mode == "serverless" else "fireworks-dedicated",
+                settings.budget_usd, Path(settings.data_dir) / "costs.json",
+            ),
+            **dedicated,
+        )
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            if self._training is None:
+                raise BackendError("the Fireworks tokenizer is known after start()")
+            self._tokenizer = self._training.get_tokenizer()
+        return self._tokenizer
+
+    async def _blocking(self, what: str, fn: Callable[[], Any], policy: RetryPolicy | None = None) -> Any:
+        """SDK calls that block (client creation, hot-load) run in a thread."""
+        return await call(what, lambda: asyncio.to_thread(fn), policy or self.retry)
+
+    async def start(self) -> None:
+        try:
+            self.service = await self._blocking("fireworks connect", self._connect)
+            self._training = await self._blocking(
+                "fireworks create_lora_training_client",
+                lambda: self.service.create_lora_training_client(self.base_model, rank=self.lora_rank),
+            )
+        except PermanentBackendError as e:
+            status = status_of(e.__cause__) if e.__cause__ else None
+            if status in (401, 403):
+                raise PermanentBackendError(NO_TRAINING_ACCESS.format(status=status)) from e
+            raise
+        if self.mode == "serverless":
+            self._samplers[0] = await self._blocking(
+                "fireworks create_sampling_client(base)",
+                lambda: self.service.create_sampling_client(base_model=self.base_model),
+            )
+        else:
+            assert self._make_syncer is not None
+            self._syncer = self._make_syncer(self._training)
+        log.info("fireworks (%s): LoRA rank %d on %s ready", self.mode, self.lora_rank, self.base_model)
+
+    async def sample(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+    ) -> list[Completion]:
+        check_context(len(prompt_ids), params.max_tokens, self.context_length)
+        if self.mode == "dedicated":
+            out = await self._sample_deployment(prompt_ids, params, n)
+        else:
+            out = await self._sample_serverless(prompt_ids, params, n, version)
+        self.meter.record("serve", Usage(prefill_tokens=len(prompt_ids), sampled_tokens=sum(len(c.tokens) for c in out)))
+        return out
+
+    async def _sample_serverless(self, prompt_ids: Sequence[int], params: SamplingParams, n: int, version: int | None) -> list[Completion]:
+        types = _types()
+        v = self._version if version is None else version
+        sampler = self._samplers.get(v)
+        if sampler is None:
+            raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")
+        sp = types.SamplingParams(
+            max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k, seed=params.seed,
+            stop=stop_list(params, getattr(self._tokenizer, "eos_token_id", None)),
+        )
+        prompt = types.ModelInput.from_ints(list(prompt_ids))
+        resp = await call("fireworks sample", lambda: sampler.sample(prompt, n, sp), self.retry)
+        out = []
+        for seq in resp.sequences:
+            if seq.logprobs is None:
+                raise BackendError("Fireworks returned a completion without logprobs")
+            reason: Literal["stop", "length"] = "stop" if seq.stop_reason == "stop" else "length"
+            out.append(Completion(tuple(int(t) for t in seq.tokens), tuple(float(x) for x in seq.logprobs), reason, v))
+        return out
+
+    async def _sample_deployment(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
+        stop = stop_list(params, getattr(self._tokenizer, "eos_token_id", None))
+        extra: dict[str, Any] = {"logprobs": True, "top_p": params.top_p, "top_k": max(params.top_k, 0)}
+        if params.seed is not None:
+            extra["seed"] = params.seed
+        completions = await call(
+            "fireworks deployment sample",
+            lambda: self._deployment.sample_with_prompt_tokens(
+                list(prompt_ids), n=n, max_tokens=params.max_tokens, temperature=params.temperature,
+                stop=stop, **extra,
+            ),
+            self._hotload_retry,
+        )
+        v = self._version  # one adapter is live at a time on a deployment
+        out = []
+        for c in completions:
+            tokens = tuple(int(t) for t in c.full_tokens[c.prompt_len :])
+            lps = c.sampling_logprobs or c.inference_logprobs
+            if lps is None or len(lps) != len(tokens) or any(x is None for x in lps):
+                raise BackendError("the Fireworks deployment returned no sampling logprobs")
+            reason: Literal["stop", "length"] = "length" if c.finish_reason == "length" else "stop"
+            out.append(Completion(tokens, tuple(float(x) for x in lps), reason, v))
+        return out
+
+    async def sample_stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        (c,) = await self.sample(prompt_ids, params, n=1, version=version)
+        yield TokenChunk(c.tokens, c.logprobs, c.version, c.finish_reason)
+
+    async def score(
+        self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
+        model: ScoreModel = "policy", temperature: float = 1.0,
+    ) -> list[float]:
+        types = _types()
+        if temperature != 1.0:
+            raise BackendError("Fireworks scores at temperature 1 only")
+        if not prompt_ids or not completion_ids:
+            raise BackendError("score needs a non-empty prompt and completion")
+        client = self._training
+        if model == "base":
+            if self._base is None:
+                self._base = await self._blocking(
+                    "fireworks create_base_training_client",
+                    lambda: self.service.create_base_training_client(self.base_model),
+                )
+            client = self._base
+        full = [*prompt_ids, *completion_ids]
+        n = len(full) - 1
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={
+                "target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[n]),
+                "weights": types.TensorData(data=[0.0] * (len(prompt_ids) - 1) + [1.0] * len(completion_ids), dtype="float32", shape=[n]),
+            },
+        )
+        out = await call("fireworks forward", lambda: client.forward([datum], "cross_entropy"), self.retry)
+        self.meter.record("score", Usage(prefill_tokens=len(full)))
+        return [float(x) for x in out.loss_fn_outputs[0]["logprobs"].data[len(prompt_ids) - 1 :]]
+
+    async def train_step(
+        self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()
+    ) -> StepMetrics:
+        from fireworks.training.sdk import GradAccNormalization
+
+        types = _types()
+        self.meter.check_training()
+        if loss.kl_coef:
+            raise BackendError("kl_coef > 0 is not supported on Fireworks' built-in ppo loss")
+        if not batch:
+            raise BackendError("train_step needs at least one datum")
+        started = time.monotonic()
+        data = [platform_datum(d, 1.0, types) for d in batch]  # the server divides by loss tokens
+        config = {"clip_low_threshold": 1.0 - loss.clip_low, "clip_high_threshold": 1.0 + loss.clip_high}
+        fb = await call("fireworks forward_backward",
+                        lambda: self._training.forward_backward(data, "ppo", loss_fn_config=config), self.retry)
+        adam = types.AdamParams(
+            learning_rate=optim.learning_rate, beta1=optim.beta1, beta2=optim.beta2, eps=optim.eps,
+            weight_decay=optim.weight_decay, grad_clip_norm=optim.grad_clip_norm,
+        )
+        step = await call(
+            "fireworks optim_step",
+            lambda: self._training.optim_step(adam, grad_accumulation_normalization=GradAccNormalization.NUM_LOSS_TOKENS),
+            self.retry,
+        )
+        new = [completion_logprobs(d, out["logprobs"].data) for d, out in zip(batch, fb.loss_fn_outputs, strict=True)]
+        grad_norm = float((getattr(step, "metrics", None) or {}).get("grad_norm", math.nan))
+        trained = sum(len(d.prompt_ids) + len(d.completion_ids) for d in batch)
+        usd = self.meter.record("train", Usage(trained_tokens=trained))
+        return step_metrics(batch, new, loss, time.monotonic() - started, grad_norm,
+                            {"usd": usd, "spent_usd": self.meter.spent_usd})
+
+    async def publish(self) -> PolicyVersion:
+        v = self._version + 1
+        name = f"policy-v{v}"
+        if self.mode == "dedicated":
+            snapshot = await self._blocking("fireworks save_and_hotload", lambda: self._syncer.save_and_hotload(name))
+            if snapshot is None:
+                raise BackendError(f"fireworks: hot-load of {name} failed; still serving policy@v{self._version}")
+            self._version = v
+            return PolicyVersion(v, str(snapshot))
+        saved = await call("fireworks save_weights_for_sampler",
+                           lambda: self._training.save_weights_for_sampler(name), self.retry)
+        sampler = await self._blocking(
+            "fireworks create_sampling_client",
+            lambda: self.service.create_sampling_client(model_path=saved.path),
+        )
+        self._samplers[v] = sampler
+        self._version = v
+        for old in [k for k in self._samplers if 0 < k <= v - KEEP_VERSIONS]:
+            del self._samplers[old]
+        return PolicyVersion(v, saved.path)
+
+    async def save_state(self, name: str) -> str:
+        saved = await call("fireworks save_state", lambda: self._training.save_state(name), self.retry)
+        self._states[name] = saved.path
+        return str(saved.path)
+
+    async def load_state(self, name: str) -> None:
+        path = self._states.get(name, name)
+        await call("fireworks load_state_with_optimizer",
+                   lambda: self._training.load_state_with_optimizer(path), self.retry)
+
+    async def close(self) -> None:
+        for sampler in self._samplers.values():
+            close = getattr(sampler, "close", None)
+            if callable(close):
+                await asyncio.to_thread(close)
+        close = getattr(self.service, "close", None)
+        if callable(close):
+            await asyncio.to_thread(close)
+
+
+def _connector(settings: Settings) -> Callable[[], Any]:
+    def connect() -> Any:
+        import os
+
+        from fireworks.training.sdk import FiretitanServiceClient
+
+        # base_url always given: otherwise the SDK reads TINKER_BASE_URL (FACTS.md).
+        return FiretitanServiceClient(base_url=settings.fireworks_base_url, api_key=os.environ.get("FIREWORKS_API_KEY"))
+
+    return connect
+
+
+def _dedicated_parts(settings: Settings) -> dict[str, Any]:
+    """The deployment sampler and weight syncer of a dedicated deployment (real SDK objects)."""
+    import os
+
+    from fireworks.training.sdk import DeploymentManager, DeploymentSampler, WeightSyncer
+
+    if not settings.fireworks_deployment_id:
+        raise BackendError("dedicated mode needs --fireworks-deployment-id")
+    key = os.environ.get("FIREWORKS_API_KEY", "")
+    manager = DeploymentManager(api_key=key, base_url="https://api.fireworks.ai")
+    deployment = f"accounts/{manager.account_id}/deployments/{settings.fireworks_deployment_id}"
+    sampler = DeploymentSampler(inference_url="https://api.fireworks.ai/inference", model=deployment, api_key=key)
+    return {
+        "deployment_sampler": sampler,
+        "weight_syncer": lambda training: WeightSyncer(
+            policy_client=training, deploy_mgr=manager, deployment_id=settings.fireworks_deployment_id,
+            base_model=settings.fireworks_base_model, lora_rank=settings.lora_rank,
+        ),
+    }
+
+
+def create_backend(settings: Settings) -> FireworksBackend:
+    return FireworksBackend.from_settings(settings)
