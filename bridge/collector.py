@@ -1,0 +1,190 @@
+"""The collector: judged turns become training samples (DESIGN.md §1, §5, §6).
+
+    turn with a next state ──► sample `pending` (one per turn and method, created first)
+                          ──► judges (only the kinds still missing) ──► judgments stored
+                          ──► teacher logprobs: backend.score on the hint-augmented prompt
+                          ──► advantages ──► sample `judged` (or `dropped`, with the reason)
+
+The store is the source of truth, so a crash anywhere resumes exactly: the sample row exists
+before any judge is called, a judgment is stored once per (turn, kind, judge) and read back
+instead of judging again, and a `pending` sample is finished on the next pass. Explicit feedback
+(`POST /v1/feedback`) is a judgment of kind `feedback`; it outranks the judges for the reward,
+and its hint outranks theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from clawbridge.advantages import sample_advantages
+from clawbridge.backends.base import Backend
+from clawbridge.config import Settings
+from clawbridge.judges import HintJudgment as JudgeHint
+from clawbridge.judges import Judges, TurnContext, teacher_messages
+from clawbridge.judges import Judgment as JudgeReward
+from clawbridge.renderer import Renderer
+from clawbridge.store import JudgeVote, Judgment, Sample, Store, StoredTurn
+from clawbridge.types import Method
+
+log = logging.getLogger(__name__)
+
+FEEDBACK = "feedback"
+
+
+def judge_kinds(method: Method) -> tuple[str, ...]:
+    """The judgment kinds a method needs: binary a reward, opd a hint, combine both."""
+    return {"binary": ("prm",), "opd": ("hint",), "combine": ("prm", "hint")}[method]
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What the judgments of one turn say, whichever judge said it."""
+
+    reward: float
+    hint: str | None
+    source: str  # "judge", "feedback", "feedback+judge"
+
+
+def combine_signal(judgments: Sequence[Judgment]) -> Signal:
+    """Explicit feedback first, then the judges (pure). A missing reward counts as 0."""
+    fb = next((j for j in judgments if j.kind == FEEDBACK), None)
+    prm = next((j for j in judgments if j.kind == "prm"), None)
+    hint_j = next((j for j in judgments if j.kind == "hint"), None)
+    reward = fb.reward if fb is not None and fb.reward is not None else None
+    hint = fb.hint if fb is not None and fb.hint else None
+    used_judge = False
+    if reward is None and prm is not None and prm.reward is not None:
+        reward, used_judge = prm.reward, True
+    if hint is None and hint_j is not None and hint_j.hint:
+        hint, used_judge = hint_j.hint, True
+    source = "judge" if fb is None else ("feedback+judge" if used_judge else "feedback")
+    return Signal(float(reward or 0.0), hint, source)
+
+
+def _reward_record(turn_id: str, j: JudgeReward) -> Judgment:
+    votes = tuple(JudgeVote(raw=v.raw_text, value=v.value, error=v.error) for v in j.votes)
+    return Judgment(turn_id=turn_id, judge=j.judge, kind="prm", votes=votes, reward=float(j.reward))
+
+
+def _hint_record(turn_id: str, h: JudgeHint) -> Judgment:
+    votes = tuple(JudgeVote(raw=v.raw_text, value=v.hint, error=v.error) for v in h.votes)
+    return Judgment(turn_id=turn_id, judge=h.judge, kind="hint", votes=votes, hint=h.hint)
+
+
+@dataclass
+class CollectorStats:
+    judged: int = 0
+    samples: int = 0
+    dropped: int = 0
+    failures: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+    @property
+    def mean_reward(self) -> float | None:
+        recent = self.rewards[-64:]
+        return sum(recent) / len(recent) if recent else None
+
+
+class Collector:
+    def __init__(self, settings: Settings, backend: Backend, store: Store, judges: Judges) -> None:
+        self.settings = settings
+        self.method: Method = settings.method
+        self.backend = backend
+        self.store = store
+        self.judges = judges
+        self.renderer = Renderer(backend.tokenizer())
+        self.stats = CollectorStats()
+
+    async def run_once(self, limit: int = 32) -> int:
+        """One pass: finish pending samples (a restart, or explicit feedback), then open
+        samples for newly judgeable turns. Returns how many samples were settled."""
+        store = self.store
+        pending = await store.run(store.pending_samples, limit, method=self.method, state="pending")
+        settled = 0
+        for s in pending:
+            settled += await self._settle_pending(s)
+        turns = await store.run(store.turns_awaiting_judgment, judge_kinds(self.method), limit)
+        for turn in turns:
+            sid, created = await store.run(store.create_sample, turn.id, self.method, state="pending")
+            if not created and (await store.run(store.get_samples, [sid]))[0].state != "pending":
+                # settled earlier from explicit feedback alone; record the judges' view only
+                await self._judge_missing(turn, set(turn.judged_kinds))
+                continue
+            settled += await self._settle(sid, turn)
+        return settled
+
+    async def _settle_pending(self, s: Sample) -> int:
+        turn = await self.store.run(self.store.get_turn, s.turn_id)
+        if turn is None:  # pragma: no cover - a sample always has its turn (foreign key)
+            return 0
+        return await self._settle(s.id, turn)
+
+    async def _settle(self, sample_id: int, turn: StoredTurn) -> int:
+        try:
+            await self._settle_one(sample_id, turn)
+            return 1
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # judge endpoint down, backend busy...: the sample stays pending, retried next pass
+            self.stats.failures += 1
+            log.exception("could not settle the sample of turn %s (kept pending)", turn.id)
+            return 0
+
+    async def _settle_one(self, sample_id: int, turn: StoredTurn) -> None:
+        store = self.store
+        judgments = await store.run(store.judgments, turn.id)
+        if turn.next_state is not None:
+            judgments += await self._judge_missing(turn, {j.kind for j in judgments})
+        signal = combine_signal(judgments)
+        self.stats.judged += 1
+        self.stats.rewards.append(signal.reward)
+        teacher_lp: list[float] | None = None
+        if signal.hint is not None and self.method != "binary":
+            teacher_lp = await self._teacher_logprobs(turn, signal.hint)
+        advantages = sample_advantages(
+            self.method, signal.reward, signal.hint is not None, teacher_lp, turn.logprobs,
+            w_opd=self.settings.w_opd, w_rl=self.settings.w_rl, clip=self.settings.opd_clip,
+        )
+        if advantages is None:
+            reason = f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)"
+            await store.run(store.mark_samples, [sample_id], "dropped", reason)
+            self.stats.dropped += 1
+            return
+        await store.run(
+            store.set_sample_advantages, sample_id, advantages,
+            teacher_logprobs=teacher_lp, reward=signal.reward, hint=signal.hint,
+        )
+        self.stats.samples += 1
+
+    async def _judge_missing(self, turn: StoredTurn, have: set[str]) -> list[Judgment]:
+        """Run only the judges whose judgment this turn lacks, and store every vote."""
+        ctx = TurnContext(messages=turn.messages, response=turn.response, next_state=turn.next_state or [])
+        want = [k for k in judge_kinds(self.method) if k not in have]
+        if not want:
+            return []
+        calls = []
+        if "prm" in want:
+            calls.append(self.judges.reward.judge(ctx))
+        if "hint" in want:
+            calls.append(self.judges.hint.hint(ctx))
+        results = await asyncio.gather(*calls)
+        out: list[Judgment] = []
+        for r in results:
+            rec = _reward_record(turn.id, r) if isinstance(r, JudgeReward) else _hint_record(turn.id, r)
+            await self.store.run(self.store.add_judgment, rec)
+            out.append(rec)
+        return out
+
+    async def _teacher_logprobs(self, turn: StoredTurn, hint: str) -> list[float]:
+        """The teacher: the same completion scored under the prompt with the hint appended to
+        the last user message, by the frozen base or the live policy (a setting), at the
+        temperature the completion was sampled with so the gap to log pi_old is like for like."""
+        prompt = self.renderer.render(teacher_messages(turn.messages, hint), turn.tools)
+        return await self.backend.score(
+            prompt, turn.completion_ids, model=self.settings.teacher,
+            temperature=turn.sampling.temperature,
+        )

@@ -1,0 +1,113 @@
+"""The learning loop beside the server: the collector and the trainer as two background tasks
+that never block serving (DESIGN.md §1).
+
+`serving_extras(settings)` is what `clawbridge up` asks for (see `clawbridge.server`): the proxy
+hooks (the `POST /v1/feedback` route, a wake-up on every next state, the status-line fields) and
+the background task. The learner binds to the live backend and store when that task starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from clawbridge.collector import Collector
+from clawbridge.config import Settings
+from clawbridge.feedback import feedback_route
+from clawbridge.judges import build_judges, judge_kind
+from clawbridge.proxy import ProxyHooks
+from clawbridge.trainer import StepResult, Trainer
+
+if TYPE_CHECKING:
+    from clawbridge.backends.base import Backend
+    from clawbridge.server import Running
+    from clawbridge.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Learner:
+    def __init__(self, settings: Settings, *, poll_s: float = 1.0) -> None:
+        self.settings = settings
+        self.poll_s = poll_s
+        self.wake = asyncio.Event()  # a next state arrived, feedback came, or samples are ready
+        self.collector: Collector | None = None
+        self.trainer: Trainer | None = None
+        self.last_step: StepResult | None = None
+        self.judge_name = judge_kind(settings)
+        self.errors = 0
+
+    def hooks(self) -> ProxyHooks:
+        return ProxyHooks(
+            routes=[feedback_route(self.wake)],
+            on_next_state=lambda _ns: self.wake.set(),
+            status_extra=self.status,
+        )
+
+    def bind(self, backend: Backend, store: Store) -> None:
+        judges = build_judges(self.settings, backend)
+        self.collector = Collector(self.settings, backend, store, judges)
+        self.trainer = Trainer(self.settings, backend, store)
+
+    async def run(self, running: Running) -> None:
+        """The background task: collect and train until cancelled."""
+        self.bind(running.backend, running.store)
+        assert self.trainer is not None
+        if self.settings.resume:
+            await self.trainer.resume()
+        await asyncio.gather(self._collect_loop(), self._train_loop())
+
+    async def _collect_loop(self) -> None:
+        assert self.collector is not None
+        while True:
+            try:
+                if await self.collector.run_once():
+                    self.wake.set()
+                    continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.errors += 1
+                log.exception("collector pass failed; retrying")
+            await self._sleep()
+
+    async def _train_loop(self) -> None:
+        assert self.trainer is not None
+        while True:
+            try:
+                result = await self.trainer.step_once()
+                if result is not None:
+                    self.last_step = result
+                    continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.errors += 1
+                log.exception("training step failed; the samples stay judged and are retried")
+            await asyncio.sleep(self.poll_s)
+
+    async def _sleep(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), self.poll_s)
+        self.wake.clear()
+
+    def status(self) -> dict[str, Any]:
+        """Fields for `/v1/status` and the status line (judge, judged, samples, step, reward)."""
+        out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.method}
+        if self.collector is not None:
+            st = self.collector.stats
+            out.update(judged=st.judged, samples=st.samples, dropped=st.dropped)
+            if st.mean_reward is not None:
+                out["mean reward"] = f"{st.mean_reward:+.2f}"
+        if self.last_step is not None:
+            out["step"] = self.last_step.step
+        if self.errors:
+            out["learner errors"] = self.errors
+        return out
+
+
+def serving_extras(settings: Settings) -> dict[str, Any]:
+    learner = Learner(settings)
+    return {"hooks": learner.hooks(), "background": [learner.run]}

@@ -1,0 +1,122 @@
+"""The trainer: a recipe, not a framework (DESIGN.md §1, §3).
+
+    drop stale samples (with the reason) ─► take B judged samples ─► Datum per sample
+    ─► backend.train_step ─► backend.publish (new requests go to v+1, in-flight ones finish on v)
+    ─► ONE store transaction: the step, its samples judged → trained, the new policy version
+    ─► every N steps: backend.save_state, remembered in the store for `--resume`
+
+A crash before the store commit leaves the samples `judged`: they are trained again after the
+restart, and the weights of that step were lost with the process too (the backend resumes from
+its last checkpoint), so no sample is ever trained twice into the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clawbridge.backends.base import Backend
+from clawbridge.config import Settings
+from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
+from clawbridge.types import Datum, StepMetrics
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "trainer.checkpoint"  # store meta: the latest resumable state
+
+
+def to_datum(s: Sample) -> Datum:
+    if s.advantages is None:
+        raise ValueError(f"sample {s.id} has no advantages yet (state {s.state})")
+    return Datum(
+        prompt_ids=s.prompt_ids,
+        completion_ids=s.completion_ids,
+        logprobs=s.logprobs,
+        advantages=s.advantages,
+        temperature=s.temperature,
+    )
+
+
+def step_record(metrics: StepMetrics, batch: Sequence[Sample]) -> dict[str, float]:
+    """The metrics stored with a step (pure)."""
+    rewards = [s.reward for s in batch if s.reward is not None]
+    advantages = [a for s in batch for a in (s.advantages or ())]
+    return {
+        "loss": metrics.loss,
+        "clip_fraction": metrics.clip_fraction,
+        "approx_kl": metrics.approx_kl,
+        "grad_norm": metrics.grad_norm,
+        "tokens": float(metrics.tokens),
+        "samples": float(metrics.samples),
+        "seconds": metrics.seconds,
+        "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
+        "mean_advantage": sum(advantages) / len(advantages) if advantages else 0.0,
+        "hinted": float(sum(1 for s in batch if s.hint)),
+        **metrics.extra,
+    }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    version: int
+    samples: int
+    metrics: dict[str, float]
+
+
+class Trainer:
+    def __init__(self, settings: Settings, backend: Backend, store: Store) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.store = store
+        self.dropped_stale = 0
+
+    async def resume(self) -> str | None:
+        """Load the latest checkpoint the store remembers (`--resume`); None if there is none."""
+        ck = await self.store.run(self.store.get_meta, CHECKPOINT_KEY)
+        if not ck:
+            return None
+        await self.backend.load_state(ck["path"])
+        log.info("resumed from %s (step %s, policy@v%s)", ck["path"], ck["step"], ck["version"])
+        return str(ck["path"])
+
+    async def next_step_number(self) -> int:
+        steps = await self.store.run(self.store.training_steps)
+        return (steps[-1].step if steps else 0) + 1
+
+    async def step_once(self) -> StepResult | None:
+        """Train one step if a full batch is waiting; None otherwise."""
+        s, store = self.settings, self.store
+        self.dropped_stale += await store.run(store.drop_stale_samples, self.backend.version, s.max_staleness)
+        batch = await store.run(store.pending_samples, s.batch_size, method=s.method)
+        if len(batch) < s.batch_size:
+            return None
+        step = await self.next_step_number()
+        before = self.backend.version
+        metrics = await self.backend.train_step([to_datum(x) for x in batch], s.loss, s.optim)
+        policy = await self.backend.publish()
+        record = step_record(metrics, batch)
+        await store.run(
+            store.record_training_step,
+            TrainingStep(step=step, version_before=before, version_after=policy.version, metrics=record),
+            [x.id for x in batch],
+            PolicyVersionRow(
+                version=policy.version, path=policy.path, step=step,
+                mean_reward=record["mean_reward"], samples=len(batch),
+            ),
+        )
+        log.info(
+            "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d",
+            step, len(batch), metrics.loss, record["mean_reward"], policy.version,
+        )
+        if step % s.checkpoint_every == 0:
+            await self.checkpoint(step, policy.version)
+        return StepResult(step, policy.version, len(batch), record)
+
+    async def checkpoint(self, step: int, version: int) -> str:
+        path = await self.backend.save_state(f"step-{step:06d}")
+        await self.store.run(
+            self.store.set_meta, CHECKPOINT_KEY, {"path": path, "step": step, "version": version}
+        )
+        return path
