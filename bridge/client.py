@@ -60,8 +60,11 @@ class Session(openai.OpenAI):
             self.owner._post(f"/v1/sessions/{self.session_id}/done")
             self.is_done = True
 
-    # `feedback(...)` (explicit user feedback on the last turn) is added by the learning loop,
-    # next to its POST /v1/feedback route.
+    def feedback(self, reward: int | None = None, hint: str | None = None, *, turn_id: str | None = None) -> dict[str, Any]:
+        """Explicit feedback on the session's last main turn (or `turn_id`): a reward in
+        {-1, 0, +1} and/or a hint saying what the answer should have done (POST /v1/feedback)."""
+        body = {"session_id": self.session_id, "turn_id": turn_id, "reward": reward, "hint": hint}
+        return self.owner._post("/v1/feedback", {k: v for k, v in body.items() if v is not None})  # type: ignore[no-any-return]
 
     def __enter__(self) -> Session:
         return self
