@@ -105,7 +105,13 @@ class AsyncWriter:
                     break
                 assert isinstance(nxt, _Item)
                 batch.append(nxt)
-            self._commit(batch)
+            try:
+                self._commit(batch)
+            except BaseException as exc:  # never leave a caller waiting on a dead thread
+                for it in batch:
+                    if not it.future.done():
+                        it.future.set_exception(exc)
+                raise
 
     def _commit(self, batch: list[_Item]) -> None:
         live = [it for it in batch if it.future.set_running_or_notify_cancel()]
