@@ -111,12 +111,16 @@ def history(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 def canonical(msg: Mapping[str, Any]) -> bytes:
     """A message's identity: role, text, tool calls by name and argument value. Ids, reasoning
-    and key order are not part of it."""
-    calls = [
-        (c["function"]["name"], _args(c["function"].get("arguments", "")))
-        for c in msg.get("tool_calls") or ()
-    ]
-    return json.dumps([msg.get("role"), _text(msg.get("content")), calls]).encode()
+    and key order are not part of it. Length-prefixed fields, no JSON: OpenClaw's 40 K-character
+    system message is hashed on every request, so this stays a couple of memory copies."""
+    parts = [str(msg.get("role")), _text(msg.get("content"))]
+    for c in msg.get("tool_calls") or ():
+        parts += [str(c["function"]["name"]), _args(c["function"].get("arguments", ""))]
+    out = bytearray()
+    for p in parts:
+        raw = p.encode("utf-8", "surrogatepass")
+        out += len(raw).to_bytes(4, "little") + raw
+    return bytes(out)
 
 
 def fingerprints(messages: Sequence[Mapping[str, Any]]) -> list[bytes]:

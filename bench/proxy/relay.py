@@ -22,8 +22,9 @@ def main() -> None:
 
     async def relay(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        async with request.app["s"].post(
-            a.upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+        async with request.app["s"].request(
+            request.method, a.upstream + request.path, data=body,
+            headers={"Content-Type": "application/json"},
         ) as up:
             resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
             await resp.prepare(request)
@@ -36,6 +37,7 @@ def main() -> None:
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     app.router.add_post("/v1/chat/completions", relay)
+    app.router.add_get("/v1/models", relay)
     web.run_app(app, host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 
