@@ -20,7 +20,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from clawbridge import wire
-from clawbridge.backends.base import Backend, ContextLengthExceeded, TransientBackendError
+from clawbridge.backends.base import (
+    Backend,
+    BackendError,
+    ContextLengthExceeded,
+    TransientBackendError,
+)
 from clawbridge.renderer import AssistantMessage, Delta, Renderer, RenderError
 from clawbridge.sessions import Admission, NextState, Sessions, read_tag
 from clawbridge.store.records import TurnRecord, new_turn_id
@@ -351,10 +356,11 @@ class Proxy:
                 chunk = await anext(chunks, None)
             for delta in decoder.finish(finish or "stop"):
                 yield event(_delta(delta))
-        except (ContextLengthExceeded, TransientBackendError) as e:
+        except BackendError as e:
             yield wire.error_event(_backend_error(e))
             return
         finally:
+            self.counters.in_flight -= 1
             if hasattr(chunks, "aclose"):
                 await chunks.aclose()
         comp = Completion(
@@ -418,7 +424,10 @@ def _delta(d: Delta) -> dict[str, Any]:
 def _backend_error(e: Exception) -> APIError:
     if isinstance(e, ContextLengthExceeded):
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
-    return APIError(503, f"The backend is temporarily unavailable: {e}", type="server_error")
+    if isinstance(e, TransientBackendError):
+        return APIError(503, f"The backend is temporarily unavailable: {e}", type="server_error")
+    log.error("backend error: %s", e)
+    return APIError(500, "The backend failed while answering this request.", type="server_error")
 
 
 class Metrics:
@@ -481,22 +490,26 @@ def create_app(
         proxy.counters.in_flight += 1
         t0 = time.perf_counter()
         status = 200
+        streaming = False
         try:
             proxy.check_auth(request)
             req, d = proxy.admit(request, await proxy.read_body(request))
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
-                return await proxy.stream(d, include_usage)
+                resp = await proxy.stream(d, include_usage)
+                streaming = True  # the event generator counts itself out when it ends
+                return resp
             return await proxy.complete(d, req.n)
         except APIError as e:
             status = e.status
             raise
-        except (ContextLengthExceeded, TransientBackendError) as e:
+        except BackendError as e:
             err = _backend_error(e)
             status = err.status
             raise err from None
         finally:
-            proxy.counters.in_flight -= 1
+            if not streaming:
+                proxy.counters.in_flight -= 1
             metrics.observe(status, time.perf_counter() - t0)
 
     async def models(request: Request) -> Response:
