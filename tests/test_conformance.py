@@ -1,0 +1,215 @@
+"""The Backend protocol suite: every backend in `conformance_helpers.CASES` must pass it on the
+tiny model. What it pins down is what the trainer relies on: sampled logprobs are exactly the
+policy's (ratio 1 on-policy), a train step moves probabilities the way the advantage says, its
+gradient is the reference PPO loss's, versions are isolated, checkpoints resume exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from clawbridge.backends.base import Backend
+from clawbridge.local_gpu import models
+from clawbridge.loss import ppo_loss, token_logprobs
+from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+from conformance_helpers import CASES, BackendCase
+
+pytestmark = pytest.mark.conformance
+
+PROMPT = (1, 520, 3121, 28, 1830, 446, 17, 905)
+OTHER_PROMPT = (1, 4093, 314, 2201, 28, 690)
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request: pytest.FixtureRequest) -> BackendCase:
+    return CASES[request.param]
+
+
+@pytest.fixture
+async def backend(case: BackendCase, tmp_path: Path):
+    b = await case.make(tmp_path)
+    yield b
+    await b.close()
+
+
+def close(a: list[float] | tuple[float, ...], b: list[float] | tuple[float, ...], tol: float = 2e-4) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=1),
+        SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=2),
+        SamplingParams(max_tokens=12, temperature=1.3, top_k=50, seed=3),
+        SamplingParams(max_tokens=12, temperature=0.5, top_k=20, top_p=0.8, seed=4),
+    ],
+    ids=["t1", "t0.7-top_p", "t1.3-top_k", "t0.5-both"],
+)
+async def test_score_of_sampled_tokens_equals_their_sampled_logprobs(backend: Backend, params: SamplingParams) -> None:
+    (completion,) = await backend.sample(PROMPT, params)
+    assert len(completion.tokens) == len(completion.logprobs) > 0
+    scored = await backend.score(PROMPT, completion.tokens, temperature=params.temperature)
+    assert close(scored, completion.logprobs), (scored, completion.logprobs)
+
+
+async def test_greedy_logprobs_are_under_temperature_one(backend: Backend) -> None:
+    (completion,) = await backend.sample(PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
+    assert close(await backend.score(PROMPT, completion.tokens, temperature=1.0), completion.logprobs)
+
+
+async def _train_on(backend: Backend, advantage: float) -> tuple[float, float]:
+    """One step on a fresh on-policy sample with a constant advantage; its total logprob before
+    and after (under the newly published policy)."""
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=10, seed=11))
+    datum = Datum(PROMPT, c.tokens, c.logprobs, (advantage,) * len(c.tokens))
+    await backend.train_step([datum], LossSpec(), OptimSpec(learning_rate=1e-3))
+    await backend.publish()
+    after = await backend.score(PROMPT, c.tokens)
+    return sum(c.logprobs), sum(after)
+
+
+async def test_positive_advantage_raises_and_negative_lowers_the_tokens_probability(backend: Backend) -> None:
+    before, after = await _train_on(backend, +1.0)
+    assert after > before + 0.01
+    before, after = await _train_on(backend, -1.0)
+    assert after < before - 0.01
+
+
+def _fixed_batch() -> list[Datum]:
+    """Two sequences of different lengths and temperatures; recorded logprobs that put some
+    tokens outside the clip range on both sides, and advantages of both signs."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for prompt, n, temperature in ((PROMPT, 9, 1.0), (OTHER_PROMPT, 14, 0.8)):
+        completion = tuple(int(x) for x in torch.randint(100, 40000, (n,), generator=g))
+        old = tuple(float(-10.8 + 0.6 * x) for x in torch.randn(n, generator=g))
+        adv = tuple(float(x) for x in torch.randn(n, generator=g))
+        out.append(Datum(prompt, completion, old, adv, temperature))
+    return out
+
+
+def _reference_gradient(case: BackendCase, weights: dict[str, torch.Tensor], batch: list[Datum], spec: LossSpec) -> dict[str, torch.Tensor]:
+    """The gradient of `ppo_loss` over the whole batch by a plain torch + PEFT loop."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    spec_model = models.resolve(models.TINY)
+    base = models.load_model(spec_model, seed=case.model_seed)
+    config = LoraConfig(r=case.lora_rank, lora_alpha=case.lora_alpha, target_modules="all-linear", lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    set_peft_model_state_dict(model, weights)
+    new, old, adv = [], [], []
+    for d in batch:
+        ids = torch.tensor([d.prompt_ids + d.completion_ids])
+        logits = model(input_ids=ids).logits[0, len(d.prompt_ids) - 1 : -1]
+        new.append(token_logprobs(logits, torch.tensor(d.completion_ids), d.temperature))
+        old.append(torch.tensor(d.logprobs))
+        adv.append(torch.tensor(d.advantages))
+    new_t = torch.cat(new)
+    loss = ppo_loss(new_t, torch.cat(old), torch.cat(adv), torch.ones_like(new_t), spec)
+    loss.backward()
+    return {
+        name.replace(".default", ""): p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
+
+
+async def test_train_step_gradient_equals_the_reference_ppo_gradient(case: BackendCase, backend: Backend) -> None:
+    if case.trainable_weights is None:
+        pytest.skip(f"{case.name} does not expose its LoRA weights")
+    batch = _fixed_batch()
+    spec = LossSpec()
+    # an ordinary first step makes lora_B non-zero, so every LoRA matrix has a gradient
+    await backend.train_step(batch, spec, OptimSpec(learning_rate=1e-2))
+    before = await case.trainable_weights(backend)
+    # Adam with betas 0 forgets its history (m = g, v = g^2); with eps >> |g| and lr == eps the
+    # update is -g to 1e-6 relative: the weights' change shows the gradient itself
+    probe = OptimSpec(learning_rate=1e6, beta1=0.0, beta2=0.0, eps=1e6, weight_decay=0.0, grad_clip_norm=0.0)
+    metrics = await backend.train_step(batch, spec, probe)
+    after = await case.trainable_weights(backend)
+    reference = _reference_gradient(case, before, batch, spec)
+    assert set(reference) == set(before)
+    scale = max(float(g.abs().max()) for g in reference.values())
+    assert scale > 1e-6
+    for name, grad in reference.items():
+        torch.testing.assert_close(before[name] - after[name], grad, rtol=1e-3, atol=1e-4 * scale, msg=name)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in reference.values()))
+    assert metrics.grad_norm == pytest.approx(norm, rel=1e-3)
+    assert metrics.tokens == sum(len(d.completion_ids) for d in batch)
+    assert metrics.samples == len(batch)
+
+
+async def test_publish_during_an_inflight_sample_leaves_it_on_the_old_version(backend: Backend) -> None:
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=6, seed=21))
+    datum = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    await backend.train_step([datum], LossSpec(), OptimSpec(learning_rate=1e-2))
+    v1 = await backend.publish()
+    assert v1.version == backend.version == 1
+    params = SamplingParams(max_tokens=48, seed=22, stop_token_ids=())
+    stream = backend.sample_stream(PROMPT, params)
+    chunks = [await anext(stream)]  # admitted on v1
+    await backend.train_step([datum], LossSpec(), OptimSpec(learning_rate=1e-2))
+    v2 = await backend.publish()
+    assert v2.version == 2
+    chunks += [chunk async for chunk in stream]
+    assert {chunk.version for chunk in chunks} == {1}
+    tokens = tuple(t for chunk in chunks for t in chunk.tokens)
+    logprobs = tuple(x for chunk in chunks for x in chunk.logprobs)
+    # the same seed on v1 by number reproduces it; the new policy gives other logprobs
+    (again,) = await backend.sample(PROMPT, params, version=1)
+    assert again.version == 1 and again.tokens == tokens and close(again.logprobs, logprobs)
+    newest = await backend.score(PROMPT, tokens)
+    assert max(abs(a - b) for a, b in zip(newest, logprobs, strict=True)) > 1e-3
+    (fresh,) = await backend.sample(PROMPT, SamplingParams(max_tokens=4, seed=23))
+    assert fresh.version == 2
+
+
+async def test_save_then_load_resumes_training_identically(case: BackendCase, tmp_path: Path) -> None:
+    first = await case.make(tmp_path)
+    try:
+        (c,) = await first.sample(PROMPT, SamplingParams(max_tokens=10, seed=31))
+        step1 = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+        step2 = Datum(PROMPT, c.tokens, c.logprobs, tuple((-1.0) ** i for i in range(len(c.tokens))))
+        optim = OptimSpec(learning_rate=1e-3)
+        await first.train_step([step1], LossSpec(), optim)
+        await first.publish()
+        await first.save_state("resume-me")
+        expected = await first.train_step([step2], LossSpec(), optim)
+        expected_lp = await _score_after_publish(first, c.tokens)
+    finally:
+        await first.close()
+    second = await case.make(tmp_path)  # a restart on the same data
+    try:
+        await second.load_state("resume-me")
+        assert second.version == 1
+        got = await second.train_step([step2], LossSpec(), optim)
+        got_lp = await _score_after_publish(second, c.tokens)
+    finally:
+        await second.close()
+    assert expected.grad_norm > 0
+    for field in ("loss", "clip_fraction", "approx_kl", "grad_norm"):
+        assert getattr(got, field) == pytest.approx(getattr(expected, field), rel=1e-5, abs=1e-7), field
+    assert close(got_lp, expected_lp, tol=1e-5)
+
+
+async def _score_after_publish(backend: Backend, tokens: tuple[int, ...]) -> list[float]:
+    await backend.publish()
+    return await backend.score(PROMPT, tokens)
+
+
+async def test_concurrent_samples_on_two_versions_share_the_backend(backend: Backend) -> None:
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=5, seed=41))
+    datum = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    await backend.train_step([datum], LossSpec(), OptimSpec(learning_rate=1e-2))
+    await backend.publish()
+    params = SamplingParams(max_tokens=8, seed=42)
+    old, new = await asyncio.gather(
+        backend.sample(PROMPT, params, version=0), backend.sample(PROMPT, params, version=1)
+    )
+    assert old[0].version == 0 and new[0].version == 1
+    assert close(await backend.score(PROMPT, old[0].tokens, model="base"), old[0].logprobs)
+    assert close(await backend.score(PROMPT, new[0].tokens), new[0].logprobs)
