@@ -36,6 +36,14 @@ class Judges:
         judgment, hint = await asyncio.gather(self.reward.judge(turn), self.hint.hint(turn))
         return judgment, hint
 
+    async def aclose(self) -> None:
+        """Close the judges' HTTP clients (shared ones once)."""
+        clients = {id(c): c for c in (getattr(self.reward, "client", None), getattr(self.hint, "client", None)) if c}
+        for client in clients.values():
+            close = getattr(client, "aclose", None)
+            if close is not None:
+                await close()
+
 
 def judge_kind(settings: Settings) -> str:
     """`auto` is http when a judge endpoint is configured, else the offline rules judge."""

@@ -371,12 +371,15 @@ async def test_judges_run_only_what_the_method_needs() -> None:
     assert judgment is not None and judgment.reward == -1 and hint is not None and hint.accepted
 
 
-def test_auto_picks_the_rules_judge_offline_and_http_with_an_endpoint() -> None:
+async def test_auto_picks_the_rules_judge_offline_and_http_with_an_endpoint() -> None:
     offline = build_judges(Settings())
     assert isinstance(offline.reward, RulesJudge) and offline.hint is offline.reward
     online = build_judges(Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", prm_votes=5))
     assert isinstance(online.reward, PRMJudge) and online.reward.votes == 5
     assert online.reward.name == "prm:http:judge"
+    assert online.reward.client is online.hint.client  # type: ignore[attr-defined]  # one pool
+    await online.aclose()
+    await offline.aclose()
     overlap = Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", hint_selection="overlap")
     assert build_judges(overlap).hint.selection == "longest"  # type: ignore[attr-defined]  # no teacher
 
@@ -627,3 +630,12 @@ async def test_backend_judge_on_the_local_engine_counts_nonsense_as_failed_votes
     assert judgment.judge == "prm:backend:tiny-random@v0"
     assert (judgment.reward, judgment.failed) == (0, 2)  # random weights never box a score
     assert all(v.raw_text for v in judgment.votes)
+
+
+async def test_the_rules_judge_reads_multipart_user_replies_and_skips_the_internal_context() -> None:
+    reply = {"role": "user", "content": [{"type": "text", "text": "[Sun 2026-11-22 08:47 UTC] too verbose, one line please"}]}
+    internal = {"role": "user", "content": [{"type": "text", "text": INTERNAL_CONTEXT_MARKER + " thanks perfect"}]}
+    turn = TurnContext(TURN.messages, TURN.response, [reply, internal])
+    judgment = await RulesJudge().judge(turn)
+    assert judgment.reward == -1
+    assert (await RulesJudge().hint(turn)).hint == "too verbose, one line please"
