@@ -1,0 +1,110 @@
+"""Terminal output of the learning commands: `demo`, `status`, `versions` (rich, no flooding)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def run_demo_command(
+    scenario_name: str,
+    *,
+    model: str | None,
+    method: str | None,
+    rounds: int | None,
+    data_dir: str | None,
+    out: str,
+    as_json: bool,
+    seed: int,
+) -> None:
+    from clawbridge import demo, scenario
+
+    console = Console(stderr=as_json)
+    try:
+        sc = scenario.load(scenario_name)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"clawbridge demo: {e}", err=True)
+        raise typer.Exit(2) from e
+    if method is not None or rounds is not None:
+        recipe = sc.recipe.model_copy(update={k: v for k, v in (("method", method), ("rounds", rounds)) if v is not None})
+        sc = sc.model_copy(update={"recipe": recipe})
+    folder = Path(data_dir) if data_dir else demo.default_data_dir()
+    settings = demo.demo_settings(sc, folder, model=model, seed=seed)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    console.print(
+        f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
+        f"  model {settings.model} · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
+        f"{sc.recipe.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
+        f"{sc.recipe.eval_samples} · data {folder}"
+    )
+    out_dir = Path(out)
+    with Progress(
+        TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as bar:
+        task = bar.add_task("starting the stack", total=2 * sc.recipe.rounds + 1)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        result = asyncio.run(demo.run_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"))
+        bar.update(task, completed=2 * sc.recipe.rounds + 1, description="done")
+    summary = result.summary()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{sc.name}.json").write_text(json.dumps(summary, indent=2))
+    table = Table("", "", title=f"held-out prompts the training never saw ({sc.name})")
+    for k, v in demo.result_table(result):
+        table.add_row(k, v)
+    console.print(table)
+    for ex in result.examples[:2]:
+        console.print(f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}")
+    verdict = "improved" if result.improved else "no significant change"
+    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (sc.name + '.json')}")
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+
+
+def _store(data_dir: str | None, db: str | None):  # type: ignore[no-untyped-def]
+    from clawbridge.config import Settings
+    from clawbridge.store import Store
+
+    settings = Settings.load(data_dir=data_dir, db=db)
+    return Store.open(settings.db_url)
+
+
+def print_status(data_dir: str | None, db: str | None) -> None:
+    with _store(data_dir, db) as store:
+        st = store.stats()
+        steps = store.training_steps()
+    t = Table("", "", title="clawbridge status")
+    t.add_row("sessions (done)", f"{st.sessions} ({st.sessions_done})")
+    t.add_row("turns: main / side / untagged / opted out", f"{st.main_turns} / {st.side_turns} / {st.untagged_turns} / {st.opted_out_turns}")
+    t.add_row("awaiting a next state", str(st.awaiting_next_state))
+    t.add_row("judged turns", str(st.judged_turns))
+    t.add_row("samples", " · ".join(f"{k} {v}" for k, v in st.samples.items()))
+    t.add_row("training steps", str(st.steps))
+    t.add_row("policy version", f"v{st.latest_version}")
+    if steps:
+        m = steps[-1].metrics
+        t.add_row("last step", f"#{steps[-1].step}: loss {m.get('loss', 0):.4f}, mean reward {m.get('mean_reward', 0):+.2f}")
+    Console().print(t)
+
+
+def print_versions(data_dir: str | None, db: str | None) -> None:
+    with _store(data_dir, db) as store:
+        rows = store.versions()
+    t = Table("version", "step", "samples", "mean reward", "when (UTC)", "weights")
+    t.add_row("v0", "-", "-", "-", "-", "base model")
+    for r in rows:
+        reward = "-" if r.mean_reward is None else f"{r.mean_reward:+.2f}"
+        t.add_row(f"v{r.version}", str(r.step or "-"), str(r.samples), reward,
+                  r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
+    Console().print(t)

@@ -1,0 +1,161 @@
+"""Demo scenarios as data: a simulated user with a hidden preference (docs/learning.md).
+
+A scenario file (YAML or JSON) holds training prompts, held-out prompts the training never sees,
+the preference check (regexes that must / must not match, word limits, a finished answer) and the
+user's replies when satisfied and when not. The replies are what the offline rules judge reads:
+thanks are +1, a correction is -1 and becomes the hint. Built-in scenarios live in
+`clawbridge/scenarios/*.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_SCENARIO = "concise"
+
+
+class Check(BaseModel):
+    """The hidden preference. Every given condition must hold."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_words: int | None = Field(None, ge=1)
+    min_words: int | None = Field(None, ge=0)
+    must_finish: bool = Field(True, description="The answer ended by itself (not cut at max_tokens).")
+    must_match: list[str] = Field(default_factory=list, description="Regexes (Python, searched).")
+    must_not_match: list[str] = Field(default_factory=list)
+
+    @field_validator("must_match", "must_not_match")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for p in patterns:
+            re.compile(p)
+        return patterns
+
+    def satisfied(self, text: str, finish_reason: str | None) -> bool:
+        words = len(text.split())
+        if self.must_finish and finish_reason != "stop":
+            return False
+        if self.max_words is not None and words > self.max_words:
+            return False
+        if self.min_words is not None and words < self.min_words:
+            return False
+        if any(not re.search(p, text, re.MULTILINE) for p in self.must_match):
+            return False
+        return not any(re.search(p, text, re.MULTILINE) for p in self.must_not_match)
+
+
+class Replies(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    satisfied: list[str] = Field(min_length=1)
+    unsatisfied: list[str] = Field(min_length=1)
+
+
+class Recipe(BaseModel):
+    """How the demo trains for this scenario (each maps onto a Settings field or a demo knob)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["binary", "opd", "combine"] = "combine"
+    batch_size: int = Field(8, ge=1)
+    rounds: int = Field(6, ge=1, description="Training steps: each round is batch_size conversations.")
+    learning_rate: float = Field(2e-3, gt=0)
+    lora_rank: int = Field(16, ge=1)
+    temperature: float = Field(0.7, gt=0)
+    max_tokens: int = Field(48, ge=1)
+    eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
+    concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    system: str | None = Field(None, description="An optional system message for every conversation.")
+    train_prompts: list[str] = Field(min_length=1)
+    heldout_prompts: list[str] = Field(min_length=2)
+    check: Check
+    replies: Replies
+    recipe: Recipe = Field(default_factory=Recipe)
+
+    @field_validator("heldout_prompts")
+    @classmethod
+    def _disjoint(cls, held: list[str], info: object) -> list[str]:
+        data = getattr(info, "data", {}) or {}
+        overlap = set(held) & set(data.get("train_prompts") or [])
+        if overlap:
+            raise ValueError(f"held-out prompts must not be training prompts: {sorted(overlap)[:3]}")
+        return held
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return [*head, {"role": "user", "content": prompt}]
+
+    def reply(self, satisfied: bool, i: int) -> str:
+        options = self.replies.satisfied if satisfied else self.replies.unsatisfied
+        return options[i % len(options)]
+
+
+def builtin_names() -> list[str]:
+    root = resources.files("clawbridge.scenarios")
+    return sorted(p.name.rsplit(".", 1)[0] for p in root.iterdir() if p.name.endswith((".yaml", ".json")))
+
+
+def load(name_or_path: str | Path) -> Scenario:
+    """A built-in scenario by name, or a YAML/JSON file."""
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml", ".json"} and path.exists():
+        text, suffix = path.read_text(), path.suffix
+    else:
+        root = resources.files("clawbridge.scenarios")
+        found = [root / f"{name_or_path}{ext}" for ext in (".yaml", ".json")]
+        hit = next((f for f in found if f.is_file()), None)
+        if hit is None:
+            raise FileNotFoundError(
+                f"no scenario {str(name_or_path)!r}: give a .yaml/.json file or one of {builtin_names()}"
+            )
+        text, suffix = hit.read_text(), ".yaml" if hit.name.endswith(".yaml") else ".json"
+    if suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    return Scenario.model_validate(data)
+
+
+# --- statistics (pure) -------------------------------------------------------------------------
+
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t975(df: int) -> float:
+    """The 97.5 % quantile of Student's t (two-sided 95 %)."""
+    if df < 1:
+        return math.inf
+    return _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df  # within 0.002 beyond 30
+
+
+def paired_interval(before: Sequence[float], after: Sequence[float]) -> tuple[float, float, float]:
+    """Mean of after − before over held-out prompts (each a per-prompt satisfaction rate) and its
+    95 % t-interval. Pairing by prompt removes the prompt-to-prompt spread from the comparison."""
+    if len(before) != len(after) or len(before) < 2:
+        raise ValueError("need the same held-out prompts before and after, at least two")
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
