@@ -130,3 +130,47 @@ def sessions_cmd(
         done = f"yes ({r.done_reason})" if r.done else "no"
         table.add_row(r.id, r.source, str(r.turns), str(r.main_turns), done, r.updated_at.strftime("%Y-%m-%d %H:%M:%S"))
     Console().print(table)
+
+
+# --- learning: demo, status, versions (the learning loop's commands) ----------------------------
+
+
+@app.command("demo")
+def demo_cmd(
+    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario name or a YAML/JSON file."),
+    model: str | None = typer.Option(None, help="Model (default: the embedded smollm2-135m-instruct)."),
+    method: str | None = typer.Option(None, help="binary | opd | combine (default: the scenario's)."),
+    rounds: int | None = typer.Option(None, help="Training steps (default: the scenario's)."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Default: a fresh temporary directory."),
+    out: str = typer.Option("demo-results", "--out", help="Where the PNG and the JSON summary go."),
+    as_json: bool = typer.Option(False, "--json", help="Print the JSON summary on stdout (progress goes to stderr)."),
+    seed: int = typer.Option(0, help="Sampling and LoRA seed."),
+) -> None:
+    """Watch the model learn: a simulated user with a hidden preference talks to clawbridge over
+    the OpenAI API; clawbridge judges, trains and publishes; held-out prompts show the change."""
+    from clawbridge.demo_cli import run_demo_command
+
+    run_demo_command(scenario, model=model, method=method, rounds=rounds, data_dir=data_dir,
+                     out=out, as_json=as_json, seed=seed)
+
+
+@app.command("status")
+def status_cmd(
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None),
+) -> None:
+    """Captured turns, judged turns, samples by state, training steps and the newest version."""
+    from clawbridge.demo_cli import print_status
+
+    print_status(data_dir, db)
+
+
+@app.command("versions")
+def versions_cmd(
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None),
+) -> None:
+    """A table of policy versions: version, step, samples, mean reward, when."""
+    from clawbridge.demo_cli import print_versions
+
+    print_versions(data_dir, db)
