@@ -520,8 +520,11 @@ class Renderer:
         chat_template: str | None = None,
         cache_size: int = 32,
         incremental: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # Extra template variables, e.g. {"enable_thinking": False} for Qwen3.
+        self.template_kwargs = dict(template_kwargs or {})
         self.chat_template: str = chat_template or tokenizer.chat_template
         if not self.chat_template:
             raise RenderError("the tokenizer has no chat template")
@@ -627,7 +630,7 @@ class Renderer:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, chat_template=self.chat_template,
-                add_generation_prompt=True, tokenize=False,
+                add_generation_prompt=True, tokenize=False, **self.template_kwargs,
             )
         except Exception as e:  # jinja raise_exception / TemplateError: the request is at fault
             raise RenderError(f"the chat template rejected the messages: {e}") from e
