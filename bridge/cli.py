@@ -174,3 +174,77 @@ def versions_cmd(
     from clawbridge.demo_cli import print_versions
 
     print_versions(data_dir, db)
+
+
+# --- OpenClaw: config, install (the integration engineer's commands) ------------------------------
+
+openclaw_app = typer.Typer(help="Use clawbridge as an OpenClaw model provider (docs/openclaw.md).")
+app.add_typer(openclaw_app, name="openclaw")
+
+
+def _openclaw_provider(url: str, model: str | None, api_key: str | None, context_window: int,
+                       max_tokens: int, keyed: bool | None) -> dict:
+    from clawbridge.client import Client
+    from clawbridge.openclaw import provider_entry
+
+    if model is None:
+        try:
+            model = Client(url, api_key=api_key, timeout=5).models()[0]
+        except Exception as e:
+            typer.echo(f"clawbridge openclaw: cannot ask {url} for its model ({e}); start "
+                       "`clawbridge up` first or pass --model", err=True)
+            raise typer.Exit(2) from None
+    return provider_entry(url, model, context_window=context_window, max_tokens=max_tokens,
+                          keyed=bool(api_key) if keyed is None else keyed)
+
+
+_URL = typer.Option("http://127.0.0.1:30000", "--url", help="The clawbridge server.")
+_MODEL = typer.Option(None, "--model", help="Model id (default: ask the server's /v1/models).")
+_KEY = typer.Option(None, "--api-key", envvar="CLAWBRIDGE_API_KEY", help="Key to ask the server with (never written to openclaw.json).")
+_CTX = typer.Option(32768, "--context-window", help="Context window OpenClaw plans prompts for.")
+_MAXTOK = typer.Option(512, "--max-tokens", help="Completion budget OpenClaw asks for.")
+_KEYED = typer.Option(None, "--keyed/--no-keyed", help="Reference ${CLAWBRIDGE_API_KEY} as the provider key (default: when a key is given).")
+
+
+@openclaw_app.command("config")
+def openclaw_config_cmd(
+    url: str = _URL, model: str | None = _MODEL, api_key: str | None = _KEY,
+    context_window: int = _CTX, max_tokens: int = _MAXTOK, keyed: bool | None = _KEYED,
+) -> None:
+    """Print the openclaw.json fragment that makes clawbridge a provider (and the default model)."""
+    import json
+
+    from clawbridge.openclaw import fragment
+
+    provider = _openclaw_provider(url, model, api_key, context_window, max_tokens, keyed)
+    typer.echo(json.dumps(fragment(provider, None), indent=2))
+
+
+@openclaw_app.command("install")
+def openclaw_install_cmd(
+    url: str = _URL, model: str | None = _MODEL, api_key: str | None = _KEY,
+    context_window: int = _CTX, max_tokens: int = _MAXTOK, keyed: bool | None = _KEYED,
+    openclaw_home: str | None = typer.Option(None, "--openclaw-home", envvar="OPENCLAW_HOME", help="OpenClaw's home (default: your home directory)."),
+    set_default: bool = typer.Option(True, "--default/--no-default", help="Make clawbridge OpenClaw's default model."),
+    plugin: bool = typer.Option(True, "--plugin/--no-plugin", help="Install and enable the clawbridge plug-in."),
+) -> None:
+    """Add clawbridge to openclaw.json (the old file is backed up) and install the plug-in."""
+    from pathlib import Path
+
+    from clawbridge.openclaw import OpenClawConfigError, install
+
+    provider = _openclaw_provider(url, model, api_key, context_window, max_tokens, keyed)
+    home = Path(openclaw_home).expanduser() if openclaw_home else Path.home()
+    try:
+        r = install(home, provider, set_default=set_default, with_plugin=plugin)
+    except OpenClawConfigError as e:
+        typer.echo(f"clawbridge openclaw install: {e}", err=True)
+        raise typer.Exit(2) from None
+    if r.changed:
+        typer.echo(f"updated {r.config_path}" + (f" (previous file: {r.backup})" if r.backup else ""))
+    else:
+        typer.echo(f"{r.config_path} already up to date")
+    if plugin:
+        typer.echo(f"plug-in {'installed' if r.plugin_changed else 'unchanged'} at {r.plugin_dir}")
+    if provider["apiKey"].startswith("${"):
+        typer.echo("OpenClaw reads the key from CLAWBRIDGE_API_KEY: export it where OpenClaw runs")
