@@ -161,6 +161,16 @@ class Engine:
     def steps(self) -> int:
         return self._steps
 
+    @property
+    def active_requests(self) -> int:
+        """Requests admitted or waiting (read from another thread: a snapshot)."""
+        return len(self._active) + len(self._waiting) + self._inbox.qsize()
+
+    @property
+    def loaded_versions(self) -> set[int]:
+        """Published versions whose adapter is in memory."""
+        return set(self._loaded)
+
     # --- async API ---------------------------------------------------------------------------
 
     async def sample_stream(

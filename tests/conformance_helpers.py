@@ -56,6 +56,7 @@ async def make_local(tmp_path: Path) -> Backend:
         lora_rank=TINY_LORA_RANK,
         lora_alpha=TINY_LORA_ALPHA,
         train_token_budget=24,
+        threads=1,  # the tiny model gains nothing from more; test_conformance restores it
     )
     await backend.start()
     return backend

@@ -23,6 +23,13 @@ PROMPT = (1, 520, 3121, 28, 1830, 446, 17, 905)
 OTHER_PROMPT = (1, 4093, 314, 2201, 28, 690)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=sorted(CASES))
 def case(request: pytest.FixtureRequest) -> BackendCase:
     return CASES[request.param]

@@ -1,0 +1,178 @@
+"""The torch engine behind the `local` backend: sampling parameters, continuous batching,
+streaming, versions and the context limit, on the tiny model; one reply from the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from clawbridge.backends.base import BackendError, ContextLengthExceeded
+from clawbridge.backends.local import LocalBackend
+from clawbridge.local_gpu import models
+from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+
+PROMPT = (1, 520, 3121, 28, 1830, 446, 17, 905)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    # one intra-op thread: the tiny model gains nothing from more, and on shared CI cores a
+    # second spinning thread costs several times the work (the setting is process-wide: restored)
+    threads = torch.get_num_threads()
+    backend = LocalBackend(
+        "tiny-random", tmp_path_factory.mktemp("engine"), lora_rank=8, lora_alpha=8, threads=1
+    )
+    backend.engine.start()  # the engine is loop-agnostic: one instance serves every test's loop
+    yield backend
+    backend.engine.close()
+    torch.set_num_threads(threads)
+
+
+async def one(backend: LocalBackend, params: SamplingParams, prompt: tuple[int, ...] = PROMPT):
+    (completion,) = await backend.sample(prompt, params)
+    return completion
+
+
+async def test_max_tokens_ends_generation_with_length(tiny: LocalBackend) -> None:
+    c = await one(tiny, SamplingParams(max_tokens=7, seed=1, stop_token_ids=()))
+    assert len(c.tokens) == len(c.logprobs) == 7
+    assert c.finish_reason == "length"
+
+
+async def test_same_seed_gives_same_tokens_and_other_seeds_differ(tiny: LocalBackend) -> None:
+    a = await one(tiny, SamplingParams(max_tokens=12, seed=5))
+    b = await one(tiny, SamplingParams(max_tokens=12, seed=5))
+    c = await one(tiny, SamplingParams(max_tokens=12, seed=6))
+    assert a.tokens == b.tokens and a.logprobs == b.logprobs
+    assert a.tokens != c.tokens
+
+
+async def test_top_k_one_equals_greedy(tiny: LocalBackend) -> None:
+    greedy = await one(tiny, SamplingParams(max_tokens=10, temperature=0.0))
+    top1 = await one(tiny, SamplingParams(max_tokens=10, temperature=0.9, top_k=1, seed=3))
+    assert top1.tokens == greedy.tokens
+    # the recorded logprob is untruncated: under T=0.9 it is not 0 even though top_k=1
+    assert all(lp < 0 for lp in top1.logprobs)
+
+
+async def test_stop_string_ends_on_the_token_that_completes_it(tiny: LocalBackend) -> None:
+    tok = tiny.tokenizer()
+    free = await one(tiny, SamplingParams(max_tokens=30, seed=9, stop_token_ids=()))
+    # a stop string made of the tail of a plain-ASCII token some way into the completion
+    i = next(
+        i for i in range(4, 30)
+        if (piece := tok.decode(free.tokens[i : i + 1])).isascii() and len(piece.strip()) >= 3
+    )
+    stop = tok.decode(free.tokens[i : i + 1]).strip()[-3:]
+    stopped = await one(tiny, SamplingParams(max_tokens=30, seed=9, stop=(stop,)))
+    assert stopped.finish_reason == "stop"
+    assert len(stopped.tokens) <= i + 1
+    assert stopped.tokens == free.tokens[: len(stopped.tokens)]
+    assert stop in tok.decode(stopped.tokens)
+    assert stop not in tok.decode(stopped.tokens[:-1])
+
+
+async def test_stop_token_id_ends_generation_and_is_kept(tiny: LocalBackend) -> None:
+    free = await one(tiny, SamplingParams(max_tokens=12, seed=4))
+    chosen = free.tokens[5]
+    stopped = await one(tiny, SamplingParams(max_tokens=12, seed=4, stop_token_ids=(chosen,)))
+    first = free.tokens.index(chosen)
+    assert stopped.tokens == free.tokens[: first + 1]
+    assert stopped.finish_reason == "stop"
+
+
+async def test_top_logprobs_lists_the_most_likely_alternatives(tiny: LocalBackend) -> None:
+    c = await one(tiny, SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=3))
+    assert c.top_logprobs is not None and len(c.top_logprobs) == 4
+    for token, lp, alternatives in zip(c.tokens, c.logprobs, c.top_logprobs, strict=True):
+        assert len(alternatives) == 3
+        assert alternatives[0].token_id == token and alternatives[0].logprob == pytest.approx(lp)
+        assert [a.logprob for a in alternatives] == sorted((a.logprob for a in alternatives), reverse=True)
+
+
+async def test_concurrent_requests_get_the_tokens_they_get_alone(tiny: LocalBackend) -> None:
+    prompts = [PROMPT, PROMPT[:3], (1, 4093, 314, 2201, 28, 690, 11, 12, 13, 14, 15)]
+    params = [SamplingParams(max_tokens=10 + 5 * i, temperature=0.8, seed=100 + i) for i in range(6)]
+    jobs = [(prompts[i % 3], p) for i, p in enumerate(params)]
+    alone = [await one(tiny, p, prompt) for prompt, p in jobs]
+
+    async def staggered(i: int, prompt: tuple[int, ...], p: SamplingParams):
+        await asyncio.sleep(0.02 * i)  # join a batch that is already decoding
+        return await one(tiny, p, prompt)
+
+    together = await asyncio.gather(*(staggered(i, prompt, p) for i, (prompt, p) in enumerate(jobs)))
+    for a, b in zip(alone, together, strict=True):
+        assert a.tokens == b.tokens
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+async def test_stream_yields_one_token_per_chunk_and_finishes_last(tiny: LocalBackend) -> None:
+    params = SamplingParams(max_tokens=16, seed=7, stop_token_ids=())
+    chunks = [chunk async for chunk in tiny.sample_stream(PROMPT, params)]
+    whole = await one(tiny, params)
+    assert len(chunks) == 16 and all(len(c.tokens) == 1 for c in chunks)
+    assert [c.finish_reason for c in chunks] == [None] * 15 + ["length"]
+    assert tuple(t for c in chunks for t in c.tokens) == whole.tokens
+
+
+async def test_a_consumer_that_stops_early_frees_its_row(tiny: LocalBackend) -> None:
+    stream = tiny.sample_stream(PROMPT, SamplingParams(max_tokens=5000, seed=8, stop_token_ids=()))
+    await anext(stream)
+    await stream.aclose()
+    deadline = time.monotonic() + 10
+    while tiny.engine.active_requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert tiny.engine.active_requests == 0
+
+
+async def test_prompt_plus_max_tokens_over_the_context_is_refused(tiny: LocalBackend) -> None:
+    params = SamplingParams(max_tokens=tiny.context_length)
+    with pytest.raises(ContextLengthExceeded) as err:
+        await tiny.sample(PROMPT, params)
+    assert err.value.prompt_tokens == len(PROMPT)
+    with pytest.raises(ContextLengthExceeded):
+        async for _ in tiny.sample_stream(PROMPT, params):
+            pass
+
+
+async def test_old_versions_are_dropped_when_unused_and_reload_by_number(tiny: LocalBackend) -> None:
+    c = await one(tiny, SamplingParams(max_tokens=5, seed=12))
+    datum = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    start = tiny.version
+    for _ in range(2):
+        await tiny.train_step([datum], LossSpec(), OptimSpec(learning_rate=1e-2))
+        await tiny.publish()
+    assert tiny.version == start + 2
+    assert tiny.engine.loaded_versions == {start + 2}
+    assert (tiny.engine.data_dir / "adapters" / f"v{start + 1}" / "adapter_config.json").exists()
+    rollback = (await tiny.sample(PROMPT, SamplingParams(max_tokens=5, seed=12), version=start + 1))[0]
+    assert rollback.version == start + 1
+    with pytest.raises(BackendError):
+        await tiny.sample(PROMPT, SamplingParams(max_tokens=2), version=start + 3)
+
+
+async def test_n_samples_with_a_seed_are_distinct_and_reproducible(tiny: LocalBackend) -> None:
+    params = SamplingParams(max_tokens=8, seed=50)
+    first = await tiny.sample(PROMPT, params, n=3)
+    second = await tiny.sample(PROMPT, params, n=3)
+    assert [c.tokens for c in first] == [c.tokens for c in second]
+    assert len({c.tokens for c in first}) == 3
+
+
+async def test_the_embedded_model_answers_a_simple_question(tmp_path: Path) -> None:
+    backend = LocalBackend(models.EMBEDDED, tmp_path, lora_rank=4, lora_alpha=4)
+    await backend.start()
+    try:
+        tok = backend.tokenizer()
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        (c,) = await backend.sample(list(prompt), SamplingParams(max_tokens=8, temperature=0.0))
+        assert "Paris" in tok.decode(c.tokens)
+    finally:
+        await backend.close()
