@@ -536,9 +536,7 @@ class Renderer:
         ids = [tokenizer.eos_token_id] + [backend.token_to_id(t) for t in END_TOKENS]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
         self.tool_role_ok = self._probe_tool_role()
-        self.opens_think = self._template_text([{"role": "user", "content": "x"}], None).rstrip().endswith(
-            THINK_OPEN
-        )
+        self.opens_think = self._probe_opens_think()
         self._cache = _PromptCache(tokenizer, cache_size) if incremental else None
         if self._cache is not None and not self._probe_incremental():
             log.warning("incremental prompt rendering disabled: it differs from a full render here")
@@ -647,6 +645,17 @@ class Renderer:
         except RenderError:
             return False
         return "PROBE-7f3a" in text and "tool" in text.replace("PROBE-7f3a", "")
+
+    def _probe_opens_think(self) -> bool:
+        """Whether the generation prompt itself opens a reasoning block (Qwen3 thinking models):
+        then a completion starts as reasoning."""
+        for probe in ([{"role": "user", "content": "x"}],
+                      [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]):
+            try:
+                return self._template_text(probe, None).rstrip().endswith(THINK_OPEN)
+            except RenderError:
+                continue
+        return False
 
     def _probe_incremental(self) -> bool:
         """Render a conversation and its extension both ways once; any difference disables the
