@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, fields
 from datetime import datetime
@@ -48,6 +49,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+READ_THREADS = 4
 # Which states a sample may move to, and from where. `trained` and `dropped` are final: that is
 # what makes "no sample is trained twice" a property of the database, not of the trainer.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -79,6 +81,9 @@ class Store:
         self.engine = engine
         self.dialect = engine.dialect.name
         self._writer: AsyncWriter | None = None
+        # Reads get their own threads: a slow query must not starve the event loop's default
+        # executor, which the rest of the process shares.
+        self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="clawbridge-store")
         # Built once: building a statement per call costs more than executing it.
         ins = self._insert(t.sessions)
         self._upsert_session_for_turn = ins.on_conflict_do_update(
@@ -135,6 +140,7 @@ class Store:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._readers.shutdown(wait=True)
         self.engine.dispose()
 
     async def aclose(self) -> None:
@@ -174,7 +180,8 @@ class Store:
 
     async def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Any sync method, in a worker thread: `await store.run(store.stats)`."""
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._readers, partial(fn, *args, **kwargs))
 
     async def record_turn_async(self, rec: TurnRecord) -> str:
         """Durable (committed, group-committed with concurrent writes) when it returns."""
