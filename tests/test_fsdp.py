@@ -111,7 +111,7 @@ async def test_save_state_then_load_state_resumes_identically(trainers, tmp_path
 
 async def test_a_failure_on_the_ranks_is_reported_and_the_trainer_stays_up(trainers):
     _, two = trainers
-    with pytest.raises(TrainerError, match="(?s)rank 0: .*rank 1: .*no trainer checkpoint"):
+    with pytest.raises(TrainerError, match=r"(?s)rank 0: .*rank 1: .*no trainer checkpoint"):
         await two.call("load_state", path="/nonexistent/checkpoint")
     m = await two.train_step(BATCH_2, LossSpec(kl_coef=0.1), OPTIM)  # and the KL path runs
     assert m.samples == 2
