@@ -116,6 +116,16 @@ def test_a_turn_round_trips_with_exact_token_ids_and_logprobs(store: Store) -> N
     assert got.index == 0 and got.next_state is None
 
 
+def test_awkward_client_text_and_long_ids_are_stored_not_lost(store: Store) -> None:
+    # JSON lets clients send lone surrogates and NULs; session ids come from headers.
+    msgs = [{"role": "user", "content": "half an emoji \ud83d, a NUL \x00, 中文"}]
+    rec = turn("s" * 500, messages=msgs, response={"role": "assistant", "content": "\udfff"})
+    store.record_turn(rec)
+    got = store.get_turn(rec.id)
+    assert got is not None and got.messages == msgs and got.response == rec.response
+    assert got.session_id == "s" * 500
+
+
 def test_turns_get_consecutive_indexes_and_create_their_session(store: Store) -> None:
     recs = [turn("a"), turn("b", turn_type="side"), turn("a"), turn("a", turn_type="side")]
     for r in recs:

@@ -72,8 +72,15 @@ _SELECT_TURN_ID = sa.select(t.turns.c.id).where(t.turns.c.id == sa.bindparam("id
 _INSERT_TURN = t.turns.insert()
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+def dumps(obj: Any) -> str:
+    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate (JSON allows "\ud800"; clients send them) cannot be stored as UTF-8:
+        # escape everything rather than lose the turn.
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
+    return text
 
 
 class Store:
@@ -112,14 +119,14 @@ class Store:
             Path(sa_url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             engine = sa.create_engine(
                 sa_url,
-                json_serializer=_dumps,
+                json_serializer=dumps,
                 connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
                 pool_size=8,
                 max_overflow=16,
             )
             _configure_sqlite(engine, sqlite_synchronous.upper())
         else:
-            engine = sa.create_engine(sa_url, json_serializer=_dumps, pool_pre_ping=True)
+            engine = sa.create_engine(sa_url, json_serializer=dumps, pool_pre_ping=True)
         store = cls(engine)
         if migrate:
             store.migrate()

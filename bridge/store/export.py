@@ -3,7 +3,6 @@ and samples. Streams in pages so a large store never sits in memory."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import asdict
 from datetime import datetime
@@ -12,6 +11,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from clawbridge.store import schema as t
+from clawbridge.store.core import dumps
 from clawbridge.store.records import JSONObject, StoredTurn
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def export_jsonl(store: Store, dest: str | Path | IO[str], since: datetime | Non
 def _write(store: Store, out: IO[str], since: datetime | None) -> int:
     n = 0
     for obj in iter_export(store, since):
-        out.write(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+        out.write(dumps(obj))
         out.write("\n")
         n += 1
     out.flush()

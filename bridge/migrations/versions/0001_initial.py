@@ -23,21 +23,21 @@ TS = sa.DateTime(timezone=True)
 def upgrade() -> None:
     op.create_table(
         "sessions",
-        sa.Column("id", sa.String(200), nullable=False),
+        sa.Column("id", sa.Text, nullable=False),
         sa.Column("source", sa.String(16), nullable=False),
         sa.Column("created_at", TS, nullable=False),
         sa.Column("updated_at", TS, nullable=False),
         sa.Column("turns", sa.Integer, nullable=False, server_default="0"),
         sa.Column("main_turns", sa.Integer, nullable=False, server_default="0"),
         sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
-        sa.Column("done_reason", sa.String(64)),
+        sa.Column("done_reason", sa.Text),
         sa.Column("done_at", TS),
         sa.PrimaryKeyConstraint("id", name="pk_sessions"),
     )
     op.create_table(
         "turns",
-        sa.Column("id", sa.String(64), nullable=False),
-        sa.Column("session_id", sa.String(200), nullable=False),
+        sa.Column("id", sa.Text, nullable=False),
+        sa.Column("session_id", sa.Text, nullable=False),
         sa.Column("idx", sa.Integer, nullable=False),
         sa.Column("turn_type", sa.String(8), nullable=False),
         sa.Column("tagged", sa.Boolean, nullable=False),
@@ -53,7 +53,7 @@ def upgrade() -> None:
         sa.Column("n_completion", sa.Integer, nullable=False),
         sa.Column("sampling", sa.JSON, nullable=False),
         sa.Column("version", sa.Integer, nullable=False),
-        sa.Column("finish_reason", sa.String(16), nullable=False),
+        sa.Column("finish_reason", sa.Text, nullable=False),
         sa.Column("response", sa.JSON, nullable=False),
         sa.Column("queued_ms", sa.Float),
         sa.Column("ttft_ms", sa.Float),
@@ -71,8 +71,8 @@ def upgrade() -> None:
     op.create_table(
         "judgments",
         sa.Column("id", sa.Integer, autoincrement=True, nullable=False),
-        sa.Column("turn_id", sa.String(64), nullable=False),
-        sa.Column("judge", sa.String(200), nullable=False),
+        sa.Column("turn_id", sa.Text, nullable=False),
+        sa.Column("judge", sa.Text, nullable=False),
         sa.Column("kind", sa.String(16), nullable=False),
         sa.Column("votes", sa.JSON, nullable=False),
         sa.Column("reward", sa.Float),
@@ -85,10 +85,10 @@ def upgrade() -> None:
     op.create_table(
         "samples",
         sa.Column("id", sa.Integer, autoincrement=True, nullable=False),
-        sa.Column("turn_id", sa.String(64), nullable=False),
+        sa.Column("turn_id", sa.Text, nullable=False),
         sa.Column("method", sa.String(16), nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("reason", sa.String(200)),
+        sa.Column("reason", sa.Text),
         sa.Column("reward", sa.Float),
         sa.Column("hint", sa.Text),
         sa.Column("teacher_logprobs", sa.LargeBinary),
@@ -124,7 +124,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "meta",
-        sa.Column("key", sa.String(200), nullable=False),
+        sa.Column("key", sa.Text, nullable=False),
         sa.Column("value", sa.JSON),
         sa.Column("updated_at", TS, nullable=False),
         sa.PrimaryKeyConstraint("key", name="pk_meta"),
