@@ -1,5 +1,6 @@
-"""Durability: `clawbridge up` is killed with SIGKILL under concurrent load; every turn whose
-response reached its client is in the store when it is reopened."""
+"""`clawbridge up` as a subprocess. Durability: killed with SIGKILL under concurrent load, every
+turn whose response reached its client is in the store when it is reopened. Drain: Ctrl-C
+(SIGINT) lets a stream in flight finish, then the process exits cleanly."""
 
 from __future__ import annotations
 
@@ -38,15 +39,46 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError("clawbridge up did not become ready")
 
 
-def test_kill_minus_9_mid_load_loses_no_answered_turn(tmp_path: Path):
-    port, data = free_port(), tmp_path / "data"
+def start_up(port: int, data: Path) -> subprocess.Popen:
     cli = Path(sys.executable).with_name("clawbridge")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [str(cli), "up", "--backend", "local", "--model", "tiny-random", "--port", str(port),
          "--data-dir", str(data), "--no-train"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
+
+
+def test_ctrl_c_drains_the_stream_in_flight_then_exits_cleanly(tmp_path: Path):
+    port, data = free_port(), tmp_path / "data"
+    proc = start_up(port, data)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, timeout=240)
+        events: list[bytes] = []
+        body = {"model": "tiny-random", "max_tokens": 120, "stream": True,
+                "messages": [{"role": "user", "content": "a long answer please"}]}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body,
+                          headers={"X-Session-Id": "drain-1"}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.encode())
+                    if len(events) == 2:  # the stream is under way: Ctrl-C now
+                        os.kill(proc.pid, signal.SIGINT)
+        assert events[-1] == b"data: [DONE]"
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with Store.open(f"sqlite:///{data.resolve() / 'clawbridge.db'}") as store:
+        [turn] = store.session_turns("drain-1")
+    assert len(turn.completion_ids) > 0 and turn.finish_reason in ("stop", "length")
+
+
+def test_kill_minus_9_mid_load_loses_no_answered_turn(tmp_path: Path):
+    port, data = free_port(), tmp_path / "data"
+    proc = start_up(port, data)
     url = f"http://127.0.0.1:{port}"
     completed: list[str] = []
     stop = threading.Event()
