@@ -318,7 +318,7 @@ class Store:
     ) -> bool:
         res = conn.execute(
             sa.update(t.turns)
-            .where(t.turns.c.id == turn_id, t.turns.c.next_state.is_(None))
+            .where(t.turns.c.id == turn_id, t.turns.c.next_state_at.is_(None))
             .values(next_state=next_state, next_state_at=at or utcnow())
         )
         return bool(res.rowcount)
@@ -358,7 +358,7 @@ class Store:
                 sa.and_(
                     t.turns.c.turn_type == "main",
                     t.turns.c.train == sa.true(),
-                    t.turns.c.next_state.is_not(None),
+                    t.turns.c.next_state_at.is_not(None),
                     missing,
                 ),
                 limit=limit,
@@ -712,7 +712,7 @@ class Store:
                 untagged_turns=count(conn, t.turns, tu.tagged == sa.false()),
                 opted_out_turns=count(conn, t.turns, tu.train == sa.false()),
                 awaiting_next_state=count(
-                    conn, t.turns, tu.turn_type == "main", tu.next_state.is_(None)
+                    conn, t.turns, tu.turn_type == "main", tu.next_state_at.is_(None)
                 ),
                 judged_turns=int(
                     conn.execute(sa.select(sa.func.count(sa.distinct(t.judgments.c.turn_id)))).scalar_one()
