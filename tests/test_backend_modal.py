@@ -1,0 +1,94 @@
+"""The Modal backend against the real Modal class run offline (tests/fakes/fake_modal.py): the
+same engine as the local backend, Modal's serialisation, AuthError / InternalFailure faults, and
+resume from the Volume on a cold start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from clawbridge.backends.local import LocalBackend
+from clawbridge.backends.modal import ModalBackend
+from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
+from clawbridge.costs import BudgetExceeded, CostMeter, Prices
+from clawbridge.types import OptimSpec, SamplingParams
+from fakes.fake_modal import FakeEngine
+from fakes.reference import fixed_batch
+from modal.exception import AuthError, InternalFailure
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*executing locally.*")
+FAST = RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=120.0)
+PROMPT = (1, 520, 3121, 28, 1830, 446)
+
+
+async def started(tokenizer, state: Path, **kw) -> tuple[ModalBackend, FakeEngine]:
+    engine = FakeEngine(state)
+    b = ModalBackend(engine=engine, tokenizer=tokenizer, model_name="tiny-random", context_length=32768,
+                     retry=FAST, **kw)
+    await b.start()
+    return b, engine
+
+
+async def test_samples_and_scores_come_from_the_engine_in_the_modal_class(tokenizer, tmp_path) -> None:
+    b, _ = await started(tokenizer, tmp_path)
+    (c,) = await b.sample(PROMPT, SamplingParams(max_tokens=4, seed=2))
+    assert c.version == 0 and len(c.tokens) == len(c.logprobs) >= 1
+    assert await b.score(PROMPT, c.tokens) == pytest.approx(list(c.logprobs), abs=1e-4)
+    assert b.meter.snapshot()["by_activity"]["serve"]["gpu_seconds"] > 0  # type: ignore[index]
+
+
+async def test_a_train_step_on_modal_equals_the_local_backends(tokenizer, tmp_path) -> None:
+    batch, optim = fixed_batch(), OptimSpec(learning_rate=1e-2)
+    b, _ = await started(tokenizer, tmp_path / "modal")
+    local = LocalBackend("tiny-random", tmp_path / "local", lora_rank=8, lora_alpha=8, seed=0)
+    await local.start()
+    try:
+        remote_metrics = await b.train_step(batch, optim=optim)
+        local_metrics = await local.train_step(batch, optim=optim)
+        assert remote_metrics.loss == pytest.approx(local_metrics.loss, rel=1e-5)
+        probe = batch[0]
+        assert await b.score(probe.prompt_ids, probe.completion_ids) == pytest.approx(
+            await local.score(probe.prompt_ids, probe.completion_ids), abs=1e-5)
+    finally:
+        await local.close()
+
+
+async def test_internal_failure_is_retried_and_auth_error_explains_the_fix(tokenizer, tmp_path) -> None:
+    b, engine = await started(tokenizer, tmp_path)
+    engine.faults.add("sample", InternalFailure("worker lost"))
+    assert await b.sample(PROMPT, SamplingParams(max_tokens=2))
+    assert engine.faults.calls["sample"] == 2
+    engine.faults.add("score", AuthError("Token missing"))
+    with pytest.raises(PermanentBackendError, match="modal token new"):
+        await b.score(PROMPT, (5, 6))
+    assert engine.faults.calls["score"] == 1
+
+
+async def test_a_cold_start_resumes_from_the_state_on_the_volume(tokenizer, tmp_path) -> None:
+    b, _ = await started(tokenizer, tmp_path)
+    await b.train_step(fixed_batch(), optim=OptimSpec(learning_rate=5e-2))
+    assert (await b.publish()).version == 1
+    await b.save_state("step-1")
+    probe = fixed_batch()[0]
+    trained = await b.score(probe.prompt_ids, probe.completion_ids, model="policy")
+    cold, _ = await started(tokenizer, tmp_path)  # a new container on the same Volume
+    assert cold.version == 1
+    assert await cold.score(probe.prompt_ids, probe.completion_ids) == pytest.approx(trained, abs=1e-5)
+
+
+async def test_budget_in_gpu_seconds_stops_training_not_serving(tokenizer, tmp_path) -> None:
+    meter = CostMeter.for_platform("modal", budget_usd=1e-9, prices=Prices(gpu_per_hour=3.95))
+    b, _ = await started(tokenizer, tmp_path, meter=meter)
+    with pytest.raises(BudgetExceeded):
+        await b.train_step(fixed_batch())
+    assert await b.sample(PROMPT, SamplingParams(max_tokens=2))
+
+
+def test_remote_calls_without_credentials_fail_fast_with_auth_error(monkeypatch) -> None:
+    from clawbridge.local_gpu import modal_app
+
+    for var in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MODAL_CONFIG_PATH", "/nonexistent/.modal.toml")
+    with pytest.raises(AuthError):
+        modal_app.Engine(model="tiny-random").info.remote()
