@@ -1,0 +1,154 @@
+"""The collector and the sample states across a restart: a process that judged turns is killed
+(SIGKILL) before it trains; a fresh process resumes from the store with nothing lost, nothing
+judged again and nothing trained twice. Tiny random model, rules judge, real SQLite store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from clawbridge.backends.local import LocalBackend
+from clawbridge.collector import Collector, combine_signal, judge_kinds
+from clawbridge.config import Settings
+from clawbridge.judges import build_judges
+from clawbridge.local_gpu import models
+from clawbridge.renderer import Renderer
+from clawbridge.store import JudgeVote, Judgment, Store, TurnRecord
+from clawbridge.trainer import Trainer
+
+REPLIES = ["Thanks, that's perfect.", "Too long. Please answer in one short sentence.", "ok"]
+
+
+def settings_for(data_dir: Path, **kw: object) -> Settings:
+    base: dict[str, object] = dict(model="tiny-random", data_dir=data_dir, judge="rules",
+                                   method="combine", batch_size=2, lora_rank=4, lora_alpha=4)
+    base.update(kw)
+    return Settings(**base)  # type: ignore[arg-type]
+
+
+def record_turns(store: Store, n: int) -> list[str]:
+    """n main turns of n sessions, each with the user's reply attached as its next state."""
+    tok = models.load_tokenizer(models.resolve(models.TINY))
+    renderer = Renderer(tok)
+    ids = []
+    for i in range(n):
+        messages = [{"role": "user", "content": f"Question number {i}?"}]
+        completion = tuple(tok.encode(f" An answer to question {i}."))
+        rec = TurnRecord(
+            session_id=f"s{i}", messages=messages, prompt_ids=tuple(renderer.render(messages)),
+            completion_ids=completion, logprobs=tuple(-1.5 for _ in completion), version=0,
+            finish_reason="stop", response={"role": "assistant", "content": f"An answer to question {i}."},
+        )
+        tid = store.record_turn(rec)
+        store.attach_next_state(tid, [{"role": "user", "content": REPLIES[i % len(REPLIES)]}])
+        ids.append(tid)
+    return ids
+
+
+def test_judge_kinds_follow_the_method():
+    assert judge_kinds("binary") == ("prm",)
+    assert judge_kinds("opd") == ("hint",)
+    assert judge_kinds("combine") == ("prm", "hint")
+
+
+def test_explicit_feedback_outranks_the_judges():
+    def j(kind: str, reward: float | None = None, hint: str | None = None) -> Judgment:
+        return Judgment(turn_id="t", judge="x", kind=kind, votes=(JudgeVote(raw="r"),), reward=reward, hint=hint)  # type: ignore[arg-type]
+
+    assert combine_signal([j("prm", 1.0), j("hint", hint="judge hint")]).reward == 1.0
+    both = combine_signal([j("prm", 1.0), j("hint", hint="judge hint"), j("feedback", -1.0)])
+    assert (both.reward, both.hint, both.source) == (-1.0, "judge hint", "feedback+judge")
+    only = combine_signal([j("feedback", None, "say it shorter please")])
+    assert (only.reward, only.hint, only.source) == (0.0, "say it shorter please", "feedback")
+    assert combine_signal([]).reward == 0.0
+
+
+async def test_a_pending_sample_with_stored_judgments_is_finished_without_judging_again(data_dir: Path):
+    settings = settings_for(data_dir)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        [tid] = record_turns(store, 1)
+        # the state a crash leaves between "judgments stored" and "sample settled"
+        sid, _ = store.create_sample(tid, "combine", state="pending")
+        store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="prm", votes=(JudgeVote(raw="+1", value=1),), reward=1.0))
+        store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="hint", votes=(JudgeVote(raw="none"),)))
+        collector = Collector(settings, backend, store, build_judges(settings))
+        assert await collector.run_once() == 1
+        [s] = store.get_samples([sid])
+        assert s.state == "judged" and s.reward == 1.0 and s.advantages == (1.0,) * len(s.completion_ids)
+        assert len(store.judgments(tid)) == 2  # nothing judged twice
+        assert await collector.run_once() == 0
+    finally:
+        await backend.close()
+        store.close()
+
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, os, signal, sys
+    from pathlib import Path
+    sys.path.insert(0, {tests!r})
+    from test_collector import settings_for
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.collector import Collector
+    from clawbridge.judges import build_judges
+    from clawbridge.store import Store
+
+    async def main():
+        settings = settings_for(Path({data!r}))
+        store = Store.open(settings.db_url)
+        backend = LocalBackend.from_settings(settings)
+        await backend.start()
+        n = await Collector(settings, backend, store, build_judges(settings)).run_once()
+        print("settled", n, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # between judging and training: no clean shutdown
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(240)
+async def test_kill_between_judging_and_training_loses_nothing_and_trains_nothing_twice(data_dir: Path):
+    settings = settings_for(data_dir)
+    with Store.open(settings.db_url) as store:
+        turns = record_turns(store, 6)  # replies: thanks, correction, neutral (x2)
+    script = CHILD.format(tests=str(Path(__file__).parent), data=str(data_dir))
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert "settled 6" in child.stdout
+
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        judged = store.pending_samples()
+        dropped = [t for t in turns if t not in {s.turn_id for s in judged}]
+        assert len(judged) == 4 and len(dropped) == 2  # the two neutral "ok" replies carry no signal
+        votes_before = {t: len(store.judgments(t)) for t in turns}
+        assert all(n == 2 for n in votes_before.values())  # a reward and a hint judgment each
+
+        collector = Collector(settings, backend, store, build_judges(settings))
+        assert await collector.run_once() == 0  # resumed: nothing left to judge
+        assert {t: len(store.judgments(t)) for t in turns} == votes_before
+
+        trainer = Trainer(settings, backend, store)
+        first, second = await trainer.step_once(), await trainer.step_once()
+        assert first is not None and second is not None and await trainer.step_once() is None
+        assert (first.version, second.version) == (1, 2)
+        stats = store.stats()
+        assert stats.samples["trained"] == 4 and stats.samples["judged"] == 0 and stats.samples["dropped"] == 2
+        steps = store.training_steps()
+        assert [s.samples for s in steps] == [2, 2]
+        assert [v.version for v in store.versions()] == [1, 2]
+    finally:
+        await backend.close()
+        store.close()
