@@ -376,3 +376,8 @@ def _dedicated_parts(settings: Settings) -> dict[str, Any]:
 
 def create_backend(settings: Settings) -> FireworksBackend:
     return FireworksBackend.from_settings(settings)
+
+
+def from_settings(settings: Settings) -> FireworksBackend:
+    """What `clawbridge up --backend fireworks` calls (`clawbridge.server.build_backend`)."""
+    return FireworksBackend.from_settings(settings)

@@ -157,3 +157,8 @@ class ModalBackend:
 
 def create_backend(settings: Settings) -> ModalBackend:
     return ModalBackend.from_settings(settings)
+
+
+def from_settings(settings: Settings) -> ModalBackend:
+    """What `clawbridge up --backend modal` calls (`clawbridge.server.build_backend`)."""
+    return ModalBackend.from_settings(settings)

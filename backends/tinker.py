@@ -337,3 +337,8 @@ def _completion(seq: Any, version: int, top_k: int) -> Completion:
 
 def create_backend(settings: Settings) -> TinkerBackend:
     return TinkerBackend.from_settings(settings)
+
+
+def from_settings(settings: Settings) -> TinkerBackend:
+    """What `clawbridge up --backend tinker` calls (`clawbridge.server.build_backend`)."""
+    return TinkerBackend.from_settings(settings)

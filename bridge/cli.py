@@ -248,3 +248,52 @@ def openclaw_install_cmd(
         typer.echo(f"plug-in {'installed' if r.plugin_changed else 'unchanged'} at {r.plugin_dir}")
     if provider["apiKey"].startswith("${"):
         typer.echo("OpenClaw reads the key from CLAWBRIDGE_API_KEY: export it where OpenClaw runs")
+
+
+# --- cloud backends: doctor, modal deploy (the cloud engineer's commands) -------------------------
+
+
+@app.command("doctor")
+def doctor_cmd(
+    backend: str | None = typer.Option(None, help="tinker | fireworks | modal (default: all cloud backends)."),
+) -> None:
+    """Check installed extras and cloud credentials (no network, no money spent)."""
+    import os
+    from pathlib import Path
+
+    from clawbridge import doctor
+
+    checks = doctor.run_checks(os.environ, Path.home(), backend)
+    typer.echo(doctor.report(checks))
+    if backend and backend != "local" and not doctor.ready(checks, backend):
+        typer.echo(f"\n{backend}: not ready (see NO lines above)", err=True)
+        raise typer.Exit(1)
+
+
+modal_cli = typer.Typer(help="Run the training engine on Modal GPUs (docs/backends.md).")
+app.add_typer(modal_cli, name="modal")
+
+
+@modal_cli.command("deploy")
+def modal_deploy_cmd(
+    gpu: str = typer.Option("H100", help="Modal GPU type of the engine class (H100, A100-80GB, L40S, ...)."),
+    name: str = typer.Option("clawbridge", help="App name (`--modal-app` of `clawbridge up`)."),
+) -> None:
+    """Deploy the engine class (`clawbridge.local_gpu.modal_app`) as a persistent Modal app."""
+    import os
+    from pathlib import Path
+
+    from clawbridge import doctor
+
+    checks = doctor.run_checks(os.environ, Path.home(), "modal")
+    if not doctor.ready(checks, "modal"):
+        typer.echo(doctor.report(checks), err=True)
+        raise typer.Exit(1)
+    os.environ["CLAWBRIDGE_MODAL_GPU"] = gpu  # read once when the app module defines the class
+    import modal
+
+    from clawbridge.local_gpu import modal_app
+
+    with modal.enable_output():
+        modal_app.app.deploy(name=name)
+    typer.echo(f"deployed {name} (Engine on {gpu}); serve with: clawbridge up --backend modal")
