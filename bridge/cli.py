@@ -291,7 +291,6 @@ def modal_deploy_cmd(
         raise typer.Exit(1)
     os.environ["CLAWBRIDGE_MODAL_GPU"] = gpu  # read once when the app module defines the class
     import modal
-
     from clawbridge.local_gpu import modal_app
 
     with modal.enable_output():
