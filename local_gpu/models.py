@@ -46,6 +46,7 @@ class ModelSpec:
     name: str  # what /v1/models lists
     path: Path | None  # an HF folder; None for in-memory models (tiny-random)
     context_length: int
+    cache_dir: Path | None = None  # where the embedded tokenizer is cached (registry models)
 
 
 def default_cache_dir() -> Path:
@@ -81,9 +82,9 @@ def resolve(name_or_path: str, cache_dir: Path | None = None) -> ModelSpec:
         folder = cache / "models" / EMBEDDED
         if not (folder / "model.safetensors").exists():
             materialise_embedded(folder)
-        return ModelSpec(EMBEDDED, folder, context_length=_context_length(folder))
+        return ModelSpec(EMBEDDED, folder, _context_length(folder), cache)
     if name_or_path == TINY:
-        return ModelSpec(TINY, None, context_length=TINY_CONTEXT)
+        return ModelSpec(TINY, None, TINY_CONTEXT, cache)
     folder = Path(name_or_path).expanduser()
     if (folder / "config.json").exists():
         return ModelSpec(folder.name, folder, context_length=_context_length(folder))
@@ -139,16 +140,47 @@ def tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
     )
 
 
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template", "model_max_length")
+
+
+def embedded_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizerFast:
+    """The embedded model's tokenizer. Building it from the GGUF parses 49 K token strings
+    (tens of seconds on 2 busy cores), so the result is cached as tokenizer.json + a small
+    JSON of special tokens and loaded from there (about a second) afterwards."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    folder = (cache_dir or default_cache_dir()) / "tokenizers" / EMBEDDED
+    if (folder / "tokenizer.json").exists() and (folder / "special.json").exists():
+        special = json.loads((folder / "special.json").read_text())
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_file(str(folder / "tokenizer.json")),
+            clean_up_tokenization_spaces=False,
+            **special,
+        )
+    tok = tokenizer_from_gguf(gguf_path())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tok-", dir=folder.parent))
+    try:
+        tok.backend_tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "special.json").write_text(json.dumps({k: getattr(tok, k) for k in _SPECIAL_KEYS}))
+        if not folder.exists():
+            tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
 _tokenizer_cache: dict[str, PreTrainedTokenizerFast] = {}
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    key = str(spec.path) if spec.path else spec.name
+    key = f"{spec.name}:{spec.path}"
     if key not in _tokenizer_cache:
-        if spec.path is None:  # tiny-random shares the embedded tokenizer, with its longer context
-            tok = tokenizer_from_gguf(gguf_path())
+        if spec.name in (EMBEDDED, TINY):  # tiny-random shares the embedded tokenizer
+            tok = embedded_tokenizer(spec.cache_dir)
             tok.model_max_length = spec.context_length
         else:
             loaded = AutoTokenizer.from_pretrained(str(spec.path), local_files_only=True)
