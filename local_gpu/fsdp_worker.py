@@ -50,7 +50,7 @@ class ChunkedLogprobs(nn.Module):
 
     def __init__(self, peft_model: nn.Module, chunk: int) -> None:
         super().__init__()
-        self.peft = peft_model
+        self.peft: Any = peft_model
         self.chunk = chunk
 
     def causal_lm(self) -> Any:
@@ -96,7 +96,7 @@ class ShardedLoRATrainer:
                             lora_dropout=0.0)
         with torch.random.fork_rng(devices=[]):  # the engine's init: same seed, same adapter
             torch.manual_seed(seed)
-            peft_model = get_peft_model(base, config, adapter_name=ADAPTER)
+            peft_model: Any = get_peft_model(base, config, adapter_name=ADAPTER)
         self.peft_config = peft_model.peft_config[ADAPTER]  # target_modules resolved
         if checkpointing:
             peft_model.base_model.model.gradient_checkpointing_enable(
@@ -108,7 +108,7 @@ class ShardedLoRATrainer:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
         for layer in peft_model.base_model.model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
-        self.model = ChunkedLogprobs(peft_model, chunk)
+        self.model: Any = ChunkedLogprobs(peft_model, chunk)
         fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
@@ -210,6 +210,7 @@ class ShardedLoRATrainer:
                 continue
             k = key.removeprefix("peft.")
             k = re.sub(rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", k)
+            assert isinstance(value, torch.Tensor)
             out[k] = value.detach().float().contiguous()
         return out
 
@@ -248,7 +249,7 @@ class ShardedLoRATrainer:
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
         options = StateDictOptions(ignore_frozen_params=True)
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
-        state = {"model": msd, "optim": osd}
+        state: dict[str, Any] = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
         # strict=False: the checkpoint holds the LoRA weights only; the frozen base is the model's
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
