@@ -335,8 +335,10 @@ class Proxy:
         pending_lp = 0  # tokens whose logprobs were not yet sent with a delta
         finish: str | None = None
         version = first.version
+        # One write per backend chunk: the events a chunk produces leave together (the role event
+        # with the first token's), so the socket sees one send where it would see several.
+        out = [event({"role": "assistant", "content": ""})]
         try:
-            yield event({"role": "assistant", "content": ""})
             chunk: TokenChunk | None = first
             while chunk is not None:
                 tokens.extend(chunk.tokens)
@@ -349,15 +351,18 @@ class Proxy:
                     if d.logprobs and pending_lp:
                         lp = self._tail_logprobs(tokens, lps, tops, pending_lp)
                         pending_lp = 0
-                    yield event(_delta(delta), logprobs=lp)
+                    out.append(event(_delta(delta), logprobs=lp))
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason
                     break
+                if out:
+                    yield b"".join(out)
+                    out = []
                 chunk = await anext(chunks, None)
             for delta in decoder.finish(finish or "stop"):
-                yield event(_delta(delta))
+                out.append(event(_delta(delta)))
         except BackendError as e:
-            yield wire.error_event(_backend_error(e))
+            yield b"".join([*out, wire.error_event(_backend_error(e))])
             return
         finally:
             self.counters.in_flight -= 1
@@ -375,10 +380,11 @@ class Proxy:
         await self.record(d, [comp], [reply], [msg.finish_reason], ttft_ms)
         self.counters.completion_tokens += len(tokens)
         lp = self._tail_logprobs(tokens, lps, tops, pending_lp) if d.logprobs and pending_lp else None
-        yield event({}, finish_reason=msg.finish_reason, logprobs=lp)
+        out.append(event({}, finish_reason=msg.finish_reason, logprobs=lp))
         if include_usage:
-            yield event(None, usage=wire.usage(len(d.prompt_ids), len(tokens)))
-        yield wire.DONE
+            out.append(event(None, usage=wire.usage(len(d.prompt_ids), len(tokens))))
+        out.append(wire.DONE)
+        yield b"".join(out)
 
     def _tail_logprobs(self, tokens: list[int], lps: list[float], tops: list[Any], k: int) -> dict[str, Any]:
         return self.logprobs(tokens[-k:], lps[-k:], tops[-k:] if tops else None)

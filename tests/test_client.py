@@ -14,7 +14,7 @@ MODEL = "tiny-random"
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model=MODEL, data_dir=tmp_path_factory.mktemp("client"), train=False,
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("client"), train=False,
                         default_max_tokens=8)
     server = LiveServer(settings, build_backend(settings)).start()
     yield server

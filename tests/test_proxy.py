@@ -26,7 +26,7 @@ MODEL = "tiny-random"
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("proxy")
-    settings = Settings(model=MODEL, data_dir=data, train=False, max_request_bytes=256 * 1024,
+    settings = Settings(model=MODEL, port=0, data_dir=data, train=False, max_request_bytes=256 * 1024,
                         default_max_tokens=16)
     server = LiveServer(settings, build_backend(settings), hooks=ProxyHooks()).start()
     yield server
@@ -281,7 +281,7 @@ def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
     from clawbridge.proxy import create_app
     from starlette.testclient import TestClient
 
-    settings = Settings(model=MODEL, data_dir=tmp_path, api_key="sk-secret-123", train=False)
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path, api_key="sk-secret-123", train=False)
     app = create_app(settings, live.backend, store_of(live), renderer=live.proxy.renderer)
     with TestClient(app) as tc:
         assert tc.get("/v1/models").status_code == 401
@@ -289,3 +289,16 @@ def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
         assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
         assert "sk-secret-123" not in bad.text
         assert tc.get("/v1/models", headers={"Authorization": "Bearer sk-secret-123"}).status_code == 200
+
+
+def test_banner_has_endpoint_curl_and_a_pasteable_openclaw_provider(live: LiveServer):
+    from clawbridge.server import banner, status_line
+
+    text = banner(live.settings, live.backend, live.proxy, live.url)
+    assert f"{live.url}/v1" in text and "curl " in text and "sk-" not in text
+    provider = json.loads(text[text.index("{", text.index("OpenClaw")):])
+    entry = provider["models"]["providers"]["clawbridge"]
+    assert entry["baseUrl"] == f"{live.url}/v1" and entry["models"][0]["id"] == MODEL
+    assert provider["agents"]["defaults"]["model"]["primary"] == f"clawbridge/{MODEL}"
+    line = status_line(live.call(live.proxy.status()))
+    assert "requests" in line and "policy@v0" in line

@@ -17,7 +17,7 @@ MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model=MODEL, data_dir=tmp_path_factory.mktemp("embedded"), train=False)
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("embedded"), train=False)
     server = LiveServer(settings, build_backend(settings)).start()
     yield server
     server.stop()

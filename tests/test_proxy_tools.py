@@ -57,7 +57,7 @@ class ScriptedBackend:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model=MODEL, data_dir=tmp_path_factory.mktemp("tools"), train=False)
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("tools"), train=False)
     server = LiveServer(settings, ScriptedBackend(build_backend(settings))).start()
     yield server
     server.stop()
