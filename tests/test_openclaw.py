@@ -1,0 +1,184 @@
+"""OpenClaw integration: the config writer and the plug-in's files (no Node needed), the CLI
+against a temporary home, and (slow, when Node 24 + OpenClaw install from npm) a real OpenClaw
+conversation through clawbridge."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from clawbridge import openclaw as oc
+from clawbridge.cli import app
+from typer.testing import CliRunner
+
+PROVIDER = oc.provider_entry("http://127.0.0.1:30000", "tiny-random")
+USER_CONFIG = {
+    "gateway": {"mode": "local", "port": 18789},
+    "models": {"providers": {"openai": {"baseUrl": "https://api.openai.com/v1", "models": []}}},
+    "agents": {"defaults": {"workspace": "~/work", "model": {"primary": "openai/gpt-5"}}},
+    "plugins": {"load": {"paths": ["/opt/other-plugin"]}, "entries": {"other": {"enabled": True}}},
+}
+
+
+def _write(home: Path, config: object) -> Path:
+    path = oc.config_path(home)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def test_provider_entry_points_at_v1_and_never_holds_a_key():
+    keyed = oc.provider_entry("http://10.0.0.5:30000/v1/", "m", keyed=True)
+    assert keyed["baseUrl"] == "http://10.0.0.5:30000/v1"
+    assert keyed["apiKey"] == "${CLAWBRIDGE_API_KEY}"
+    assert keyed["api"] == "openai-completions"
+    assert keyed["models"][0]["id"] == "m"
+    assert oc.provider_entry("http://h:1", "m")["apiKey"] == "clawbridge"
+
+
+def test_merge_keeps_the_users_settings_and_adds_ours():
+    frag = oc.fragment(PROVIDER, Path("/x/ext/clawbridge"))
+    merged = oc.merge(USER_CONFIG, frag)
+    assert merged["gateway"] == USER_CONFIG["gateway"]
+    assert merged["models"]["providers"]["openai"] == USER_CONFIG["models"]["providers"]["openai"]
+    assert merged["models"]["providers"]["clawbridge"] == PROVIDER
+    assert merged["agents"]["defaults"]["workspace"] == "~/work"
+    assert merged["agents"]["defaults"]["model"]["primary"] == "clawbridge/tiny-random"
+    assert merged["plugins"]["load"]["paths"] == ["/opt/other-plugin", "/x/ext/clawbridge"]
+    assert merged["plugins"]["entries"]["other"] == {"enabled": True}
+    assert merged["plugins"]["entries"]["clawbridge"]["enabled"] is True
+    assert USER_CONFIG["agents"]["defaults"]["model"]["primary"] == "openai/gpt-5"  # input untouched
+
+
+def test_merge_is_idempotent_and_replaces_a_stale_provider_entry():
+    frag = oc.fragment(PROVIDER, Path("/x"))
+    once = oc.merge(USER_CONFIG, frag)
+    assert oc.merge(once, frag) == once
+    moved = oc.fragment(oc.provider_entry("http://127.0.0.1:31000", "tiny-random"), Path("/x"))
+    again = oc.merge(once, moved)
+    assert again["models"]["providers"]["clawbridge"]["baseUrl"] == "http://127.0.0.1:31000/v1"
+    assert again["plugins"]["load"]["paths"].count("/x") == 1
+
+
+def test_merge_without_default_leaves_the_primary_model():
+    merged = oc.merge(USER_CONFIG, oc.fragment(PROVIDER, None, set_default=False))
+    assert merged["agents"]["defaults"]["model"]["primary"] == "openai/gpt-5"
+    assert merged["plugins"] == USER_CONFIG["plugins"]
+
+
+def test_merge_refuses_a_config_whose_shape_it_would_clobber():
+    with pytest.raises(oc.OpenClawConfigError, match="plugins"):
+        oc.merge({"plugins": ["not", "an", "object"]}, oc.fragment(PROVIDER, Path("/x")))
+
+
+def test_install_backs_up_then_second_run_changes_nothing(tmp_path: Path):
+    path = _write(tmp_path, USER_CONFIG)
+    original = path.read_text()
+    first = oc.install(tmp_path, PROVIDER, now=datetime(2026, 11, 22, 9, 0, tzinfo=UTC))
+    assert first.changed and first.plugin_changed
+    assert first.backup == path.with_name("openclaw.json.bak-20261122T090000Z")
+    assert first.backup.read_text() == original
+    written = json.loads(path.read_text())
+    assert written["models"]["providers"]["clawbridge"] == PROVIDER
+    assert written["plugins"]["load"]["paths"][-1] == str(first.plugin_dir)
+    assert written["gateway"] == USER_CONFIG["gateway"]
+
+    text, mtime = path.read_text(), path.stat().st_mtime_ns
+    second = oc.install(tmp_path, PROVIDER, now=datetime(2026, 11, 22, 9, 5, tzinfo=UTC))
+    assert not second.changed and second.backup is None and not second.plugin_changed
+    assert path.read_text() == text and path.stat().st_mtime_ns == mtime
+    assert sorted(p.name for p in path.parent.glob("openclaw.json.bak-*")) == [first.backup.name]
+
+
+def test_install_into_an_empty_home_creates_a_private_config(tmp_path: Path):
+    r = oc.install(tmp_path, PROVIDER)
+    assert r.changed and r.backup is None
+    assert r.config_path.stat().st_mode & 0o777 == 0o600
+    assert json.loads(r.config_path.read_text())["agents"]["defaults"]["model"]["primary"] == "clawbridge/tiny-random"
+
+
+def test_install_leaves_a_json5_config_untouched(tmp_path: Path):
+    path = oc.config_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text('{\n  // my gateway\n  gateway: { mode: "local" },\n}\n')
+    before = path.read_text()
+    with pytest.raises(oc.OpenClawConfigError, match="not plain JSON"):
+        oc.install(tmp_path, PROVIDER)
+    assert path.read_text() == before
+    assert not (oc.state_dir(tmp_path) / "extensions").exists()
+
+
+def test_plugin_files_declare_the_clawbridge_provider_and_entry():
+    src = oc.plugin_source()
+    assert sorted(p.name for p in src.iterdir() if not p.name.startswith(".")) == sorted(oc.PLUGIN_FILES)
+    package = json.loads((src / "package.json").read_text())
+    manifest = json.loads((src / "openclaw.plugin.json").read_text())
+    assert package["type"] == "module"
+    assert package["openclaw"]["extensions"] == ["./index.js"]
+    assert package["openclaw"]["providers"] == [oc.PROVIDER_ID]
+    assert manifest["id"] == oc.PLUGIN_ID and manifest["providers"] == [oc.PROVIDER_ID]
+    assert manifest["configSchema"]["type"] == "object"
+    js = (src / "index.js").read_text()
+    assert "export default plugin" in js
+    for needle in ('"X-Session-Id"', '"X-Turn-Type"', '"X-Session-Done"', "before_prompt_build",
+                   "session_end", "wrapStreamFn", "registerProvider", '"heartbeat", "cron", "memory"'):
+        assert needle in js, needle
+
+
+def test_cli_install_and_config_against_a_temporary_home(tmp_path: Path):
+    _write(tmp_path, USER_CONFIG)
+    runner = CliRunner()
+    args = ["openclaw", "install", "--model", "tiny-random", "--url", "http://127.0.0.1:30555",
+            "--openclaw-home", str(tmp_path)]
+    first = runner.invoke(app, args, env={"CLAWBRIDGE_API_KEY": ""})
+    assert first.exit_code == 0, first.output
+    assert "previous file" in first.output and "plug-in installed" in first.output
+    second = runner.invoke(app, args, env={"CLAWBRIDGE_API_KEY": ""})
+    assert second.exit_code == 0 and "already up to date" in second.output
+    cfg = json.loads(oc.config_path(tmp_path).read_text())
+    assert cfg["models"]["providers"]["clawbridge"]["baseUrl"] == "http://127.0.0.1:30555/v1"
+    assert (oc.state_dir(tmp_path) / "extensions" / "clawbridge" / "index.js").exists()
+
+    printed = runner.invoke(app, ["openclaw", "config", "--model", "m", "--keyed"])
+    assert printed.exit_code == 0
+    frag = json.loads(printed.output)
+    assert frag["models"]["providers"]["clawbridge"]["apiKey"] == "${CLAWBRIDGE_API_KEY}"
+    assert "plugins" not in frag
+
+
+def test_cli_says_what_to_do_when_no_server_answers():
+    r = CliRunner().invoke(app, ["openclaw", "config", "--url", "http://127.0.0.1:9"])
+    assert r.exit_code == 2
+    assert "--model" in r.output
+
+
+# --- the plug-in's pure helpers, run by Node when it is here -------------------------------------
+
+NODE_CHECK = """
+const m = await import(process.argv[1]);
+const out = {
+  run: m.runIdOf("run-7:model:3"),
+  plain: m.runIdOf("abc"),
+  side: ["heartbeat", "cron", "memory"].map((t) => m.turnTypeFor(t)),
+  main: ["user", "manual", undefined].map((t) => m.turnTypeFor(t)),
+  headers: m.taggedHeaders({"X-Other": "1"}, "s-1", "side"),
+};
+console.log(JSON.stringify(out));
+"""
+
+
+def test_plugin_helpers_tag_runs_by_trigger(tmp_path: Path):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    out = subprocess.run([node, "--input-type=module", "-e", NODE_CHECK, str(oc.plugin_source() / "index.js")],
+                         capture_output=True, text=True, timeout=30, check=True)
+    got = json.loads(out.stdout)
+    assert got["run"] == "run-7" and got["plain"] == "abc"
+    assert got["side"] == ["side"] * 3 and got["main"] == ["main"] * 3
+    assert got["headers"] == {"X-Other": "1", "X-Session-Id": "s-1", "X-Turn-Type": "side"}
+
