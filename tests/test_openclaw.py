@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from clawbridge import openclaw as oc
 from clawbridge.cli import app
+from clawbridge.config import Settings
+from clawbridge.server import build_backend
+from live_server import LiveServer
 from typer.testing import CliRunner
 
 PROVIDER = oc.provider_entry("http://127.0.0.1:30000", "tiny-random")
@@ -182,3 +185,65 @@ def test_plugin_helpers_tag_runs_by_trigger(tmp_path: Path):
     assert got["side"] == ["side"] * 3 and got["main"] == ["main"] * 3
     assert got["headers"] == {"X-Other": "1", "X-Session-Id": "s-1", "X-Turn-Type": "side"}
 
+
+
+# --- the plug-in's register(api) under a stand-in for OpenClaw, against a live clawbridge ---------
+
+NODE_DRIVE = """
+const [pluginPath, baseUrl] = process.argv.slice(1);
+const plugin = (await import(pluginPath)).default;
+const hooks = {}; let provider;
+const api = {  // the part of OpenClaw's plug-in API the plug-in uses
+  pluginConfig: {}, logger: console,
+  config: {models: {providers: {clawbridge: {baseUrl, apiKey: "clawbridge"}}}},
+  on: (name, fn) => { hooks[name] = fn; },
+  registerProvider: (p) => { provider = p; },
+};
+plugin.register(api);
+// what OpenClaw's openai-completions transport does with the wrapped model: POST with its headers
+const underlying = async (model, context, options) => {
+  const r = await fetch(`${baseUrl}/chat/completions`, {method: "POST",
+    headers: {...model.headers, "content-type": "application/json"},
+    body: JSON.stringify({model: "tiny-random", messages: context.messages, max_tokens: 2})});
+  return {status: r.status, headers: model.headers};
+};
+const stream = provider.wrapStreamFn({streamFn: underlying});
+hooks.before_prompt_build({}, {runId: "run-user", sessionId: "oc-7", trigger: "user"});
+hooks.before_prompt_build({}, {runId: "run-hb", sessionId: "oc-7", trigger: "heartbeat"});
+const out = [];
+out.push(await stream({id: "tiny-random", headers: {}}, {messages: [{role: "user", content: "hi"}]},
+                      {sessionId: "oc-7", requestId: "run-user:model:1"}));
+out.push(await stream({id: "tiny-random", headers: {}}, {messages: [{role: "user", content: "HEARTBEAT"}]},
+                      {sessionId: "oc-7", requestId: "run-hb:model:1"}));
+await hooks.session_end({sessionId: "oc-7", messageCount: 2, reason: "new"}, {sessionId: "oc-7"});
+console.log(JSON.stringify({provider: provider.id, hooks: Object.keys(hooks).sort(), out}));
+"""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory):
+    settings = Settings(model="tiny-random", port=0, data_dir=tmp_path_factory.mktemp("openclaw"),
+                        train=False, default_max_tokens=4)
+    server = LiveServer(settings, build_backend(settings)).start()
+    yield server
+    server.stop()
+
+
+def test_plugin_tags_main_and_heartbeat_turns_and_ends_the_session(live: LiveServer):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    r = subprocess.run([node, "--input-type=module", "-e", NODE_DRIVE,
+                        str(oc.plugin_source() / "index.js"), f"{live.url}/v1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["provider"] == "clawbridge"
+    assert got["hooks"] == ["agent_end", "before_prompt_build", "session_end"]
+    assert [o["status"] for o in got["out"]] == [200, 200]
+    assert [o["headers"]["X-Turn-Type"] for o in got["out"]] == ["main", "side"]
+    store = live.running.store  # type: ignore[union-attr]
+    main, side = store.session_turns("oc-7")
+    assert (main.turn_type, side.turn_type) == ("main", "side") and main.tagged
+    session = store.get_session("oc-7")
+    assert session is not None and session.source == "header" and session.done
