@@ -1,0 +1,155 @@
+"""The trainer recipe: batches -> train_step -> publish -> one store transaction; stale samples
+dropped with a reason; checkpoints and --resume; and serving through the real HTTP server that
+never fails a request while versions are published under concurrent load."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from clawbridge.backends.local import LocalBackend
+from clawbridge.learner import Learner
+from clawbridge.store import Store
+from clawbridge.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum
+from clawbridge.types import StepMetrics
+from live_server import LiveServer
+from test_collector import record_turns, settings_for
+
+
+def judged_samples(store: Store, n: int, method: str = "combine") -> list[int]:
+    ids = []
+    for tid in record_turns(store, n):
+        turn = store.get_turn(tid)
+        assert turn is not None
+        reward = 1.0 if len(ids) % 2 == 0 else -1.0
+        sid, _ = store.create_sample(tid, method, reward=reward, advantages=(reward,) * len(turn.completion_ids))
+        ids.append(sid)
+    return ids
+
+
+def test_step_record_summarises_the_batch():
+    m = StepMetrics(loss=0.5, clip_fraction=0.1, approx_kl=0.01, grad_norm=2.0, tokens=10, samples=2, seconds=1.0)
+
+    class S:  # the two fields step_record reads
+        def __init__(self, reward: float, adv: tuple[float, ...], hint: str | None) -> None:
+            self.reward, self.advantages, self.hint = reward, adv, hint
+
+    rec = step_record(m, [S(1.0, (1.0, 1.0), None), S(-1.0, (-1.0, 0.0), "shorter")])  # type: ignore[list-item]
+    assert rec["mean_reward"] == 0.0 and rec["mean_advantage"] == 0.25 and rec["hinted"] == 1.0
+    assert rec["loss"] == 0.5 and rec["tokens"] == 10.0
+
+
+async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_dir: Path):
+    settings = settings_for(data_dir, batch_size=3, checkpoint_every=1)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        ids = judged_samples(store, 4)
+        trainer = Trainer(settings, backend, store)
+        result = await trainer.step_once()
+        assert result is not None and result.version == 1 and result.samples == 3
+        assert await trainer.step_once() is None  # one sample left: not a full batch
+        assert [s.state for s in store.get_samples(ids)] == ["trained"] * 3 + ["judged"]
+        [step] = store.training_steps()
+        assert (step.step, step.version_before, step.version_after, step.samples) == (1, 0, 1, 3)
+        assert step.metrics["tokens"] > 0 and "loss" in step.metrics
+        [v] = store.versions()
+        assert v.version == 1 and v.step == 1 and v.samples == 3 and v.path
+        ck = store.get_meta(CHECKPOINT_KEY)
+        assert ck["step"] == 1 and ck["version"] == 1 and Path(ck["path"]).exists()
+    finally:
+        await backend.close()
+
+    fresh = LocalBackend.from_settings(settings)
+    await fresh.start()
+    try:
+        resumed = Trainer(settings, fresh, store)
+        assert await resumed.resume() == ck["path"]
+        assert fresh.version == 1 and await resumed.next_step_number() == 2
+    finally:
+        await fresh.close()
+        store.close()
+
+
+async def test_samples_older_than_max_staleness_are_dropped_with_the_reason(data_dir: Path):
+    settings = settings_for(data_dir, batch_size=2, max_staleness=0)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        ids = judged_samples(store, 3)
+        trainer = Trainer(settings, backend, store)
+        assert (await trainer.step_once()) is not None  # trains 2 of the v0 samples -> v1
+        assert await trainer.step_once() is None  # the third (from v0) is now too old
+        [left] = [s for s in store.get_samples(ids) if s.state != "trained"]
+        assert left.state == "dropped" and left.reason == "stale" and trainer.dropped_stale == 1
+    finally:
+        await backend.close()
+        store.close()
+
+
+def test_a_sample_without_advantages_cannot_become_a_datum(data_dir: Path):
+    settings = settings_for(data_dir)
+    with Store.open(settings.db_url) as store:
+        [tid] = record_turns(store, 1)
+        sid, _ = store.create_sample(tid, "combine", state="pending")
+        [s] = store.get_samples([sid])
+        with pytest.raises(ValueError, match="no advantages"):
+            to_datum(s)
+
+
+@pytest.mark.timeout(280)
+def test_no_request_fails_while_versions_are_published_under_concurrent_load(tmp_path: Path):
+    settings = settings_for(tmp_path / "data", batch_size=2, default_max_tokens=8)
+    (tmp_path / "data").mkdir()
+    learner = Learner(settings)
+    backend = LocalBackend.from_settings(settings)
+    live = LiveServer(settings, backend, hooks=learner.hooks()).start()
+    assert live.running is not None
+    store = live.running.store
+    judged_samples(store, 6)
+    statuses: list[int] = []
+    versions: set[str] = set()
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        with httpx.Client(timeout=120) as h:
+            i = 0
+            while not stop.is_set():
+                stream = (k + i) % 2 == 1
+                body = {"model": "tiny-random", "max_tokens": 8, "stream": stream,
+                        "messages": [{"role": "user", "content": f"load {k} {i}"}]}
+                r = h.post(f"{live.url}/v1/chat/completions", json=body, headers={"X-Train": "false"})
+                statuses.append(r.status_code)
+                if r.status_code == 200 and not stream:
+                    versions.add(r.json().get("system_fingerprint", ""))
+                i += 1
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        trainer = Trainer(settings, backend, store)
+        published = []
+        for _ in range(3):
+            result = live.call(trainer.step_once(), timeout=120)
+            assert result is not None
+            published.append(result.version)
+            live.call(asyncio.sleep(0.5))
+        deadline = time.monotonic() + 90  # let the clients run on the newest version too
+        while len(statuses) < 12 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        live.stop()
+    assert published == [1, 2, 3]
+    assert statuses and set(statuses) == {200}, f"non-200 answers: {[s for s in statuses if s != 200]}"
+    assert len(statuses) >= 8
+    assert len(versions - {""}) >= 2  # requests were served by more than one version
