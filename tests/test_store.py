@@ -145,6 +145,16 @@ def test_recording_the_same_turn_twice_is_a_no_op(store: Store) -> None:
     assert store.stats().turns == 1
 
 
+async def test_a_turn_sent_twice_in_one_batch_is_stored_once(store: Store) -> None:
+    a, b = turn("s1"), turn("s1")
+    ids = await asyncio.gather(*(store.record_turn_async(r) for r in [a, b, a, turn("s2"), b]))
+    assert ids[0] == ids[2] == a.id and ids[1] == ids[4] == b.id
+    assert [t.id for t in store.session_turns("s1")] == [a.id, b.id]
+    assert [t.index for t in store.session_turns("s1")] == [0, 1]
+    sess = store.get_session("s1")
+    assert sess is not None and sess.turns == 2
+
+
 def test_a_turn_with_mismatched_logprobs_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="3 completion tokens but 2 logprobs"):
         turn(completion_ids=(1, 2, 3), logprobs=(-0.1, -0.2))

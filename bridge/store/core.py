@@ -68,7 +68,6 @@ class SampleStateError(StoreError):
     """A sample is not in a state the requested transition starts from."""
 
 
-_SELECT_TURN_ID = sa.select(t.turns.c.id).where(t.turns.c.id == sa.bindparam("id"))
 _INSERT_TURN = t.turns.insert()
 
 
@@ -93,10 +92,10 @@ class Store:
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="clawbridge-store")
         # Built once: building a statement per call costs more than executing it.
         ins = self._insert(t.sessions)
-        self._upsert_session_for_turn = ins.on_conflict_do_update(
+        self._upsert_session_for_turns = ins.on_conflict_do_update(
             index_elements=[t.sessions.c.id],
             set_={
-                "turns": t.sessions.c.turns + 1,
+                "turns": t.sessions.c.turns + ins.excluded.turns,
                 "main_turns": t.sessions.c.main_turns + ins.excluded.main_turns,
                 "updated_at": ins.excluded.updated_at,
             },
@@ -192,7 +191,7 @@ class Store:
 
     async def record_turn_async(self, rec: TurnRecord) -> str:
         """Durable (committed, group-committed with concurrent writes) when it returns."""
-        return await self.writer.write(partial(self._record_turn, rec))
+        return await self.writer.write_many(self._record_turns, rec)
 
     async def attach_next_state_async(
         self, turn_id: str, next_state: list[JSONObject], at: datetime | None = None
@@ -260,51 +259,36 @@ class Store:
         """Commit one turn (and create or touch its session); durable when it returns. Recording
         the same turn id twice is a no-op, so a retry after a lost acknowledgement is safe."""
         with self._write() as conn:
-            return self._record_turn(rec, conn)
+            return self._record_turns(conn, [rec])[0]
 
-    def _record_turn(self, rec: TurnRecord, conn: sa.Connection) -> str:
-        if conn.execute(_SELECT_TURN_ID, {"id": rec.id}).first():
-            return rec.id
-        main = int(rec.turn_type == "main")
-        # The session row is the per-session lock: its turn count gives the turn's index.
-        count = conn.execute(
-            self._upsert_session_for_turn,
-            {
-                "id": rec.session_id, "source": rec.session_source, "created_at": rec.created_at,
-                "updated_at": rec.created_at, "turns": 1, "main_turns": main, "done": False,
-            },
-        ).scalar_one()
-        conn.execute(
-            _INSERT_TURN,
-            {
-                "id": rec.id,
-                "session_id": rec.session_id,
-                "idx": count - 1,
-                "turn_type": rec.turn_type,
-                "tagged": rec.tagged,
-                "train": rec.train,
-                "messages": rec.messages,
-                "tools": rec.tools,
-                "request_params": rec.request_params,
-                "prompt_ids": pack_ids(rec.prompt_ids),
-                "completion_ids": pack_ids(rec.completion_ids),
-                "logprobs": pack_floats(rec.logprobs),
-                "top_logprobs": _top_to_json(rec.top_logprobs),
-                "n_prompt": len(rec.prompt_ids),
-                "n_completion": len(rec.completion_ids),
-                "sampling": {k: getattr(rec.sampling, k) for k in _SAMPLING_FIELDS},
-                "version": rec.version,
-                "finish_reason": rec.finish_reason,
-                "response": rec.response,
-                "queued_ms": rec.queued_ms,
-                "ttft_ms": rec.ttft_ms,
-                "total_ms": rec.total_ms,
-                "created_at": rec.created_at,
-                "next_state": None,
-                "next_state_at": None,
-            },
-        )
-        return rec.id
+    def _record_turns(self, conn: sa.Connection, recs: list[TurnRecord]) -> list[str]:
+        """Insert many turns with a few statements: one lookup for ids already stored, one
+        session upsert per session (its turn count numbers the new turns), one multi-row
+        insert."""
+        ids = [r.id for r in recs]
+        seen = set(conn.execute(sa.select(t.turns.c.id).where(t.turns.c.id.in_(ids))).scalars())
+        by_session: dict[str, list[TurnRecord]] = {}
+        for rec in recs:
+            if rec.id not in seen:
+                seen.add(rec.id)
+                by_session.setdefault(rec.session_id, []).append(rec)
+        rows: list[dict[str, Any]] = []
+        for session_id, new in by_session.items():
+            main = sum(r.turn_type == "main" for r in new)
+            # The session row is the per-session lock: its turn count gives the turns' indexes.
+            count = conn.execute(
+                self._upsert_session_for_turns,
+                {
+                    "id": session_id, "source": new[0].session_source,
+                    "created_at": new[0].created_at,
+                    "updated_at": max(r.created_at for r in new),
+                    "turns": len(new), "main_turns": main, "done": False,
+                },
+            ).scalar_one()
+            rows.extend(_turn_row(r, count - len(new) + k) for k, r in enumerate(new))
+        if rows:
+            conn.execute(_INSERT_TURN, rows)
+        return ids
 
     def attach_next_state(
         self, turn_id: str, next_state: list[JSONObject], at: datetime | None = None
@@ -866,6 +850,36 @@ def _sample_from_row(r: Any) -> Sample:
         created_at=r.created_at,
         updated_at=r.updated_at,
     )
+
+
+def _turn_row(rec: TurnRecord, idx: int) -> dict[str, Any]:
+    return {
+        "id": rec.id,
+        "session_id": rec.session_id,
+        "idx": idx,
+        "turn_type": rec.turn_type,
+        "tagged": rec.tagged,
+        "train": rec.train,
+        "messages": rec.messages,
+        "tools": rec.tools,
+        "request_params": rec.request_params,
+        "prompt_ids": pack_ids(rec.prompt_ids),
+        "completion_ids": pack_ids(rec.completion_ids),
+        "logprobs": pack_floats(rec.logprobs),
+        "top_logprobs": _top_to_json(rec.top_logprobs),
+        "n_prompt": len(rec.prompt_ids),
+        "n_completion": len(rec.completion_ids),
+        "sampling": {k: getattr(rec.sampling, k) for k in _SAMPLING_FIELDS},
+        "version": rec.version,
+        "finish_reason": rec.finish_reason,
+        "response": rec.response,
+        "queued_ms": rec.queued_ms,
+        "ttft_ms": rec.ttft_ms,
+        "total_ms": rec.total_ms,
+        "created_at": rec.created_at,
+        "next_state": None,
+        "next_state_at": None,
+    }
 
 
 def _pack_opt(xs: Sequence[float] | None) -> bytes | None:

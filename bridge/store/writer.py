@@ -23,13 +23,23 @@ import sqlalchemy as sa
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+A = TypeVar("A")
 Op = Callable[[sa.Connection], Any]
+ManyOp = Callable[[sa.Connection, list[Any]], list[Any]]
 
 
 @dataclass
 class _Item:
-    op: Op
+    op: Op | None  # a plain write, or
+    many: ManyOp | None  # a write that runs together with its neighbours of the same kind
+    arg: Any
     future: Future[Any]
+
+    def run_alone(self, conn: sa.Connection) -> Any:
+        if self.many is not None:
+            return self.many(conn, [self.arg])[0]
+        assert self.op is not None
+        return self.op(conn)
 
 
 _STOP = object()
@@ -43,8 +53,11 @@ class AsyncWriter:
     """A single writer thread with a queue. `submit(op)` from any thread returns a
     `concurrent.futures.Future`; `await write(op)` from an event loop never blocks the loop.
 
-    An op is a function of an open connection inside the batch's transaction. When a batch
-    fails, each of its ops is retried in its own transaction, so one bad write fails alone.
+    An op is a function of an open connection inside the batch's transaction. A batched op
+    (`submit_many(fn, arg)`) is a function of the connection and a list of args returning one
+    result per arg: consecutive ones with the same `fn` run as one call, so a burst of turns
+    becomes a few multi-row statements. Order is kept. When a batch fails, each of its ops is
+    retried in its own transaction, so one bad write fails alone.
     """
 
     def __init__(
@@ -66,14 +79,25 @@ class AsyncWriter:
 
     def submit(self, op: Callable[[sa.Connection], T]) -> Future[T]:
         fut: Future[T] = Future()
-        with self._lock:
-            if self._closed:
-                raise WriterClosed("the store's writer is closed")
-            self._queue.put(_Item(op, fut))
+        self._put(_Item(op, None, None, fut))
+        return fut
+
+    def submit_many(self, fn: Callable[[sa.Connection, list[A]], list[T]], arg: A) -> Future[T]:
+        fut: Future[T] = Future()
+        self._put(_Item(None, fn, arg, fut))
         return fut
 
     async def write(self, op: Callable[[sa.Connection], T]) -> T:
         return await asyncio.wrap_future(self.submit(op))
+
+    async def write_many(self, fn: Callable[[sa.Connection, list[A]], list[T]], arg: A) -> T:
+        return await asyncio.wrap_future(self.submit_many(fn, arg))
+
+    def _put(self, item: _Item) -> None:
+        with self._lock:
+            if self._closed:
+                raise WriterClosed("the store's writer is closed")
+            self._queue.put(item)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Refuse new writes, finish every queued one, stop the thread."""
@@ -119,7 +143,7 @@ class AsyncWriter:
             return
         try:
             with self._begin() as conn:
-                results = [it.op(conn) for it in live]
+                results = _run_in_order(conn, live)
         except Exception as exc:
             if len(live) == 1:
                 log.exception("store write failed")
@@ -137,7 +161,7 @@ class AsyncWriter:
     def _commit_one(self, it: _Item) -> None:
         try:
             with self._begin() as conn:
-                res = it.op(conn)
+                res = it.run_alone(conn)
         except Exception as exc:
             log.exception("store write failed")
             it.future.set_exception(exc)
@@ -145,3 +169,23 @@ class AsyncWriter:
         self.batches += 1
         self.written += 1
         it.future.set_result(res)
+
+
+def _run_in_order(conn: sa.Connection, items: list[_Item]) -> list[Any]:
+    results: list[Any] = []
+    i = 0
+    while i < len(items):
+        it = items[i]
+        if it.many is None:
+            results.append(it.run_alone(conn))
+            i += 1
+            continue
+        j = i
+        while j < len(items) and items[j].many == it.many:  # bound methods: ==, not is
+            j += 1
+        out = it.many(conn, [x.arg for x in items[i:j]])
+        if len(out) != j - i:
+            raise RuntimeError(f"a batched write returned {len(out)} results for {j - i} args")
+        results.extend(out)
+        i = j
+    return results
