@@ -320,7 +320,7 @@ def test_real_openclaw_conversation_is_captured_with_its_session_and_next_state(
     assert session is not None and session.source == "header"  # the plug-in's X-Session-Id
     turns = store.session_turns("oc-real")
     assert len(turns) == 2 and all(t.turn_type == "main" and t.tagged for t in turns)
-    assert turns[0].n_prompt > 5000  # OpenClaw's own system prompt and tools
+    assert len(turns[0].prompt_ids) > 5000  # OpenClaw's own system prompt and tools
     [next_state] = turns[0].next_state or [None]
     assert next_state["role"] == "user" and next_state["content"].endswith(messages[1])
     assert "OPENCLAW_INTERNAL_CONTEXT" not in json.dumps(turns[0].next_state)
