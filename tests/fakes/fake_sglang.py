@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument("--exit-after", type=float, default=None, help="exit 0 after S seconds up")
     ap.add_argument("--hang-after", type=float, default=None, help="stop answering after S seconds")
     ap.add_argument("--crash-times", type=int, default=None,
-                    help="crash only while a counter file (--counter) is below this")
+                    help="crash/exit/hang only on the first N starts (counted in --counter)")
     ap.add_argument("--counter", default=None)
     ap.add_argument("--ignore-sigterm", action="store_true")
     args, _ = ap.parse_known_args()
@@ -319,6 +319,7 @@ def main() -> None:
         counter.write_text(str(n + 1))
         if args.crash_times is not None and n >= args.crash_times:
             crash = None
+            args.exit_after = args.hang_after = None
     print(f"fake sglang pid {os.getpid()} CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
           f"argv={sys.argv[1:]}", flush=True)
 
