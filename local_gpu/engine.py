@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import math
@@ -202,7 +203,7 @@ class Engine:
         def nth(i: int) -> SamplingParams:
             if params.seed is None or i == 0:
                 return params
-            return SamplingParams(**{**params.__dict__, "seed": params.seed + i})
+            return dataclasses.replace(params, seed=params.seed + i)
 
         return list(
             await asyncio.gather(
