@@ -239,8 +239,8 @@ async def test_the_writer_groups_concurrent_writes_into_few_commits(store: Store
 
 @pytest.mark.slow
 async def test_the_writer_sustains_hundreds_of_turns_per_second(store: Store) -> None:
-    # 2,000-token prompts, 200-token completions, 64 requests in flight. Measured ~290/s
-    # (SQLite) and ~120/s (PostgreSQL) on 2 busy cores; the floors leave room for a slow CI.
+    # 2,000-token prompts, 200-token completions, 64 requests in flight. Measured ~360/s
+    # (SQLite) and ~190/s (PostgreSQL) on 2 busy cores; the floors leave room for a slow CI.
     n = 600
     recs = [turn(f"s{i % 20}", n=200, prompt_ids=tuple(range(2000))) for i in range(n)]
     gate = asyncio.Semaphore(64)
