@@ -207,6 +207,15 @@ def test_migrations_build_the_schema_from_empty_and_match_the_tables(db_url: str
     s.close()
 
 
+def test_processes_opening_a_fresh_store_at_once_migrate_it_once(db_url: str) -> None:
+    # Separate processes, as when a proxy and `clawbridge export` start together.
+    code = "import sys; from clawbridge.store import Store; Store.open(sys.argv[1]).close()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, db_url]) for _ in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    with Store.open(db_url) as s, s.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM alembic_version")).scalar() == 1
+
+
 # --- concurrency and group commit ---------------------------------------------------------------
 async def test_concurrent_writers_lose_nothing(store: Store) -> None:
     n_threads, per_thread, n_async = 6, 25, 300

@@ -739,11 +739,11 @@ def _configure_sqlite(engine: sa.Engine, synchronous: str) -> None:
         # cannot take the write lock up front.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")  # first: WAL needs a lock
         cur.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a commit survives a crash of the process (kill -9); only a power
         # loss can take back the last commits. FULL would fsync every commit.
         cur.execute(f"PRAGMA synchronous={synchronous}")
-        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 
