@@ -86,9 +86,9 @@ def main() -> None:
     print(f"{t['turns']} turns ({t['main']} main, {t['side']} side), {t['with_next_state']} with a next state, "
           f"{t['judged']} judged, {t['completion_tokens']} completion tokens, mean logprob {t['mean_logprob']:.3f}")
     for sid, s in summary["sessions"].items():
-        mean_r = sum(s["rewards"]) / len(s["rewards"]) if s["rewards"] else float("nan")
+        mean_r = f"{sum(s['rewards']) / len(s['rewards']):+.2f}" if s["rewards"] else "-"
         print(f"  {sid}: {s['turns']} turns, {s['main']} main, {s['with_next_state']} with next state, "
-              f"mean reward {mean_r:+.2f}")
+              f"mean reward {mean_r}")
 
 
 if __name__ == "__main__":
