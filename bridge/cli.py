@@ -80,6 +80,7 @@ def up_cmd(
         typer.echo(f"clawbridge up: {msgs}", err=True)
         raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # migrations at open: not news
     from clawbridge import server
 
     server.run(settings, **server.serving_extras(settings))
