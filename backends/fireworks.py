@@ -35,6 +35,9 @@ from clawbridge.backends.base import BackendError, ScoreModel
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
 from clawbridge.backends.tinker import (
     KEEP_VERSIONS,
+    TEMPERATURE_ONE,
+    StateIndex,
+    check_batch,
     check_context,
     completion_logprobs,
     platform_datum,
@@ -91,6 +94,7 @@ class FireworksBackend:
         retry: RetryPolicy = RetryPolicy(),
         hotload_patience_s: float = 900.0,
         meter: CostMeter | None = None,
+        state_index: Path | None = None,
     ) -> None:
         if mode == "dedicated" and (deployment_sampler is None or weight_syncer is None):
             raise BackendError("dedicated mode needs a deployment sampler and a weight syncer")
@@ -112,7 +116,7 @@ class FireworksBackend:
         self._training: Any = None
         self._base: Any = None
         self._samplers: dict[int, Any] = {}
-        self._states: dict[str, str] = {}
+        self._states = StateIndex(state_index)
         self._version = 0
 
     @classmethod
@@ -136,6 +140,7 @@ class FireworksBackend:
                 "fireworks" if settings.fireworks_mode == "serverless" else "fireworks-dedicated",
                 settings.budget_usd, Path(settings.data_dir) / "costs.json",
             ),
+            state_index=Path(settings.data_dir) / "fireworks_states.json",
             **dedicated,
         )
 
@@ -185,6 +190,8 @@ class FireworksBackend:
         else:
             out = await self._sample_serverless(prompt_ids, params, n, version)
         self.meter.record("serve", Usage(prefill_tokens=len(prompt_ids), sampled_tokens=sum(len(c.tokens) for c in out)))
+        if params.temperature == 0.0:  # greedy: record logprobs under temperature 1 (the protocol's)
+            out = [replace(c, logprobs=tuple(await self.score(prompt_ids, c.tokens))) if c.tokens else c for c in out]
         return out
 
     async def _sample_serverless(self, prompt_ids: Sequence[int], params: SamplingParams, n: int, version: int | None) -> list[Completion]:
@@ -244,7 +251,7 @@ class FireworksBackend:
     ) -> list[float]:
         types = _types()
         if temperature != 1.0:
-            raise BackendError("Fireworks scores at temperature 1 only")
+            raise BackendError(TEMPERATURE_ONE.format(platform="Fireworks"))
         if not prompt_ids or not completion_ids:
             raise BackendError("score needs a non-empty prompt and completion")
         client = self._training
@@ -277,8 +284,7 @@ class FireworksBackend:
         self.meter.check_training()
         if loss.kl_coef:
             raise BackendError("kl_coef > 0 is not supported on Fireworks' built-in ppo loss")
-        if not batch:
-            raise BackendError("train_step needs at least one datum")
+        check_batch(batch, "Fireworks")
         started = time.monotonic()
         data = [platform_datum(d, 1.0, types) for d in batch]  # the server divides by loss tokens
         config = {"clip_low_threshold": 1.0 - loss.clip_low, "clip_high_threshold": 1.0 + loss.clip_high}
@@ -323,13 +329,18 @@ class FireworksBackend:
 
     async def save_state(self, name: str) -> str:
         saved = await call("fireworks save_state", lambda: self._training.save_state(name), self.retry)
-        self._states[name] = saved.path
+        self._states.put(name, str(saved.path), self._version)
         return str(saved.path)
 
     async def load_state(self, name: str) -> None:
-        path = self._states.get(name, name)
+        """Resume from a name saved by this or an earlier process, or from a checkpoint path;
+        the saved version serves the resumed weights again."""
+        path, version = self._states.get(name)
         await call("fireworks load_state_with_optimizer",
                    lambda: self._training.load_state_with_optimizer(path), self.retry)
+        if version:
+            self._version = version - 1
+            await self.publish()
 
     async def close(self) -> None:
         for sampler in self._samplers.values():

@@ -150,6 +150,7 @@ class ModalBackend:
 
     async def load_state(self, name: str) -> None:
         await self._remote("load_state", name, activity="train")
+        self._version = int((await self._remote("info"))["version"])  # the engine restores it
 
     async def close(self) -> None:
         return None  # the container scales down by itself after its idle window

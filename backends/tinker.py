@@ -21,10 +21,12 @@ The SDK is imported lazily, and nothing touches the network before `start()`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -111,6 +113,44 @@ def stop_list(params: SamplingParams, eos_id: int | None) -> list[str] | list[in
     return list(params.stop) if params.stop else None
 
 
+TEMPERATURE_ONE = (
+    "{platform} computes training and scoring logprobs at temperature 1 only (its losses see "
+    "target logprobs, not logits): sample with temperature 1 (the default) to train on {platform}, "
+    "or use --backend local|modal for tempered sampling"
+)
+
+
+def check_batch(batch: Sequence[Datum], platform: str) -> None:
+    if not batch:
+        raise BackendError("train_step needs at least one datum")
+    if any(d.temperature != 1.0 for d in batch):
+        raise BackendError(TEMPERATURE_ONE.format(platform=platform))
+
+
+class StateIndex:
+    """Saved-state names -> (platform path, policy version), in a JSON file of the data directory
+    so a restarted process can `load_state(name)`; in memory when no file is given."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._entries: dict[str, dict[str, Any]] = {}
+        if path is not None and path.exists():
+            self._entries = json.loads(path.read_text())
+
+    def put(self, name: str, where: str, version: int) -> None:
+        self._entries[name] = {"path": where, "version": version}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self._entries, indent=1))
+
+    def get(self, name: str) -> tuple[str, int | None]:
+        if name in self._entries:
+            return str(self._entries[name]["path"]), int(self._entries[name]["version"])
+        if "://" in name or name.startswith(("accounts/", "gs://")):
+            return name, None
+        raise BackendError(f"no saved state named {name!r}: pass the path save_state returned")
+
+
 def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
     if prompt_len + max_tokens > context_length:
         raise ContextLengthExceeded(prompt_len, max_tokens, context_length)
@@ -135,6 +175,7 @@ class TinkerBackend:
         persist_every: int = 0,
         retry: RetryPolicy = RetryPolicy(),
         meter: CostMeter | None = None,
+        state_index: Path | None = None,
     ) -> None:
         self.service = service_client
         self.base_model = base_model
@@ -149,7 +190,7 @@ class TinkerBackend:
         self._training: Any = None
         self._samplers: dict[int, Any] = {}
         self._paths: dict[int, str | None] = {0: None}
-        self._states: dict[str, str] = {}
+        self._states = StateIndex(state_index)
         self._version = 0
 
     @classmethod
@@ -168,6 +209,7 @@ class TinkerBackend:
             lora_rank=settings.lora_rank, seed=settings.seed, persist_every=settings.tinker_persist_every,
             retry=RetryPolicy(attempts=settings.cloud_attempts, timeout_s=settings.cloud_timeout_s),
             meter=CostMeter.for_platform("tinker", settings.budget_usd, Path(settings.data_dir) / "costs.json"),
+            state_index=Path(settings.data_dir) / "tinker_states.json",
         )
 
     @property
@@ -220,7 +262,15 @@ class TinkerBackend:
         )
         out = [_completion(seq, v, params.top_logprobs) for seq in resp.sequences]
         self.meter.record("serve", Usage(prefill_tokens=len(prompt_ids), sampled_tokens=sum(len(c.tokens) for c in out)))
+        if params.temperature == 0.0:  # greedy: record logprobs under temperature 1 (the protocol's)
+            out = [await self._rescored(prompt_ids, c, v) for c in out]
         return out
+
+    async def _rescored(self, prompt_ids: Sequence[int], c: Completion, version: int) -> Completion:
+        if not c.tokens:
+            return c
+        lps = await self._logprobs(self._samplers[version], prompt_ids, c.tokens)
+        return replace(c, logprobs=tuple(lps))
 
     async def sample_stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
@@ -233,13 +283,17 @@ class TinkerBackend:
         self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
         model: ScoreModel = "policy", temperature: float = 1.0,
     ) -> list[float]:
-        from tinker import types
 
         if temperature != 1.0:
-            raise BackendError("Tinker scores at temperature 1 only")
+            raise BackendError(TEMPERATURE_ONE.format(platform="Tinker"))
         if not prompt_ids or not completion_ids:
             raise BackendError("score needs a non-empty prompt and completion")
         _, sampler = self._sampler(0 if model == "base" else None)
+        return await self._logprobs(sampler, prompt_ids, completion_ids)
+
+    async def _logprobs(self, sampler: Any, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+        from tinker import types
+
         full = types.ModelInput.from_ints([*prompt_ids, *completion_ids])
         k = len(completion_ids)
         lps = await call(
@@ -260,8 +314,7 @@ class TinkerBackend:
         self.meter.check_training()
         if loss.kl_coef:
             raise BackendError("kl_coef > 0 is not supported on Tinker's built-in ppo loss")
-        if not batch:
-            raise BackendError("train_step needs at least one datum")
+        check_batch(batch, "Tinker")
         started = time.monotonic()
         scale = sum_loss_scale(batch)
         data = [platform_datum(d, scale, types) for d in batch]
@@ -300,22 +353,22 @@ class TinkerBackend:
 
     async def save_state(self, name: str) -> str:
         saved = await call("tinker save_state", lambda: self._training.save_state(name), self.retry)
-        self._states[name] = saved.path
+        self._states.put(name, str(saved.path), self._version)
         return str(saved.path)
 
     async def load_state(self, name: str) -> None:
-        path = name if name.startswith("tinker://") else self._states.get(name)
-        if path is None:
-            raise BackendError(f"no saved state {name!r} in this session: pass its tinker:// path")
+        """Resume from a name saved by this or an earlier process (the index in the data
+        directory remembers its tinker:// path and version), or from a tinker:// path."""
+        path, version = self._states.get(name)
         self._training = await call(
             "tinker create_training_client_from_state_with_optimizer",
             lambda: self.service.create_training_client_from_state_with_optimizer(path), self.retry,
         )
-        # The newest version now serves the resumed weights.
+        # The saved version serves the resumed weights again.
         sampler = await call("tinker save_weights_and_get_sampling_client",
                              lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
-        self._samplers[self._version if self._version else 1] = sampler
-        self._version = max(self._version, 1)
+        self._version = max(version, 1) if version is not None else max(self._version, 1)
+        self._samplers[self._version] = sampler
 
     async def close(self) -> None:
         close = getattr(self.service, "close", None)

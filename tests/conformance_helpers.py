@@ -39,6 +39,8 @@ class BackendCase:
     lora_rank: int = TINY_LORA_RANK
     lora_alpha: int = TINY_LORA_ALPHA
     model_seed: int = 0  # tiny-random's weights for the reference model
+    # A platform limit: given a test's id, why this backend cannot take it (None: it can).
+    unsupported: Callable[[str], str | None] | None = None
 
 
 CASES: dict[str, BackendCase] = {}
@@ -68,3 +70,94 @@ async def local_weights(backend: Backend) -> dict[str, torch.Tensor]:
 
 
 register(BackendCase("local", make_local, local_weights))
+
+
+# --- the cloud backends against their offline SDK fakes (tests/fakes) ---------------------------
+# One fake "account" per test directory, so a second `make` on the same directory is a restart
+# that finds the first one's saved state on the platform.
+
+_ACCOUNTS: dict[Path, object] = {}
+_PLATFORM_OF: dict[int, object] = {}
+
+
+def _cloud_retry():  # type: ignore[no-untyped-def]
+    from clawbridge.backends.remote import RetryPolicy
+
+    return RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=120.0)
+
+
+def _tiny_tokenizer():  # type: ignore[no-untyped-def]
+    from clawbridge.local_gpu import models
+
+    return models.load_tokenizer(models.resolve(models.TINY))
+
+
+def _account(tmp_path: Path, make):  # type: ignore[no-untyped-def]
+    if tmp_path not in _ACCOUNTS:
+        _ACCOUNTS[tmp_path] = make()
+    return _ACCOUNTS[tmp_path]
+
+
+async def make_tinker(tmp_path: Path) -> Backend:
+    from clawbridge.backends.tinker import TinkerBackend
+    from fakes.fake_tinker import FakeTinkerService
+    from fakes.torch_platform import TinyPlatform
+
+    service = _account(tmp_path, lambda: FakeTinkerService(TinyPlatform(rank=TINY_LORA_RANK, alpha=TINY_LORA_ALPHA)))
+    backend = TinkerBackend(service_client=service, base_model=service.known_models[0], tokenizer=_tiny_tokenizer(),
+                            lora_rank=TINY_LORA_RANK, retry=_cloud_retry(), state_index=tmp_path / "tinker_states.json")
+    await backend.start()
+    _PLATFORM_OF[id(backend)] = service.platform
+    return backend
+
+
+async def make_fireworks(tmp_path: Path) -> Backend:
+    from clawbridge.backends.fireworks import FireworksBackend
+    from fakes.fake_fireworks import FakeFiretitanService
+    from fakes.torch_platform import TinyPlatform
+
+    service = _account(tmp_path, lambda: FakeFiretitanService(TinyPlatform(rank=TINY_LORA_RANK, alpha=TINY_LORA_ALPHA)))
+    backend = FireworksBackend(connect=lambda: service, base_model="accounts/fireworks/models/qwen3-4b",
+                               tokenizer=_tiny_tokenizer(), lora_rank=TINY_LORA_RANK, retry=_cloud_retry(),
+                               state_index=tmp_path / "fireworks_states.json")
+    await backend.start()
+    _PLATFORM_OF[id(backend)] = service.platform
+    return backend
+
+
+async def platform_weights(backend: Backend) -> dict[str, torch.Tensor]:
+    platform = _PLATFORM_OF[id(backend)]
+    return {k.replace(".default", ""): v for k, v in platform.current_weights().items()}  # type: ignore[attr-defined]
+
+
+async def make_modal(tmp_path: Path) -> Backend:
+    from clawbridge.backends.modal import ModalBackend
+    from fakes.fake_modal import FakeEngine
+
+    engine = FakeEngine(tmp_path / "modal-volume", lora_rank=TINY_LORA_RANK, lora_alpha=TINY_LORA_ALPHA)
+    backend = ModalBackend(engine=engine, tokenizer=_tiny_tokenizer(), model_name="tiny-random",
+                           context_length=32768, retry=_cloud_retry())
+    await backend.start()
+    return backend
+
+
+async def modal_weights(backend: Backend) -> dict[str, torch.Tensor]:
+    from clawbridge.backends.modal import ModalBackend
+
+    assert isinstance(backend, ModalBackend)
+    container = backend.engine.obj._cached_user_cls_instance()  # the class instance Modal runs
+    return await container.backend.engine.trainable_state()
+
+
+def _temperature_one_only(platform: str) -> Callable[[str], str | None]:
+    def unsupported(test: str) -> str | None:
+        tempered = any(t in test for t in ("-t0.7", "-t1.3", "-t0.5")) or test.startswith("test_train_step_gradient")
+        return (f"{platform}'s losses and scores see temperature-1 logprobs only (this test uses T != 1); "
+                f"the exact T=1 update is proven in tests/test_backend_{platform.lower()}.py") if tempered else None
+
+    return unsupported
+
+
+register(BackendCase("tinker", make_tinker, platform_weights, unsupported=_temperature_one_only("Tinker")))
+register(BackendCase("fireworks", make_fireworks, platform_weights, unsupported=_temperature_one_only("Fireworks")))
+register(BackendCase("modal", make_modal, modal_weights))

@@ -36,7 +36,9 @@ def case(request: pytest.FixtureRequest) -> BackendCase:
 
 
 @pytest.fixture
-async def backend(case: BackendCase, tmp_path: Path):
+async def backend(case: BackendCase, tmp_path: Path, request: pytest.FixtureRequest):
+    if case.unsupported is not None and (reason := case.unsupported(request.node.name)):
+        pytest.skip(reason)
     b = await case.make(tmp_path)
     yield b
     await b.close()

@@ -42,8 +42,9 @@ class FakeEngine:
     state directory stands in for the Volume (a new FakeEngine on the same directory is a cold
     start)."""
 
-    def __init__(self, state_dir: Path, *, model: str = "tiny-random", lora_rank: int = 8, seed: int = 0) -> None:
-        self.obj = modal_app.Engine(model=model, lora_rank=lora_rank, lora_alpha=lora_rank, seed=seed,
+    def __init__(self, state_dir: Path, *, model: str = "tiny-random", lora_rank: int = 8,
+                 lora_alpha: int | None = None, seed: int = 0) -> None:
+        self.obj = modal_app.Engine(model=model, lora_rank=lora_rank, lora_alpha=lora_alpha or lora_rank, seed=seed,
                                     state_dir=str(state_dir), device="cpu")
         self.faults = Faults()
 

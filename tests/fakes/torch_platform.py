@@ -184,15 +184,17 @@ class TinyPlatform:
                 ratio = torch.exp(lp - torch.tensor(inputs["logprobs"]))
                 objective = torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
                 loss = -objective.sum()
-                self._grad_tokens += int((adv != 0).sum())
+                tokens = int((adv != 0).sum())
             elif loss_fn == "cross_entropy":
                 w = torch.tensor(inputs.get("weights", [1.0] * len(targets)))
                 loss = -(lp * w).sum()
-                self._grad_tokens += int((w != 0).sum())
+                tokens = int((w != 0).sum())
             else:
                 raise ValueError(f"fake platform: loss {loss_fn!r} is not implemented")
             total = total + loss
             outs.append(lp.detach().tolist())
+            if backward:  # only gradients that accumulate count as loss tokens
+                self._grad_tokens += tokens
         if backward:
             total.backward()
         return outs, float(total.detach())
