@@ -78,6 +78,22 @@ class ChunkedLogprobs(nn.Module):
         return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
 
+def load_base(model: str, cache_dir: Path | None, device: torch.device, seed: int) -> tuple[Any, str]:
+    """The fp32 base. `random:CONFIG.json` builds a randomly initialised model of that
+    architecture directly on the device (benchmarks: speed does not depend on the weights, and a
+    4 B model need not be written to disk first)."""
+    if model.startswith("random:"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model.removeprefix("random:"))
+        torch.manual_seed(seed)
+        with device:
+            base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return base, model
+    spec = models.resolve(model, cache_dir)
+    return models.load_model(spec, dtype=torch.float32, device="cpu", seed=seed), str(spec.path or spec.name)
+
+
 class ShardedLoRATrainer:
     def __init__(self, model: str, *, lora_rank: int, lora_alpha: int, seed: int, device: str,
                  cache_dir: Path | None, chunk: int = 1024, token_budget: int = 8192,
@@ -89,9 +105,8 @@ class ShardedLoRATrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device)
         self.token_budget = token_budget
-        self.spec = models.resolve(model, cache_dir)
         self.pad_id = 0
-        base = models.load_model(self.spec, dtype=torch.float32, device="cpu", seed=seed)
+        base, self.base_name = load_base(model, cache_dir, self.device, seed)
         config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
                             lora_dropout=0.0)
         with torch.random.fork_rng(devices=[]):  # the engine's init: same seed, same adapter
@@ -222,7 +237,7 @@ class ShardedLoRATrainer:
             folder = Path(path)
             folder.mkdir(parents=True, exist_ok=True)
             save_file(state, str(folder / "adapter_model.safetensors"))
-            self.peft_config.base_model_name_or_path = str(self.spec.path or self.spec.name)
+            self.peft_config.base_model_name_or_path = self.base_name
             self.peft_config.save_pretrained(str(folder))  # adapter_config.json, PEFT's own
         dist.barrier()
 

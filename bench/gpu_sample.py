@@ -1,0 +1,88 @@
+"""Sampling throughput of the torch engine on GPU (point 5 of issue 6: without SGLang the local
+backend serves with this engine on CUDA), random weights of a real architecture in bf16.
+
+    python bench/gpu_sample.py --arch qwen3-4b --tokenizer build/gpu_assets/tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch
+from clawbridge.local_gpu import models
+from clawbridge.local_gpu.engine import Engine
+from clawbridge.types import SamplingParams
+from gpu_common import model_dir, write_result
+
+
+async def run(engine: Engine, prompt: list[int], tokens: int, concurrency: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, stop_token_ids=())
+    started = time.perf_counter()
+    firsts: list[float] = []
+
+    async def one(seed: int) -> int:
+        n = 0
+        async for chunk in engine.sample_stream(prompt, dataclasses.replace(params, seed=seed)):
+            if n == 0:
+                firsts.append(time.perf_counter() - started)
+            n += len(chunk.tokens)
+        return n
+
+    counts = await asyncio.gather(*(one(i) for i in range(concurrency)))
+    wall = time.perf_counter() - started
+    return {"concurrency": concurrency, "tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 1),
+            "per_request_tokens_per_s": round(sum(counts) / wall / concurrency, 1),
+            "ttft_ms": round(1000 * sum(firsts) / len(firsts), 1)}
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="qwen3-4b")
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--rank", type=int, default=32)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="cb-sample-"))
+    t = time.perf_counter()
+    folder = model_dir(args.arch, Path(tempfile.gettempdir()) / "cb-models", args.tokenizer)
+    made = time.perf_counter() - t
+    spec = models.resolve(str(folder))
+    engine = Engine(spec, data_dir=root / "data", lora_rank=args.rank, lora_alpha=args.rank,
+                    device="cuda", dtype=torch.bfloat16, max_batch=max(args.concurrency))
+    t = time.perf_counter()
+    engine.start()
+    load = time.perf_counter() - t
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt)]
+    try:
+        await run(engine, prompt, 4, 1)  # warm-up
+        rows = {}
+        for version in ("base", "adapter"):
+            publish_s = None
+            if version == "adapter":
+                t = time.perf_counter()
+                await engine.publish()
+                publish_s = time.perf_counter() - t
+            rows[version] = {"publish_s": publish_s,
+                             "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency]}
+            print(version, rows[version], flush=True)
+        write_result("gpu_sample", {"arch": args.arch, "dtype": "bfloat16", "prompt": args.prompt,
+                                    "tokens": args.tokens, "model_write_s": round(made, 1),
+                                    "engine_start_s": round(load, 1), **rows})
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
