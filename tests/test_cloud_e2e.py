@@ -1,0 +1,59 @@
+"""End to end on a cloud backend: the real HTTP proxy serves a TinkerBackend whose SDK is the
+offline Tinker fake; the real `openai` client talks to it; the user's next messages are judged
+(rules judge), the samples train on "Tinker" and the published version serves the next request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from clawbridge.backends.remote import RetryPolicy
+from clawbridge.backends.tinker import TinkerBackend
+from clawbridge.config import Settings
+from clawbridge.learner import Learner
+from fakes.fake_tinker import FakeTinkerService
+from live_server import LiveServer
+from openai import OpenAI
+
+
+@pytest.mark.timeout(280)
+def test_tinker_backend_serves_judges_and_trains_through_the_proxy(tmp_path: Path, tokenizer) -> None:
+    settings = Settings(data_dir=tmp_path / "data", backend="tinker", port=0, batch_size=2, judge="rules",
+                        method="combine", default_max_tokens=8, served_model_name="tiny-tinker")
+    (tmp_path / "data").mkdir()
+    service = FakeTinkerService()
+    backend = TinkerBackend(service_client=service, base_model=service.known_models[0], tokenizer=tokenizer,
+                            served_model_name="tiny-tinker", lora_rank=8,
+                            retry=RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=120.0))
+    learner = Learner(settings)
+    live = LiveServer(settings, backend, hooks=learner.hooks()).start()
+    try:
+        assert live.running is not None
+        learner.bind(backend, live.running.store)
+        client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+        headers = {"X-Session-Id": "e2e"}
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        for follow_up in ("No, that's wrong. The capital of France is Paris.", "Thanks, that's perfect!"):
+            reply = client.chat.completions.create(model="tiny-tinker", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                                   temperature=1.0, extra_headers=headers)
+            assert reply.choices[0].message is not None
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "user", "content": follow_up}]
+        last = client.chat.completions.create(model="tiny-tinker", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                                              extra_headers={**headers, "X-Session-Done": "true"})
+        assert last.choices[0].message is not None
+        assert learner.collector is not None and learner.trainer is not None
+        for _ in range(5):  # judge every turn whose next state arrived
+            if not live.call(learner.collector.run_once(), timeout=120):
+                break
+        assert learner.collector.stats.judged >= 2
+        before = service.faults.calls["forward_backward"]
+        step = live.call(learner.trainer.step_once(), timeout=120)
+        assert step is not None and step.version == 1 == backend.version
+        assert service.faults.calls["forward_backward"] == before + 1  # the step ran on "Tinker"
+        after = client.chat.completions.create(model="tiny-tinker", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=4, extra_headers={"X-Train": "false"})
+        assert after.choices[0].message is not None
+        assert backend.meter.snapshot()["by_activity"]["train"]["trained_tokens"] > 0  # type: ignore[index]
+    finally:
+        live.stop()
