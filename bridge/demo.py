@@ -207,7 +207,7 @@ async def run_demo(
     if server in done_first:
         await server  # raises why it could not start
     running = ready.result()
-    client = AsyncOpenAI(base_url=f"{running.base_url}/v1", api_key="clawbridge", timeout=600, max_retries=0)
+    client = AsyncOpenAI(base_url=f"{running.base_url}/v1", api_key="clawbridge", timeout=1800, max_retries=0)
     model = running.proxy.model_name
     user = SimulatedUser(client, model, scenario)
     total = r.rounds * 2 + 1

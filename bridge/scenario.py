@@ -158,4 +158,5 @@ def paired_interval(before: Sequence[float], after: Sequence[float]) -> tuple[fl
     mean = sum(d) / n
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
     half = t975(n - 1) * sd / math.sqrt(n)
-    return mean, mean - half, mean + half
+    # rates live in [0, 1], so their difference in [-1, 1]: the interval never claims more
+    return mean, max(-1.0, mean - half), min(1.0, mean + half)
