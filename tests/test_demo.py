@@ -1,0 +1,95 @@
+"""The demo: scenarios as data, the paired interval, and a fast end-to-end smoke run on the tiny
+random model (real server, openai client, rules judge, trainer). The real learning run on the
+embedded model is `make demo`, and the `slow` test below."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from clawbridge import scenario
+from clawbridge.demo import demo_settings, run_demo
+
+TINY = {
+    "name": "tiny",
+    "description": "plumbing only",
+    "check": {"max_words": 3, "must_finish": False},
+    "replies": {"satisfied": ["Thanks, perfect."], "unsatisfied": ["Too long. Please answer in under 3 words."]},
+    "recipe": {"method": "combine", "batch_size": 2, "rounds": 2, "learning_rate": 1e-3, "lora_rank": 4,
+               "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4},
+    "train_prompts": ["What is rain?", "Why is the sky blue?", "What is a cat?"],
+    "heldout_prompts": ["What is snow?", "What is a dog?", "What is fog?"],
+}
+
+
+def test_builtin_scenarios_load_and_hold_disjoint_prompts():
+    assert {"concise", "bullets"} <= set(scenario.builtin_names())
+    for name in scenario.builtin_names():
+        sc = scenario.load(name)
+        assert not set(sc.train_prompts) & set(sc.heldout_prompts)
+        assert len(sc.heldout_prompts) >= 10 and sc.replies.satisfied and sc.replies.unsatisfied
+
+
+def test_the_rules_judge_reads_the_scenario_replies_as_intended():
+    from clawbridge.judges.rules import classify
+
+    for name in scenario.builtin_names():
+        sc = scenario.load(name)
+        for text in sc.replies.satisfied:
+            assert classify(text).reward == 1, text
+        for text in sc.replies.unsatisfied:
+            v = classify(text)
+            assert v.reward == -1 and v.hint == text, text
+
+
+def test_the_check_applies_every_condition():
+    check = scenario.Check(max_words=5, must_match=[r"^- "], must_not_match=["sorry"])
+    assert check.satisfied("- one two", "stop")
+    assert not check.satisfied("- one two", "length")  # cut at max_tokens
+    assert not check.satisfied("- one two three four five six", "stop")
+    assert not check.satisfied("one two", "stop")
+    assert not check.satisfied("- sorry", "stop")
+
+
+def test_a_scenario_file_with_overlapping_prompts_is_refused(tmp_path: Path):
+    bad = dict(TINY, heldout_prompts=["What is rain?", "What is fog?"])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="must not be training prompts"):
+        scenario.load(path)
+    with pytest.raises(FileNotFoundError):
+        scenario.load("no-such-scenario")
+
+
+def test_paired_interval_by_hand():
+    mean, lo, hi = scenario.paired_interval([0, 0, 0.5, 0], [1, 0.5, 1, 1])
+    # d = [1, .5, .5, 1]: mean .75, sd .2887, t(3) = 3.182 -> half width .4593
+    assert mean == pytest.approx(0.75)
+    assert (lo, hi) == (pytest.approx(0.2907, abs=1e-4), 1.0)  # clamped at +1
+    assert scenario.paired_interval([0.5, 0.5], [0.5, 0.5]) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError):
+        scenario.paired_interval([0.0], [1.0])
+
+
+@pytest.mark.timeout(280)
+async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
+    sc = scenario.Scenario.model_validate(TINY)
+    settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
+    result = await run_demo(sc, settings, plot_path=tmp_path / "tiny.png")
+    summary = json.loads(json.dumps(result.summary()))
+    assert {"before", "after", "interval", "steps", "versions", "seconds"} <= set(summary)
+    assert 0 <= summary["before"] <= 1 and 0 <= summary["after"] <= 1
+    lo, hi = summary["interval"]
+    assert -1 <= lo <= summary["delta"] <= hi <= 1
+    assert summary["steps"] == 2 and [v["version"] for v in summary["versions"]] == [0, 1, 2]
+    assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_the_default_demo_improves_held_out_prompts(tmp_path: Path):
+    """What `make demo` shows: the embedded model learns the `concise` preference."""
+    sc = scenario.load(scenario.DEFAULT_SCENARIO)
+    result = await run_demo(sc, demo_settings(sc, tmp_path / "data"), plot_path=tmp_path / "c.png")
+    assert result.after - result.before >= 0.25 and result.interval[0] > 0
