@@ -8,12 +8,11 @@ worker thread (`Store.run`).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from datetime import datetime
 from functools import partial
 from importlib import resources
@@ -21,10 +20,10 @@ from pathlib import Path
 from typing import IO, Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
+from clawbridge.store import codec
 from clawbridge.store import schema as t
 from clawbridge.store.records import (
     JSONObject,
-    JudgeVote,
     Judgment,
     PolicyVersionRow,
     Sample,
@@ -35,13 +34,10 @@ from clawbridge.store.records import (
     TrainingStep,
     TurnRecord,
     pack_floats,
-    pack_ids,
-    unpack_floats,
-    unpack_ids,
     utcnow,
 )
 from clawbridge.store.writer import AsyncWriter
-from clawbridge.types import SampleState, SamplingParams, TokenLogprob
+from clawbridge.types import SampleState
 from sqlalchemy.dialects import postgresql, sqlite
 
 log = logging.getLogger(__name__)
@@ -69,17 +65,6 @@ class SampleStateError(StoreError):
 
 
 _INSERT_TURN = t.turns.insert()
-
-
-def dumps(obj: Any) -> str:
-    text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        # A lone surrogate (JSON allows "\ud800"; clients send them) cannot be stored as UTF-8:
-        # escape everything rather than lose the turn.
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
-    return text
 
 
 class Store:
@@ -118,14 +103,14 @@ class Store:
             Path(sa_url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             engine = sa.create_engine(
                 sa_url,
-                json_serializer=dumps,
+                json_serializer=codec.dumps,
                 connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
                 pool_size=8,
                 max_overflow=16,
             )
             _configure_sqlite(engine, sqlite_synchronous.upper())
         else:
-            engine = sa.create_engine(sa_url, json_serializer=dumps, pool_pre_ping=True)
+            engine = sa.create_engine(sa_url, json_serializer=codec.dumps, pool_pre_ping=True)
         store = cls(engine)
         if migrate:
             store.migrate()
@@ -285,7 +270,7 @@ class Store:
                     "turns": len(new), "main_turns": main, "done": False,
                 },
             ).scalar_one()
-            rows.extend(_turn_row(r, count - len(new) + k) for k, r in enumerate(new))
+            rows.extend(codec.turn_row(r, count - len(new) + k) for k, r in enumerate(new))
         if rows:
             conn.execute(_INSERT_TURN, rows)
         return ids
@@ -375,7 +360,7 @@ class Store:
                 )
             ):
                 kinds.setdefault(tid, set()).add(kind)
-        return [_turn_from_row(r, frozenset(kinds.get(r.id, ()))) for r in rows]
+        return [codec.turn_from_row(r, frozenset(kinds.get(r.id, ()))) for r in rows]
 
     # --- judgments ----------------------------------------------------------------------------
     def add_judgment(self, judgment: Judgment) -> int:
@@ -416,7 +401,7 @@ class Store:
                 .where(t.judgments.c.turn_id == turn_id)
                 .order_by(t.judgments.c.id)
             ).all()
-        return [_judgment_from_row(r) for r in rows]
+        return [codec.judgment_from_row(r) for r in rows]
 
     # --- samples ------------------------------------------------------------------------------
     def create_sample(
@@ -449,8 +434,8 @@ class Store:
                 .values(
                     turn_id=turn_id, method=method, state=state, reason=reason, reward=reward,
                     hint=hint,
-                    teacher_logprobs=_pack_opt(teacher_logprobs),
-                    advantages=_pack_opt(advantages),
+                    teacher_logprobs=codec.pack_opt(teacher_logprobs),
+                    advantages=codec.pack_opt(advantages),
                     version=turn.version, created_at=now, updated_at=now,
                 )
                 .on_conflict_do_nothing()
@@ -529,7 +514,7 @@ class Store:
         if limit is not None:
             q = q.limit(limit)
         with self._read() as conn:
-            return [_sample_from_row(r) for r in conn.execute(q)]
+            return [codec.sample_from_row(r) for r in conn.execute(q)]
 
     def get_samples(self, ids: Sequence[int]) -> list[Sample]:
         s = t.samples
@@ -543,7 +528,7 @@ class Store:
             .order_by(s.c.id)
         )
         with self._read() as conn:
-            return [_sample_from_row(r) for r in conn.execute(q)]
+            return [codec.sample_from_row(r) for r in conn.execute(q)]
 
     def mark_samples(
         self,
@@ -761,129 +746,6 @@ def alembic_config() -> Any:
         cfg = Config(str(path))
     cfg.set_main_option("script_location", "clawbridge:migrations")
     return cfg
-
-
-# --- row decoding -------------------------------------------------------------------------------
-_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
-
-
-def _sampling_from_json(d: JSONObject) -> SamplingParams:
-    kw = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS}
-    for k in ("stop", "stop_token_ids"):
-        if k in kw:
-            kw[k] = tuple(kw[k])
-    return SamplingParams(**kw)
-
-
-def _top_to_json(top: Sequence[Sequence[TokenLogprob]] | None) -> list[Any] | None:
-    if top is None:
-        return None
-    return [[[c.token_id, c.logprob] for c in alts] for alts in top]
-
-
-def _top_from_json(data: list[Any] | None) -> tuple[tuple[TokenLogprob, ...], ...] | None:
-    if data is None:
-        return None
-    return tuple(tuple(TokenLogprob(int(i), float(lp)) for i, lp in alts) for alts in data)
-
-
-def _turn_from_row(r: Any, judged: frozenset[str]) -> StoredTurn:
-    return StoredTurn(
-        id=r.id,
-        session_id=r.session_id,
-        session_source=r.session_source,
-        index=r.idx,
-        turn_type=r.turn_type,
-        tagged=r.tagged,
-        train=r.train,
-        messages=r.messages,
-        tools=r.tools,
-        request_params=r.request_params,
-        prompt_ids=unpack_ids(r.prompt_ids),
-        completion_ids=unpack_ids(r.completion_ids),
-        logprobs=unpack_floats(r.logprobs),
-        top_logprobs=_top_from_json(r.top_logprobs),
-        sampling=_sampling_from_json(r.sampling),
-        version=r.version,
-        finish_reason=r.finish_reason,
-        response=r.response,
-        queued_ms=r.queued_ms,
-        ttft_ms=r.ttft_ms,
-        total_ms=r.total_ms,
-        created_at=r.created_at,
-        next_state=r.next_state,
-        next_state_at=r.next_state_at,
-        judged_kinds=judged,
-    )
-
-
-def _judgment_from_row(r: Any) -> Judgment:
-    return Judgment(
-        id=r.id,
-        turn_id=r.turn_id,
-        judge=r.judge,
-        kind=r.kind,
-        votes=tuple(JudgeVote(**v) for v in r.votes),
-        reward=r.reward,
-        hint=r.hint,
-        created_at=r.created_at,
-    )
-
-
-def _sample_from_row(r: Any) -> Sample:
-    return Sample(
-        id=r.id,
-        turn_id=r.turn_id,
-        method=r.method,
-        state=r.state,
-        reason=r.reason,
-        reward=r.reward,
-        hint=r.hint,
-        teacher_logprobs=None if r.teacher_logprobs is None else unpack_floats(r.teacher_logprobs),
-        advantages=None if r.advantages is None else unpack_floats(r.advantages),
-        version=r.version,
-        step=r.step,
-        prompt_ids=unpack_ids(r.prompt_ids),
-        completion_ids=unpack_ids(r.completion_ids),
-        logprobs=unpack_floats(r.logprobs),
-        temperature=float(r.sampling.get("temperature", 1.0)),
-        created_at=r.created_at,
-        updated_at=r.updated_at,
-    )
-
-
-def _turn_row(rec: TurnRecord, idx: int) -> dict[str, Any]:
-    return {
-        "id": rec.id,
-        "session_id": rec.session_id,
-        "idx": idx,
-        "turn_type": rec.turn_type,
-        "tagged": rec.tagged,
-        "train": rec.train,
-        "messages": rec.messages,
-        "tools": rec.tools,
-        "request_params": rec.request_params,
-        "prompt_ids": pack_ids(rec.prompt_ids),
-        "completion_ids": pack_ids(rec.completion_ids),
-        "logprobs": pack_floats(rec.logprobs),
-        "top_logprobs": _top_to_json(rec.top_logprobs),
-        "n_prompt": len(rec.prompt_ids),
-        "n_completion": len(rec.completion_ids),
-        "sampling": {k: getattr(rec.sampling, k) for k in _SAMPLING_FIELDS},
-        "version": rec.version,
-        "finish_reason": rec.finish_reason,
-        "response": rec.response,
-        "queued_ms": rec.queued_ms,
-        "ttft_ms": rec.ttft_ms,
-        "total_ms": rec.total_ms,
-        "created_at": rec.created_at,
-        "next_state": None,
-        "next_state_at": None,
-    }
-
-
-def _pack_opt(xs: Sequence[float] | None) -> bytes | None:
-    return None if xs is None else pack_floats(xs)
 
 
 def _check_len(n: int, xs: Sequence[float] | None, what: str) -> None:

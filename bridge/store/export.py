@@ -11,7 +11,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from clawbridge.store import schema as t
-from clawbridge.store.core import dumps
+from clawbridge.store.codec import dumps
 from clawbridge.store.records import JSONObject, StoredTurn
 
 if TYPE_CHECKING:
