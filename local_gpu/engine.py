@@ -110,6 +110,7 @@ class Engine:
         self.tokenizer = models.load_tokenizer(spec)
         self.stop_ids = self._default_stop_ids()
         self._model: Any = None
+        self._lora_layers: list[Any] = []
         self._optimizer: torch.optim.AdamW | None = None
         self._newest = 0
         self._steps = 0
@@ -144,6 +145,9 @@ class Engine:
             torch.manual_seed(self.seed)
             self._model = get_peft_model(base, config, adapter_name=TRAIN)
         self._model.eval()  # no dropout anywhere; PEFT mixed-batch rows require eval mode
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]
         self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)
         self._thread.start()
 
@@ -313,6 +317,29 @@ class Engine:
             if self._active:
                 self._decode_step()
 
+    def _forward(self, names: Sequence[str] | None, **inputs: Any) -> Any:
+        """One forward with each row on its adapter (`names`; None: the trainable adapter).
+
+        Rows on several adapters take PEFT's mixed-batch path. When every row shares one (the
+        usual case: everyone on the newest version), the LoRA layers are pointed at it for this
+        forward instead: the mixed-batch path (per-layer gathers and scatters, hooks on every
+        module) measured twice the cost of a plain forward of SmolLM2 on CPU."""
+        if names is None:
+            return self._model(**inputs)
+        unique = set(names)
+        if len(unique) > 1:
+            return self._model(**inputs, adapter_names=list(names))
+        name = unique.pop()
+        saved = [layer._active_adapter for layer in self._lora_layers]
+        for layer in self._lora_layers:
+            # PEFT's own set_adapter also flips requires_grad, which must stay on "default"
+            layer._active_adapter = [] if name == BASE else [name]
+        try:
+            return self._model(**inputs)
+        finally:
+            for layer, value in zip(self._lora_layers, saved, strict=True):
+                layer._active_adapter = value
+
     def _run_job(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
             return
@@ -344,11 +371,8 @@ class Engine:
             try:
                 with torch.inference_mode():
                     ids = torch.tensor([seq.prompt], device=self.device)
-                    out = self._model(
-                        input_ids=ids,
-                        use_cache=True,
-                        adapter_names=[adapter_name(seq.version)],
-                        logits_to_keep=1,
+                    out = self._forward(
+                        [adapter_name(seq.version)], input_ids=ids, use_cache=True, logits_to_keep=1
                     )
                 token = self._take(seq, out.logits[0, -1])
             except BaseException as exc:
@@ -364,10 +388,10 @@ class Engine:
     def _decode_step(self) -> None:
         try:
             with torch.inference_mode():
-                out = self._model(
+                out = self._forward(
+                    [adapter_name(s.version) for s in self._active],
                     **self._batch.step_inputs(),
                     use_cache=True,
-                    adapter_names=[adapter_name(s.version) for s in self._active],
                 )
                 logits = out.logits[:, -1]
                 nexts = [self._take(seq, logits[i]) for i, seq in enumerate(self._active)]
@@ -487,8 +511,8 @@ class Engine:
         name = BASE if model == "base" else adapter_name(self._newest)
         with torch.inference_mode():
             ids = torch.tensor([prompt + completion], device=self.device)
-            logits = self._model(
-                input_ids=ids, adapter_names=[name], logits_to_keep=len(completion) + 1
+            logits = self._forward(
+                [name], input_ids=ids, logits_to_keep=len(completion) + 1
             ).logits[0, :-1]
             targets = torch.tensor(completion, device=self.device)
             lp = token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
@@ -532,12 +556,11 @@ class Engine:
             ids[i, : lengths[i]] = torch.tensor(d.prompt_ids + d.completion_ids)
             mask[i, : lengths[i]] = 1
         first = min(len(d.prompt_ids) for d in group) - 1  # first position whose logits we need
-        extra = {"adapter_names": names} if names is not None else {}
-        logits = self._model(
+        logits = self._forward(
+            names,
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             logits_to_keep=width - first,
-            **extra,
         ).logits
         parts = []
         for i, d in enumerate(group):
