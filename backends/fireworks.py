@@ -389,6 +389,9 @@ def create_backend(settings: Settings) -> FireworksBackend:
     return FireworksBackend.from_settings(settings)
 
 
-def from_settings(settings: Settings) -> FireworksBackend:
-    """What `clawbridge up --backend fireworks` calls (`clawbridge.server.build_backend`)."""
-    return FireworksBackend.from_settings(settings)
+def from_settings(settings: Settings) -> Any:
+    """What `clawbridge up --backend fireworks` calls (`clawbridge.server.build_backend`): the
+    backend behind the redaction hook unless `--no-redact`."""
+    from clawbridge.redact import protect
+
+    return protect(FireworksBackend.from_settings(settings), settings.redact)

@@ -160,6 +160,9 @@ def create_backend(settings: Settings) -> ModalBackend:
     return ModalBackend.from_settings(settings)
 
 
-def from_settings(settings: Settings) -> ModalBackend:
-    """What `clawbridge up --backend modal` calls (`clawbridge.server.build_backend`)."""
-    return ModalBackend.from_settings(settings)
+def from_settings(settings: Settings) -> Any:
+    """What `clawbridge up --backend modal` calls (`clawbridge.server.build_backend`): the
+    backend behind the redaction hook unless `--no-redact`."""
+    from clawbridge.redact import protect
+
+    return protect(ModalBackend.from_settings(settings), settings.redact)

@@ -392,6 +392,9 @@ def create_backend(settings: Settings) -> TinkerBackend:
     return TinkerBackend.from_settings(settings)
 
 
-def from_settings(settings: Settings) -> TinkerBackend:
-    """What `clawbridge up --backend tinker` calls (`clawbridge.server.build_backend`)."""
-    return TinkerBackend.from_settings(settings)
+def from_settings(settings: Settings) -> Any:
+    """What `clawbridge up --backend tinker` calls (`clawbridge.server.build_backend`): the
+    backend behind the redaction hook unless `--no-redact`."""
+    from clawbridge.redact import protect
+
+    return protect(TinkerBackend.from_settings(settings), settings.redact)

@@ -122,3 +122,74 @@ def for_backend(backend_name: str, enabled: bool) -> Redactor | None:
     if not enabled or backend_name == "local":
         return None
     return DEFAULT
+
+
+class RedactingBackend:
+    """A cloud backend whose prompts are redacted before they leave the machine.
+
+    The same function f(prompt ids) = encode(redact(decode(ids))) is applied to every prompt the
+    platform sees: when sampling, scoring (the OPD teacher's hinted prompt too) and training. The
+    completion was sampled under f(prompt) and its logprobs were recorded there, so training on
+    (f(prompt), completion) keeps the PPO ratio exact. Prompts without anything to redact go out
+    token for token unchanged.
+    """
+
+    def __init__(self, inner: Any, redactor: Redactor = DEFAULT) -> None:
+        self.inner = inner
+        self.redactor = redactor
+        self.redacted_prompts = 0
+
+    def __getattr__(self, name: str) -> Any:  # name, model_name, meter, ... of the platform
+        return getattr(self.inner, name)
+
+    @property
+    def version(self) -> int:
+        return int(self.inner.version)
+
+    def tokenizer(self) -> Any:
+        return self.inner.tokenizer()
+
+    def prompt(self, ids: Sequence[int]) -> tuple[int, ...]:
+        tok = self.inner.tokenizer()
+        text = tok.decode(list(ids), skip_special_tokens=False)
+        clean = self.redactor.text(text)
+        if clean == text:
+            return tuple(ids)
+        self.redacted_prompts += 1
+        return tuple(tok.encode(clean, add_special_tokens=False))
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def sample(self, prompt_ids: Sequence[int], params: Any, *, n: int = 1, version: int | None = None) -> Any:
+        return await self.inner.sample(self.prompt(prompt_ids), params, n=n, version=version)
+
+    def sample_stream(self, prompt_ids: Sequence[int], params: Any, *, version: int | None = None) -> Any:
+        return self.inner.sample_stream(self.prompt(prompt_ids), params, version=version)
+
+    async def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], **kw: Any) -> Any:
+        return await self.inner.score(self.prompt(prompt_ids), completion_ids, **kw)
+
+    async def train_step(self, batch: Sequence[Any], *args: Any, **kw: Any) -> Any:
+        from dataclasses import replace
+
+        return await self.inner.train_step([replace(d, prompt_ids=self.prompt(d.prompt_ids)) for d in batch], *args, **kw)
+
+    async def publish(self) -> Any:
+        return await self.inner.publish()
+
+    async def save_state(self, name: str) -> str:
+        return str(await self.inner.save_state(name))
+
+    async def load_state(self, name: str) -> None:
+        await self.inner.load_state(name)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def protect(backend: Any, enabled: bool) -> Any:
+    """The backend `clawbridge up` serves: cloud backends behind the redaction hook when
+    `--redact` is on (the default), everything else as is."""
+    redactor = for_backend(getattr(backend, "name", "local"), enabled)
+    return backend if redactor is None else RedactingBackend(backend, redactor)

@@ -67,3 +67,32 @@ def test_local_backend_or_disabled_setting_gets_no_redactor() -> None:
     assert for_backend("local", True) is None
     assert for_backend("tinker", False) is None
     assert for_backend("tinker", True) is DEFAULT
+
+
+async def test_cloud_prompts_are_redacted_consistently_for_sampling_scoring_and_training(tokenizer) -> None:
+    from clawbridge.backends.remote import RetryPolicy
+    from clawbridge.backends.tinker import TinkerBackend
+    from clawbridge.redact import RedactingBackend, protect
+    from clawbridge.types import Datum, SamplingParams
+    from fakes.fake_tinker import FakeTinkerService
+
+    service = FakeTinkerService()
+    inner = TinkerBackend(service_client=service, base_model=service.known_models[0], tokenizer=tokenizer,
+                          retry=RetryPolicy(attempts=2, initial_s=0.01, timeout_s=120.0))
+    backend = protect(inner, True)
+    assert isinstance(backend, RedactingBackend) and backend.name == "tinker"
+    await backend.start()
+    def ids(text: str) -> tuple[int, ...]:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tuple(tokenizer.encode(chat, add_special_tokens=False))
+
+    prompt = ids("mail jane@corp.com or call +1 415 555 0134")
+    (c,) = await backend.sample(prompt, SamplingParams(max_tokens=3))
+    await backend.score(prompt, c.tokens)
+    await backend.train_step([Datum(prompt, c.tokens, c.logprobs, (1.0,) * len(c.tokens))])
+    sent = [tokenizer.decode(ids) for ids in service.platform.seen]
+    assert len(sent) >= 3 and all("jane@corp.com" not in t and "555 0134" not in t for t in sent)
+    assert all("[EMAIL]" in t and "<|im_start|>" in t for t in sent)
+    clean = ids("hello")
+    assert backend.prompt(clean) == clean  # nothing to redact: the exact ids go out
+    assert protect(inner, False) is inner

@@ -31,8 +31,8 @@ async def _round_trip(backend: Backend) -> None:
     await backend.start()
     try:
         tok = backend.tokenizer()
-        prompt = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True)
-        prompt = list(prompt["input_ids"] if isinstance(prompt, dict) else prompt)
+        chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=False)
+        prompt = tok.encode(chat, add_special_tokens=False)
         (c,) = await backend.sample(prompt, SamplingParams(max_tokens=8))
         assert c.tokens and len(c.logprobs) == len(c.tokens)
         scored = await backend.score(prompt, c.tokens)

@@ -81,6 +81,7 @@ class TinyPlatform:
         self.last_grad_norm = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-platform")
         self._grad_tokens = 0
+        self.seen: list[list[int]] = []  # every token sequence that reached the platform
 
     # --- the request queue ------------------------------------------------------------------
     def submit(self, op: str, work: Callable[[], Any]) -> Future[Any]:
@@ -124,6 +125,7 @@ class TinyPlatform:
     # --- model math -------------------------------------------------------------------------
     def target_logprobs(self, input_ids: Sequence[int], targets: Sequence[int]) -> torch.Tensor:
         """log p(targets[i] | input_ids[: i + 1]) at temperature 1, with gradients."""
+        self.seen.append(list(input_ids))
         logits = self.model(input_ids=torch.tensor([list(input_ids)])).logits[0].float()
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(targets)).unsqueeze(-1)).squeeze(-1)
 
@@ -142,6 +144,7 @@ class TinyPlatform:
         stops = set(stop_ids) if stop_ids is not None else {self.eos_id}
         gen = torch.Generator().manual_seed(seed if seed is not None else 1234 + self.steps)
         out = []
+        self.seen.append(list(prompt))
         with self.using(weights):
             for _ in range(n):
                 ids = list(prompt)
