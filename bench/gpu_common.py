@@ -19,6 +19,10 @@ ARCHS: dict[str, dict[str, Any]] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                      tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    # plumbing only: runs the bench scripts end to end on a CPU box
+    "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                       max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
     "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,

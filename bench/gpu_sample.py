@@ -52,6 +52,7 @@ async def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cb-sample-"))
     t = time.perf_counter()
@@ -59,7 +60,7 @@ async def main() -> None:
     made = time.perf_counter() - t
     spec = models.resolve(str(folder))
     engine = Engine(spec, data_dir=root / "data", lora_rank=args.rank, lora_alpha=args.rank,
-                    device="cuda", dtype=torch.bfloat16, max_batch=max(args.concurrency))
+                    device=args.device, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32, max_batch=max(args.concurrency))
     t = time.perf_counter()
     engine.start()
     load = time.perf_counter() - t

@@ -42,17 +42,18 @@ async def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=256, help="positions per logprob chunk")
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cb-train-"))
     cfg = config_dir(args.arch, root)
     extra = ["--token-budget", str(args.token_budget), "--chunk", str(args.chunk)] + (["--no-checkpointing"] if args.no_checkpointing else [])
-    trainer = FSDPTrainer(f"random:{cfg}", nproc=args.nproc, device="cuda", lora_rank=args.lora_rank,
+    trainer = FSDPTrainer(f"random:{cfg}", nproc=args.nproc, device=args.device, lora_rank=args.lora_rank,
                           lora_alpha=args.lora_rank, log_file=root / "trainer.log", extra_args=extra)
     t0 = time.perf_counter()
     await trainer.start()
     startup = time.perf_counter() - t0
     try:
-        data = batch(args.batch, args.prompt, args.completion, 151936, 0)
+        data = batch(args.batch, args.prompt, args.completion, 49152, 0)
         tokens = args.batch * (args.prompt + args.completion)
         times = []
         for i in range(args.steps + 1):  # the first step warms up kernels and the allocator

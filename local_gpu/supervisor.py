@@ -292,3 +292,15 @@ def plan_specs(
                 mem_fraction=layout.DEDICATED_FRACTION, context_length=context_length),
                 proc.port, proc.gpus))
     return specs
+
+
+def serving_mode(visible_gpus: int, sglang_installed: bool | None = None) -> tuple[str, str]:
+    """How the `local` backend serves here, and the start-up line that says so (issue 6, point 5):
+    SGLang where it is installed and a GPU is visible, else the torch engine on CUDA, else CPU."""
+    installed = sglang_available() if sglang_installed is None else sglang_installed
+    if visible_gpus <= 0:
+        return "torch-cpu", "no GPU visible: serving and training with the torch engine on CPU"
+    if not installed:
+        return "torch-cuda", (f"{visible_gpus} GPU(s) but SGLang is not installed "
+                              "(pip install 'clawbridge[gpu]'): serving with the torch engine on CUDA")
+    return "sglang", f"{visible_gpus} GPU(s): SGLang servers per the plan, FSDP2 trainer under torchrun"

@@ -129,3 +129,12 @@ def test_sglang_command_lines_follow_the_plan():
     assert colocated.argv[colocated.argv.index("--mem-fraction-static") + 1] == "0.4"
     assert plan_specs(layout.plan(0), "/m", lora_rank=16) == []
     assert sglang_argv("/m", 1)[1:3] == ("-m", "sglang.launch_server")
+
+
+def test_without_sglang_a_gpu_machine_serves_with_the_torch_engine_on_cuda_and_says_so():
+    from clawbridge.local_gpu.supervisor import serving_mode
+
+    assert serving_mode(8, sglang_installed=True)[0] == "sglang"
+    mode, line = serving_mode(1, sglang_installed=False)
+    assert mode == "torch-cuda" and "not installed" in line and "CUDA" in line
+    assert serving_mode(0, sglang_installed=True)[0] == "torch-cpu"
