@@ -33,12 +33,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # mypy cannot follow setuptools' editable import hook for a remapped package, so it reads a
-# symlink tree laid out the way the package installs (clawbridge/, clawbridge/backends/, ...).
+# symlink tree laid out the way the package installs (clawbridge/, clawbridge/backends/, ...),
+# made fresh per run so concurrent runs never share it.
 typecheck: $(STAMP)
-	@rm -rf build/typecheck && mkdir -p build/typecheck/clawbridge
-	@for f in bridge/*; do ln -s "$$PWD/$$f" build/typecheck/clawbridge/; done
-	@for d in backends judges local_gpu; do ln -s "$$PWD/$$d" build/typecheck/clawbridge/$$d; done
-	cd build/typecheck && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p clawbridge
+	@tree=$$(mktemp -d) && mkdir -p $$tree/clawbridge && \
+	for f in bridge/*; do ln -s "$$PWD/$$f" $$tree/clawbridge/; done && \
+	for d in backends judges local_gpu; do ln -s "$$PWD/$$d" $$tree/clawbridge/$$d; done && \
+	cd $$tree && "$(CURDIR)/$(VENV)/bin/mypy" --config-file "$(CURDIR)/pyproject.toml" \
+		--cache-dir "$(CURDIR)/.mypy_cache" -p clawbridge; rc=$$?; rm -rf $$tree; exit $$rc
 
 pytest: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/pytest -q -m "not gpu and not cloud" --durations=15
