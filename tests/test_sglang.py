@@ -173,12 +173,12 @@ async def test_a_request_naming_an_unloaded_adapter_is_a_400(server):
 
 
 async def test_a_server_that_does_not_answer_in_time_is_a_transient_error(tokenizer):
-    fake = FakeSGLang(tiny_peft_model(), tokenizer, token_delay_s=1.0)
+    fake = FakeSGLang(tiny_peft_model(), tokenizer, token_delay_s=0.6)
     runner, port = await serve(fake)
     client = SGLangClient(f"http://127.0.0.1:{port}", Timeouts(generate_s=0.3))
     try:
         with pytest.raises(TransientBackendError):
-            await client.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 5}})
+            await client.generate({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
     finally:
         await client.close()
         await runner.cleanup()
