@@ -166,17 +166,15 @@ class Collector:
         want = [k for k in judge_kinds(self.method) if k not in have]
         if not want:
             return []
-        calls = []
-        if "prm" in want:
-            calls.append(self.judges.reward.judge(ctx))
-        if "hint" in want:
-            calls.append(self.judges.hint.hint(ctx))
-        results = await asyncio.gather(*calls)
-        out: list[Judgment] = []
-        for r in results:
-            rec = _reward_record(turn.id, r) if isinstance(r, JudgeReward) else _hint_record(turn.id, r)
+        async def reward() -> Judgment | None:
+            return _reward_record(turn.id, await self.judges.reward.judge(ctx)) if "prm" in want else None
+
+        async def hint() -> Judgment | None:
+            return _hint_record(turn.id, await self.judges.hint.hint(ctx)) if "hint" in want else None
+
+        out = [rec for rec in await asyncio.gather(reward(), hint()) if rec is not None]
+        for rec in out:
             await self.store.run(self.store.add_judgment, rec)
-            out.append(rec)
         return out
 
     async def _teacher_logprobs(self, turn: StoredTurn, hint: str) -> list[float]:

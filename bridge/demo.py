@@ -203,7 +203,8 @@ async def run_demo(
         serve(settings, backend=backend, hooks=learner.hooks(), background=[learner.run],
               quiet=True, started=ready.set_result)
     )
-    done_first, _ = await asyncio.wait({server, ready}, return_when=asyncio.FIRST_COMPLETED)
+    racing: set[asyncio.Future[Any]] = {server, ready}
+    done_first, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
     if server in done_first:
         await server  # raises why it could not start
     running = ready.result()

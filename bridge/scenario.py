@@ -86,7 +86,7 @@ class Scenario(BaseModel):
     heldout_prompts: list[str] = Field(min_length=2)
     check: Check
     replies: Replies
-    recipe: Recipe = Field(default_factory=Recipe)
+    recipe: Recipe = Field(default_factory=lambda: Recipe.model_validate({}))
 
     @field_validator("heldout_prompts")
     @classmethod
