@@ -20,7 +20,11 @@ from typing import Any, TypeVar
 import pytest
 from clawbridge import openclaw as oc
 from clawbridge.cli import app
+from clawbridge.config import Settings
+from clawbridge.server import build_backend
 from clawbridge.store import Store
+from clawbridge.types import Completion, SamplingParams
+from live_server import LiveServer
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +174,51 @@ def test_openclaw_example_is_what_the_config_writer_produces():
     frag = oc.fragment(oc.provider_entry("http://127.0.0.1:30000", "smollm2-135m-instruct", context_window=8192),
                        Path("/home/you/.openclaw/extensions/clawbridge"))
     assert (EXAMPLES / "openclaw.json").read_text() == oc.dumps(frag)
+
+
+class FirstCallsTool:
+    """The real tiny-random backend, except that its first completion is a Hermes tool call to
+    get_weather (a random model never calls a tool). The call's logprobs come from the real
+    backend's `score`, so the captured turn stays exact; everything else is the real thing."""
+
+    CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.calls = real, 0
+        self.name, self.model_name, self.context_length = real.name, real.model_name, real.context_length
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    @property
+    def version(self) -> int:
+        return int(self.real.version)
+
+    async def sample(self, prompt_ids: Any, params: SamplingParams, *, n: int = 1,
+                     version: int | None = None) -> list[Completion]:
+        self.calls += 1
+        if self.calls > 1:
+            return await self.real.sample(prompt_ids, params, n=n, version=version)  # type: ignore[no-any-return]
+        tok = self.real.tokenizer()
+        ids = [*tok.encode(self.CALL, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
+        lps = await self.real.score(prompt_ids, ids, temperature=params.temperature)
+        return [Completion(tuple(ids), tuple(lps), "stop", self.version) for _ in range(n)]
+
+
+def test_tool_agent_tool_results_are_the_next_state_of_the_calling_turn(tmp_path: Path):
+    settings = Settings(model="tiny-random", port=0, data_dir=tmp_path, train=False, default_max_tokens=8)
+    server = LiveServer(settings, FirstCallsTool(build_backend(settings))).start()
+    try:
+        up = Up(server.url, tmp_path)
+        r = up.run("tool_agent.py", "--max-tokens", "8")
+        summary = _last_json(r.stdout)
+        assert summary["tool_calls"] == 1 and "get_weather" in r.stdout
+        sid = summary["session_id"]
+        t0, t1, *_ = up.eventually(lambda s: s.session_turns(sid),
+                                   lambda ts: len(ts) >= 3 and ts[1].next_state is not None)
+        [call] = t0.response["tool_calls"]
+        assert t0.finish_reason == "tool_calls"
+        assert t0.next_state == [{"role": "tool", "tool_call_id": call["id"], "content": "14°C, light rain"}]
+        assert t1.next_state == [{"role": "user", "content": "And in Tokyo? Answer in five words."}]
+    finally:
+        server.stop()
