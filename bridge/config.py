@@ -62,18 +62,18 @@ class Settings(BaseSettings):
     w_opd: float = Field(1.0, description="Weight of the OPD term in combine.")
     w_rl: float = Field(1.0, description="Weight of the reward term in combine.")
     opd_clip: float = Field(1.0, gt=0, description="Clip of teacher - student logprob gaps.")
-    learning_rate: float = Field(1e-4, gt=0)
-    lora_rank: int = Field(32, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
-    kl_coef: float = Field(0.0, ge=0)
-    grad_clip_norm: float = Field(1.0, ge=0)
+    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate of the LoRA parameters.")
+    lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip above: ratio <= 1 + clip_high.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")
+    grad_clip_norm: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables it.")
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
     resume: bool = Field(False, description="Continue from the latest checkpoint in the data directory.")
     budget_usd: float | None = Field(None, ge=0, description="Stop training (never serving) when spend reaches this.")
     redact: bool = Field(True, description="Redact emails, phone numbers and key-like strings before data leaves the machine.")
-    seed: int = Field(0)
+    seed: int = Field(0, description="Seed for LoRA initialisation and the demo.")
 
     # --- cloud backends (docs/backends.md) -----------------------------------------------------
     tinker_base_model: str = Field("Qwen/Qwen3-4B-Instruct-2507", description="Tinker base model (one from Tinker's list).")
@@ -90,9 +90,9 @@ class Settings(BaseSettings):
 
     # --- local GPU layout ----------------------------------------------------------------------
     num_gpus: int | None = Field(None, ge=0, description="GPUs to use (default: all visible).")
-    actor_gpus: int | None = Field(None, ge=0)
-    rollout_gpus: int | None = Field(None, ge=0)
-    prm_gpus: int | None = Field(None, ge=0)
+    actor_gpus: int | None = Field(None, ge=0, description="GPUs for the FSDP2 trainer (default: half).")
+    rollout_gpus: int | None = Field(None, ge=0, description="GPUs for the policy SGLang server(s).")
+    prm_gpus: int | None = Field(None, ge=0, description="GPUs for the judge SGLang server.")
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> Settings:
