@@ -41,6 +41,7 @@ from clawbridge.backends.tinker import (
     check_context,
     completion_logprobs,
     platform_datum,
+    require_credentials,
     step_metrics,
     stop_list,
 )
@@ -128,6 +129,8 @@ class FireworksBackend:
         `FiretitanServiceClient` is built from FIREWORKS_API_KEY at `start()`. Dedicated mode
         also takes `deployment_sampler=` and `weight_syncer=` (a function of the training client)
         or builds them from `fireworks_deployment_id`."""
+        if client is None:
+            require_credentials("fireworks")
         connect = (lambda: client) if client is not None else _connector(settings)
         if settings.fireworks_mode == "dedicated" and not dedicated:
             dedicated = _dedicated_parts(settings)

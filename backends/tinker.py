@@ -151,6 +151,17 @@ class StateIndex:
         raise BackendError(f"no saved state named {name!r}: pass the path save_state returned")
 
 
+def require_credentials(backend: str) -> None:
+    """Fail at once, with the fix, when the platform's credentials are missing or malformed."""
+    import os
+
+    from clawbridge import doctor
+
+    checks = doctor.run_checks(os.environ, Path.home(), backend)
+    if not doctor.ready(checks, backend):
+        raise BackendError(f"{backend} is not ready:\n{doctor.report(checks)}")
+
+
 def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
     if prompt_len + max_tokens > context_length:
         raise ContextLengthExceeded(prompt_len, max_tokens, context_length)
@@ -202,6 +213,7 @@ class TinkerBackend:
         if client is None:
             import tinker
 
+            require_credentials("tinker")  # the SDK would retry for minutes without a key
             client = tinker.ServiceClient()
         return cls(
             service_client=client, base_model=settings.tinker_base_model, tokenizer=tokenizer,

@@ -107,8 +107,13 @@ async def test_resuming_from_state_continues_training_identically(tokenizer) -> 
     assert max_diff(svc.platform.current_weights(), straight) < 1e-6
 
 
-def test_constructing_from_settings_connects_to_nothing(tmp_path) -> None:
+def test_constructing_from_settings_connects_to_nothing(tmp_path, monkeypatch) -> None:
+    from clawbridge.backends.base import BackendError
     from clawbridge.config import Settings
 
+    monkeypatch.delenv("FIREWORKS_API_KEY", raising=False)
+    with pytest.raises(BackendError, match="FIREWORKS_API_KEY is not set"):
+        FireworksBackend.from_settings(Settings(data_dir=tmp_path))
+    monkeypatch.setenv("FIREWORKS_API_KEY", "fw_" + "k" * 30)
     b = FireworksBackend.from_settings(Settings(data_dir=tmp_path))
     assert b.service is None and b.mode == "serverless"  # the eager SDK constructor waits for start()

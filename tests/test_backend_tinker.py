@@ -191,3 +191,6 @@ def test_from_settings_builds_a_real_service_client_without_network(monkeypatch,
     monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")  # nothing listens: any call would fail
     b = TinkerBackend.from_settings(Settings(data_dir=tmp_path, budget_usd=5.0))
     assert type(b.service).__name__ == "ServiceClient" and b.meter.budget_usd == 5.0
+    monkeypatch.delenv("TINKER_API_KEY")
+    with pytest.raises(BackendError, match="TINKER_API_KEY is not set"):
+        TinkerBackend.from_settings(Settings(data_dir=tmp_path))
