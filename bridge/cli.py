@@ -57,6 +57,15 @@ def up_cmd(
     plan: bool = typer.Option(False, "--plan", help="Print the local GPU plan and exit without serving."),
     gpus: int | None = typer.Option(None, "--gpus", help="With --plan: GPU count to plan for."),
     as_json: bool = typer.Option(False, "--json", help="With --plan: print the plan as JSON."),
+    method: str | None = typer.Option(None, help="binary | opd | combine (default combine)."),
+    judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible judge endpoint (default: the offline rules judge)."),
+    judge_model: str | None = typer.Option(None, "--judge-model", help="Judge model name at --judge-url."),
+    judge_api_key: str | None = typer.Option(None, "--judge-api-key", help="Key for --judge-url (env CLAWBRIDGE_JUDGE_API_KEY)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="Samples per training step (default 16)."),
+    max_staleness: int | None = typer.Option(None, "--max-staleness", help="Drop samples older than this many versions."),
+    learning_rate: float | None = typer.Option(None, "--lr", help="LoRA learning rate (default 1e-4)."),
+    resume: bool | None = typer.Option(None, "--resume/--no-resume", help="Continue from the latest checkpoint."),
+    budget_usd: float | None = typer.Option(None, "--budget-usd", help="Stop training (never serving) at this spend."),
 ) -> None:
     """Serve the policy over the OpenAI API, capture every turn, learn in the background."""
     import logging
@@ -73,7 +82,10 @@ def up_cmd(
         settings = Settings.load(
             Path(config) if config else None, backend=backend, model=model, host=host, port=port,
             api_key=api_key, data_dir=data_dir, db=db, served_model_name=served_model_name,
-            default_turn_type=default_turn_type, train=train,
+            default_turn_type=default_turn_type, train=train, method=method, judge_url=judge_url,
+            judge_model=judge_model, judge_api_key=judge_api_key, batch_size=batch_size,
+            max_staleness=max_staleness, learning_rate=learning_rate, resume=resume,
+            budget_usd=budget_usd,
         )
     except ValidationError as e:
         msgs = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())

@@ -81,6 +81,9 @@ def _store(data_dir: str | None, db: str | None):  # type: ignore[no-untyped-def
 
 
 def print_status(data_dir: str | None, db: str | None) -> None:
+    from clawbridge.config import Settings
+    from clawbridge.costs import read_spend
+
     with _store(data_dir, db) as store:
         st = store.stats()
         steps = store.training_steps()
@@ -92,6 +95,12 @@ def print_status(data_dir: str | None, db: str | None) -> None:
     t.add_row("samples", " · ".join(f"{k} {v}" for k, v in st.samples.items()))
     t.add_row("training steps", str(st.steps))
     t.add_row("policy version", f"v{st.latest_version}")
+    spend = read_spend(Settings.load(data_dir=data_dir, db=db).data_dir / "costs.json")
+    if spend is not None:
+        budget = spend.get("budget_usd")
+        t.add_row("spend (estimate)", f"${spend['spent_usd']} on {spend['platform']}"
+                  + (f" of ${budget} budget" if budget is not None else "")
+                  + ("" if spend.get("training_allowed", True) else " — training stopped"))
     if steps:
         m = steps[-1].metrics
         t.add_row("last step", f"#{steps[-1].step}: loss {m.get('loss', 0):.4f}, mean reward {m.get('mean_reward', 0):+.2f}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.collector import Collector
 from clawbridge.config import Settings
+from clawbridge.costs import BudgetExceeded
 from clawbridge.feedback import feedback_route
 from clawbridge.judges import build_judges, judge_kind
 from clawbridge.proxy import ProxyHooks
@@ -38,6 +39,7 @@ class Learner:
         self.last_step: StepResult | None = None
         self.judge_name = judge_kind(settings)
         self.errors = 0
+        self.training_stopped: str | None = None  # why training stopped (the budget)
 
     def hooks(self) -> ProxyHooks:
         return ProxyHooks(
@@ -83,6 +85,10 @@ class Learner:
                     continue
             except asyncio.CancelledError:
                 raise
+            except BudgetExceeded as e:  # serving goes on; judged samples wait for a new budget
+                self.training_stopped = str(e)
+                log.warning("%s", e)
+                return
             except Exception:
                 self.errors += 1
                 log.exception("training step failed; the samples stay judged and are retried")
@@ -96,6 +102,8 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Fields for `/v1/status` and the status line (judge, judged, samples, step, reward)."""
         out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.method}
+        if self.training_stopped:
+            out["training_stopped"] = self.training_stopped
         if self.collector is not None:
             st = self.collector.stats
             out.update(judged=st.judged, samples=st.samples, dropped=st.dropped)

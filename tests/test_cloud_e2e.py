@@ -55,5 +55,30 @@ def test_tinker_backend_serves_judges_and_trains_through_the_proxy(tmp_path: Pat
                                                max_tokens=4, extra_headers={"X-Train": "false"})
         assert after.choices[0].message is not None
         assert backend.meter.snapshot()["by_activity"]["train"]["trained_tokens"] > 0  # type: ignore[index]
+
+        # The budget is reached: the train loop says so once and stops; serving goes on, and the
+        # judged samples stay judged (never marked trained) for when the budget is raised.
+        more = [{"role": "user", "content": "Name a colour."}]
+        for follow_up in ("No, wrong. I wanted blue.", "Thanks, perfect!"):
+            r = client.chat.completions.create(model="tiny-tinker", messages=more, max_tokens=4,  # type: ignore[arg-type]
+                                               extra_headers={"X-Session-Id": "budget"})
+            more += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": follow_up}]
+        client.chat.completions.create(model="tiny-tinker", messages=more, max_tokens=4,  # type: ignore[arg-type]
+                                       extra_headers={"X-Session-Id": "budget"})
+        for _ in range(5):
+            if not live.call(learner.collector.run_once(), timeout=120):
+                break
+        judged_before = live.running.store.stats().samples["judged"]
+        assert judged_before >= 1
+        backend.meter.budget_usd = backend.meter.spent_usd
+        live.call(learner._train_loop(), timeout=60)  # returns instead of retrying forever
+        assert learner.training_stopped is not None and "budget" in learner.training_stopped
+        assert learner.status()["training_stopped"] == learner.training_stopped
+        assert live.running.store.stats().samples["judged"] == judged_before
+        assert backend.version == 1
+        served = client.chat.completions.create(model="tiny-tinker", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4)
+        assert served.choices[0].message is not None
     finally:
         live.stop()
