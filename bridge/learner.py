@@ -36,7 +36,6 @@ class Learner:
         self.wake = asyncio.Event()  # a next state arrived, feedback came, or samples are ready
         self.collector: Collector | None = None
         self.trainer: Trainer | None = None
-        self.last_step: StepResult | None = None
         self.judge_name = judge_kind(settings)
         self.errors = 0
         self.training_stopped: str | None = None  # why training stopped (the budget)
@@ -46,6 +45,7 @@ class Learner:
             routes=[feedback_route(self.wake)],
             on_next_state=lambda _ns: self.wake.set(),
             status_extra=self.status,
+            metrics_extra=self.metrics,
         )
 
     def bind(self, backend: Backend, store: Store) -> None:
@@ -79,9 +79,7 @@ class Learner:
         assert self.trainer is not None
         while True:
             try:
-                result = await self.trainer.step_once()
-                if result is not None:
-                    self.last_step = result
+                if await self.trainer.step_once() is not None:
                     continue
             except asyncio.CancelledError:
                 raise
@@ -99,6 +97,10 @@ class Learner:
             await asyncio.wait_for(self.wake.wait(), self.poll_s)
         self.wake.clear()
 
+    @property
+    def last_step(self) -> StepResult | None:
+        return self.trainer.last if self.trainer is not None else None
+
     def status(self) -> dict[str, Any]:
         """Fields for `/v1/status` and the status line (judge, judged, samples, step, reward)."""
         out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.method}
@@ -109,10 +111,28 @@ class Learner:
             out.update(judged=st.judged, samples=st.samples, dropped=st.dropped)
             if st.mean_reward is not None:
                 out["mean reward"] = f"{st.mean_reward:+.2f}"
-        if self.last_step is not None:
-            out["step"] = self.last_step.step
+        if (last := self.last_step) is not None:
+            out["step"] = last.step
         if self.errors:
             out["learner errors"] = self.errors
+        return out
+
+
+    def metrics(self) -> dict[str, float]:
+        """Gauges for /metrics: judging and sample counts, and the last training step's metrics."""
+        out: dict[str, float] = {"learner_errors": self.errors,
+                                 "training_stopped": 1.0 if self.training_stopped else 0.0}
+        if self.collector is not None:
+            st = self.collector.stats
+            out.update(learner_judged=st.judged, learner_samples=st.samples, learner_dropped=st.dropped)
+            if st.mean_reward is not None:
+                out["learner_mean_reward"] = st.mean_reward
+        if (last := self.last_step) is not None:
+            out["train_step"] = last.step
+            out["train_samples"] = last.samples
+            for key, value in last.metrics.items():
+                if isinstance(value, int | float):
+                    out[f"train_{key}"] = float(value)
         return out
 
 

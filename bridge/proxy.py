@@ -54,6 +54,8 @@ class ProxyHooks:
     on_next_state: Callable[[NextState], Awaitable[None] | None] | None = None
     status_extra: Callable[[], dict[str, Any]] | None = None
     next_state_event: asyncio.Event = field(default_factory=asyncio.Event)
+    # numeric gauges for /metrics (name -> value), read at every scrape (the learner's step metrics)
+    metrics_extra: Callable[[], dict[str, float]] | None = None
 
 
 @dataclass
@@ -436,6 +438,22 @@ def _backend_error(e: Exception) -> APIError:
     return APIError(500, "The backend failed while answering this request.", type="server_error")
 
 
+class _ExtraGauges:
+    """A Prometheus collector over a hook's numbers, read at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self.read = read
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        for name, value in self.read().items():
+            yield GaugeMetricFamily(f"clawbridge_{name}", name.replace("_", " "), value=float(value))
+
+    def describe(self) -> list[Any]:
+        return []  # values appear at scrape time; nothing to check at registration
+
+
 class Metrics:
     """Prometheus exposition on a registry of its own (several apps may live in one process)."""
 
@@ -460,6 +478,8 @@ class Metrics:
             ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
         ):
             Gauge(name, doc, registry=self.registry).set_function(fn)
+        if proxy.hooks.metrics_extra is not None:
+            self.registry.register(_ExtraGauges(proxy.hooks.metrics_extra))
 
     def observe(self, status: int, seconds: float) -> None:
         self.requests.labels(str(status)).inc()

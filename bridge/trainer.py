@@ -71,6 +71,7 @@ class Trainer:
         self.backend = backend
         self.store = store
         self.dropped_stale = 0
+        self.last: StepResult | None = None  # the newest step this process trained
 
     async def resume(self) -> str | None:
         """Load the latest checkpoint the store remembers (`--resume`); None if there is none."""
@@ -112,7 +113,8 @@ class Trainer:
         )
         if step % s.checkpoint_every == 0:
             await self.checkpoint(step, policy.version)
-        return StepResult(step, policy.version, len(batch), record)
+        self.last = StepResult(step, policy.version, len(batch), record)
+        return self.last
 
     async def checkpoint(self, step: int, version: int) -> str:
         path = await self.backend.save_state(f"step-{step:06d}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from clawbridge.backends.remote import RetryPolicy
 from clawbridge.backends.tinker import TinkerBackend
@@ -51,6 +52,9 @@ def test_tinker_backend_serves_judges_and_trains_through_the_proxy(tmp_path: Pat
         step = live.call(learner.trainer.step_once(), timeout=120)
         assert step is not None and step.version == 1 == backend.version
         assert service.faults.calls["forward_backward"] == before + 1  # the step ran on "Tinker"
+        scrape = httpx.get(f"{live.url}/metrics", timeout=10).text
+        assert "clawbridge_train_step 1.0" in scrape and "clawbridge_train_loss " in scrape
+        assert "clawbridge_policy_version 1.0" in scrape
         after = client.chat.completions.create(model="tiny-tinker", messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=4, extra_headers={"X-Train": "false"})
         assert after.choices[0].message is not None
