@@ -85,3 +85,22 @@ def sum_loss_scale(batch: Sequence[Datum]) -> float:
     """Factor for advantages sent to a platform whose loss SUMS over tokens, so its gradient
     equals the token-mean gradient of `ppo_loss` (the clip does not depend on A's scale)."""
     return 1.0 / max(batch_tokens(batch), 1)
+
+
+def micro_batches(batch: Sequence[Datum], token_budget: int) -> list[list[Datum]]:
+    """Consecutive groups of the batch whose padded size (rows x longest sequence) stays within
+    `token_budget`, so memory is bounded; a longer single datum forms its own group. The loss
+    is still normalised by the token count of the whole batch (see `ppo_token_losses`)."""
+    groups: list[list[Datum]] = []
+    current: list[Datum] = []
+    longest = 0
+    for d in batch:
+        n = len(d.prompt_ids) + len(d.completion_ids)
+        if current and (len(current) + 1) * max(longest, n) > token_budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(d)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups

@@ -39,7 +39,7 @@ from clawbridge.backends.base import BackendError
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.kvbatch import KVBatch
 from clawbridge.local_gpu.sampling import draw_token, needs_uniform
-from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
+from clawbridge.loss import batch_tokens, micro_batches, ppo_token_losses, token_logprobs
 from clawbridge.types import (
     Completion,
     Datum,
@@ -527,20 +527,7 @@ class Engine:
         return self._optimizer
 
     def _micro_batches(self, batch: tuple[Datum, ...]) -> list[list[Datum]]:
-        """Consecutive groups whose padded length stays within the token budget."""
-        groups: list[list[Datum]] = []
-        current: list[Datum] = []
-        longest = 0
-        for d in batch:
-            n = len(d.prompt_ids) + len(d.completion_ids)
-            if current and (len(current) + 1) * max(longest, n) > self.train_token_budget:
-                groups.append(current)
-                current, longest = [], 0
-            current.append(d)
-            longest = max(longest, n)
-        if current:
-            groups.append(current)
-        return groups
+        return micro_batches(batch, self.train_token_budget)
 
     def _batch_logprobs(
         self, group: list[Datum], names: list[str] | None = None

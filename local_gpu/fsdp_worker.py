@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from clawbridge.local_gpu import models
-from clawbridge.loss import batch_tokens, ppo_token_losses
+from clawbridge.loss import batch_tokens, micro_batches, ppo_token_losses
 from clawbridge.types import Datum, LossSpec, OptimSpec, StepMetrics
 from torch import nn
 
@@ -132,19 +132,7 @@ class ShardedLoRATrainer:
     # --- one step ---------------------------------------------------------------------------
 
     def _micro_batches(self, batch: list[Datum]) -> list[list[Datum]]:
-        groups: list[list[Datum]] = []
-        current: list[Datum] = []
-        longest = 0
-        for d in batch:
-            n = len(d.prompt_ids) + len(d.completion_ids)
-            if current and (len(current) + 1) * max(longest, n) > self.token_budget:
-                groups.append(current)
-                current, longest = [], 0
-            current.append(d)
-            longest = max(longest, n)
-        if current:
-            groups.append(current)
-        return groups
+        return micro_batches(batch, self.token_budget)
 
     def _logprobs(self, group: list[Datum]) -> torch.Tensor:
         """New logprobs of every completion token of `group`, concatenated (engine order)."""
