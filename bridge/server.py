@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from clawbridge import openclaw
 from clawbridge.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
@@ -84,38 +85,17 @@ def open_store(settings: Settings) -> Store:
     return Store.open(settings.db_url)
 
 
-def openclaw_provider(base_url: str, model: str, context: int, max_tokens: int, keyed: bool) -> dict[str, Any]:
-    """The `openclaw.json` fragment that makes clawbridge an OpenClaw model provider."""
-    return {
-        "models": {
-            "providers": {
-                "clawbridge": {
-                    "baseUrl": f"{base_url}/v1",
-                    "apiKey": "${CLAWBRIDGE_API_KEY}" if keyed else "clawbridge",
-                    "api": "openai-completions",
-                    "models": [
-                        {
-                            "id": model,
-                            "name": f"{model} (clawbridge)",
-                            "reasoning": False,
-                            "input": ["text"],
-                            "contextWindow": context,
-                            "maxTokens": max_tokens,
-                        }
-                    ],
-                }
-            }
-        },
-        "agents": {"defaults": {"model": {"primary": f"clawbridge/{model}"}}},
-    }
-
-
 def banner(settings: Settings, backend: Backend, proxy: Proxy, base_url: str) -> str:
     keyed = settings.api_key is not None
     auth = ' -H "Authorization: Bearer $CLAWBRIDGE_API_KEY"' if keyed else ""
     body = json.dumps({"model": proxy.model_name, "messages": [{"role": "user", "content": "Hello!"}]})
-    provider = openclaw_provider(
-        base_url, proxy.model_name, backend.context_length, settings.default_max_tokens, keyed
+    # the same entry `clawbridge openclaw config|install` writes, without the plug-in section
+    provider = openclaw.fragment(
+        openclaw.provider_entry(
+            base_url, proxy.model_name, context_window=backend.context_length,
+            max_tokens=settings.default_max_tokens, keyed=keyed,
+        ),
+        plugin_dir=None,
     )
     return "\n".join(
         [
