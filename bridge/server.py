@@ -68,10 +68,10 @@ def serving_extras(settings: Settings) -> dict[str, Any]:
 
 def build_backend(settings: Settings) -> Backend:
     """The backend the settings name. Imported lazily: each platform pulls its own SDK."""
-    if settings.backend == "local":
-        from clawbridge.backends.local import LocalBackend
+    if settings.backend == "local":  # CPU, CUDA or the SGLang + FSDP2 stack, by the machine
+        from clawbridge.local_gpu.stack import build_local
 
-        return LocalBackend.from_settings(settings)
+        return build_local(settings)
     import importlib
 
     mod = importlib.import_module(f"clawbridge.backends.{settings.backend}")

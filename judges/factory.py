@@ -74,7 +74,12 @@ def build_judges(
     else:
         if backend is None:
             raise ValueError("judge 'backend' needs the active backend")
-        client = BackendJudgeClient(backend, version=0)
+        endpoint = getattr(backend, "judge_endpoint", None)  # the GPU stack's PRM SGLang server
+        if endpoint is not None:
+            url, model = endpoint
+            client = OpenAIJudgeClient(url, model, None)
+        else:
+            client = BackendJudgeClient(backend, version=0)
     if scorer is None and teacher is not None:
         scorer = teacher.agreement
     selection = settings.hint_selection
