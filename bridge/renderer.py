@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import codecs
 import contextlib
+import copy
 import json
 import logging
 import re
@@ -30,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -389,49 +392,84 @@ class StreamDecoder:
             self._ws, self._segment_start = "", True
 
 
-# --- incremental prompt tokenisation ------------------------------------------------------------
+# --- incremental prompts ------------------------------------------------------------------------
 
 
 @dataclass
 class _Entry:
-    text: str
-    ids: array  # token ids of `text`
-    cuts: array  # char offsets just after a splitting added token ...
-    cut_ids: array  # ... and the number of ids up to that offset
-    keys: list[int] = field(default_factory=list)
+    """One rendered request, kept so the next request of its conversation renders only what is
+    new. Text ends are per message count: `ends[j]` is the length of the text of the first `j`
+    request messages without the generation prompt (-1 where not known)."""
+
+    raw: list[Any]  # a snapshot of the request's messages (compared, never changed)
+    sig: bytes  # tools and tool_choice, serialised: equal bytes render equally
+    norm: list[dict[str, Any]]  # the normalised messages the template saw
+    tools: list[dict[str, Any]] | None  # the template's `tools`
+    shift: int  # 1 when normalisation inserted a system message (the fallback tool block)
+    text: str  # the prompt text, generation prompt included
+    ends: list[int]
+    ids: tuple[int, ...] = ()
+    cuts: array = field(default_factory=lambda: array("l"))  # char offsets just after a splitting added token ...
+    cut_ids: array = field(default_factory=lambda: array("l"))  # ... and the number of ids up to there
 
 
 class _PromptCache:
-    """Re-tokenise only the new tail of a growing conversation.
+    """The last few rendered requests, found by their messages: a new request reuses the entry
+    that shares its longest message prefix (compared by value, exactly; a hash never decides).
 
-    Added tokens (`<|im_start|>`, `<|im_end|>`, ...) are split out before BPE runs, so the ids of
-    the text up to just after one of them never depend on what follows. A new prompt reuses the
-    ids of a cached prompt up to the last such boundary inside their longest common text prefix
-    and tokenises the rest. Entries are found by hashes of message prefixes (the longest shared
-    prefix of messages wins, so sessions sharing a system prompt do not collide); correctness
-    rests on the text comparison, never on the hash.
+    Two levels of reuse:
+    - text: for prefix-stable templates (probed at construction), the template renders only the
+      new messages, in a small context (the first message and the last shared one), and the
+      shared prefix's text is taken from the entry. Three small renders instead of one whose cost
+      grows with the conversation.
+    - tokens: added tokens (`<|im_start|>`, `<|im_end|>`, ...) are split out before BPE runs, so
+      the ids of the text up to just after one of them never depend on what follows. The new
+      text reuses the entry's ids up to the last such boundary inside their common text prefix
+      and tokenises the rest.
     """
 
     def __init__(self, tokenizer: Any, size: int) -> None:
         self._tok = tokenizer.backend_tokenizer
-        self._size = size
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._keys: dict[int, int] = {}
+        self.size = size
+        self.entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
         # Tokens whose flags let them eat neighbouring whitespace are not safe boundaries.
         self._split_ids = frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if not (t.lstrip or t.rstrip)
         )
-        self.hits = 0
-        self._lock = threading.Lock()  # the proxy may render from a thread pool
+        self.hits = 0  # token ids reused
+        self.text_hits = 0  # text rendered incrementally
+        self.lock = threading.RLock()  # the proxy may render from a thread pool
 
-    def encode(self, text: str, keys: Sequence[int]) -> list[int]:
-        with self._lock:
-            return self._encode(text, keys)
+    def find(self, messages: Sequence[Mapping[str, Any]], sig: bytes) -> tuple[_Entry | None, int]:
+        """The entry sharing the longest message prefix with `messages` (the newest on a tie)."""
+        best, best_k = None, 0
+        for entry in reversed(self.entries.values()):
+            if entry.sig != sig:
+                continue
+            k = _shared_prefix(entry.raw, messages)
+            if k > best_k:
+                best, best_k = entry, k
+        return best, best_k
 
-    def _encode(self, text: str, keys: Sequence[int]) -> list[int]:
-        base = self._lookup(keys)
-        start, prefix_ids, cuts, cut_ids = 0, array("l"), array("l"), array("l")
+    def put(self, entry: _Entry, base: _Entry | None = None, shared: int = 0) -> None:
+        """Keep `entry`; a base it extends by all or all but its last message (the agent rebuilt
+        it) is superseded and leaves, so one conversation holds one entry and `find` stays short."""
+        if base is not None and shared >= len(base.raw) - 1:
+            for key, e in self.entries.items():
+                if e is base:
+                    del self.entries[key]
+                    break
+        self.entries[self._next] = entry
+        self._next += 1
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def encode(self, entry: _Entry, base: _Entry | None) -> None:
+        """Fill `entry.ids` (and its boundaries), reusing `base`'s ids where the texts agree."""
+        text = entry.text
+        start, cuts, cut_ids = 0, array("l"), array("l")
+        prefix_ids: tuple[int, ...] = ()
         if base is not None:
             common = _common_prefix_len(base.text, text)
             j = bisect.bisect_right(base.cuts, common) - 1
@@ -441,34 +479,63 @@ class _PromptCache:
                 cuts, cut_ids = base.cuts[: j + 1], base.cut_ids[: j + 1]
                 self.hits += 1
         enc = self._tok.encode(text[start:], add_special_tokens=False)
-        ids = prefix_ids + array("l", enc.ids)
+        new = enc.ids
         n0 = len(prefix_ids)
-        for k, (tid, (_, end)) in enumerate(zip(enc.ids, enc.offsets, strict=True)):
-            if tid in self._split_ids:
-                cuts.append(start + end)
+        split = self._split_ids
+        offsets = enc.offsets  # built on each access: once
+        for k, tid in enumerate(new):
+            if tid in split:
+                cuts.append(start + offsets[k][1])
                 cut_ids.append(n0 + k + 1)
-        self._store(_Entry(text, ids, cuts, cut_ids), keys)
-        return ids.tolist()
+        entry.ids = prefix_ids + tuple(new)
+        entry.cuts, entry.cut_ids = cuts, cut_ids
 
-    def _lookup(self, keys: Sequence[int]) -> _Entry | None:
-        for key in reversed(keys):
-            slot = self._keys.get(key)
-            if slot is not None and slot in self._entries:
-                self._entries.move_to_end(slot)
-                return self._entries[slot]
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values: `==` that also tells 1, 1.0 and True apart (they render differently)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _same_message(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not dict or type(b) is not dict or a != b:
+        return False if type(a) is dict and type(b) is dict else _same(a, b)
+    # Equal dicts whose values are all strings (almost every message) need no walk.
+    if all(type(v) is str for v in a.values()) and all(type(v) is str for v in b.values()):
+        return True
+    return _same(a, b)
+
+
+def _snapshot(m: Any) -> Any:
+    """A copy the caller cannot change under the cache (messages of strings need no deep copy)."""
+    if type(m) is dict and all(type(v) is str for v in m.values()):
+        return dict(m)
+    return copy.deepcopy(m)
+
+
+def _shared_prefix(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> int:
+    n = min(len(old), len(new))
+    for i in range(n):
+        if not _same_message(old[i], new[i]):
+            return i
+    return n
+
+
+def _signature(tools: Any, tool_choice: Any) -> bytes | None:
+    """Tools and tool_choice as bytes, or None when they are not plain JSON (then: no cache)."""
+    try:
+        return orjson.dumps([tools, tool_choice])
+    except TypeError:
         return None
-
-    def _store(self, entry: _Entry, keys: Sequence[int]) -> None:
-        slot, self._next = self._next, self._next + 1
-        entry.keys = list(keys)
-        self._entries[slot] = entry
-        for key in keys:
-            self._keys[key] = slot
-        while len(self._entries) > self._size:
-            _, old = self._entries.popitem(last=False)
-            for key in old.keys:
-                if self._keys.get(key) not in self._entries:
-                    self._keys.pop(key, None)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -483,16 +550,41 @@ def _common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
-def _prefix_keys(messages: Sequence[Mapping[str, Any]], tools: Any) -> list[int]:
-    """A chained hash per message prefix. Python's string hash runs in C; the long contents
-    (a 40 K-character system prompt) are hashed as they are, only small extra fields as JSON."""
-    key = hash(json.dumps(tools, sort_keys=True)) if tools else 0
-    keys = []
-    for m in messages:
-        rest = {k: v for k, v in m.items() if k not in ("role", "content")}
-        key = hash((key, m.get("role"), m.get("content"), json.dumps(rest, sort_keys=True) if rest else None))
-        keys.append(key)
-    return keys
+def _is_message_list(messages: Any) -> bool:
+    return isinstance(messages, list | tuple) and bool(messages)
+
+
+def _probe_sessions() -> list[list[list[dict[str, Any]]]]:
+    """Conversations growing request by request, in the shapes agents send: a rebuilt last
+    message (OpenClaw's internal context), plain growth without a system message, tool calls
+    with consecutive results, reasoning, and a branch back into the history."""
+    sys_ = {"role": "system", "content": "Be brief. 😀 中文 é"}
+    u = [{"role": "user", "content": f"question {i} ¿?  \n"} for i in range(4)]
+    a = [{"role": "assistant", "content": f" answer {i} "} for i in range(4)]
+    ctx = [{"role": "user", "content": [{"type": "text", "text": f"internal context {i}"}]} for i in range(4)]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "probe_tool", "arguments": '{"x": "1"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "probe_tool", "arguments": '{"x": "2"}'}},
+    ]}
+    r1, r2 = ({"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i}"} for i in (1, 2))
+    think = {"role": "assistant", "content": "done", "reasoning_content": "let me think"}
+    return [
+        [[sys_, u[0], ctx[0]], [sys_, u[0], a[0], u[1], ctx[1]], [sys_, u[0], a[0], u[1], a[1], u[2], ctx[2]]],
+        [[u[0]], [u[0], a[0], u[1]], [u[0], a[0], u[1], a[1], u[2]], [u[0], a[0], u[3]]],
+        [[sys_, u[0]], [sys_, u[0], call, r1, r2], [sys_, u[0], call, r1, r2, a[1], u[1]],
+         [sys_, u[0], call, r1, r2, a[1], u[1], think, u[2]]],
+        [[sys_, u[0], think, u[1]], [sys_, u[0], think, u[1], think, u[2]]],
+        # an earlier turn that renders differently once a new user message arrives (Qwen3 drops
+        # reasoning before the last user query) must be caught here: the small context of an
+        # incremental render does not contain it
+        [[sys_, u[0], think, r1], [sys_, u[0], think, r1, u[1], ctx[1]]],
+        [[sys_, u[0], think], [sys_, u[0], think, u[1]]],
+    ]
+
+
+_PROBE_SESSIONS = _probe_sessions()
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}}}}
 
 
 # --- the renderer -------------------------------------------------------------------------------
@@ -538,9 +630,11 @@ class Renderer:
         self.tool_role_ok = self._probe_tool_role()
         self.opens_think = self._probe_opens_think()
         self._cache = _PromptCache(tokenizer, cache_size) if incremental else None
-        if self._cache is not None and not self._probe_incremental():
-            log.warning("incremental prompt rendering disabled: it differs from a full render here")
-            self._cache = None
+        # The text the generation prompt adds; set only where the template is prefix-stable, which
+        # turns the text-level incremental render on (see `_probe_incremental`).
+        self._gen_suffix: str | None = None
+        if self._cache is not None:
+            self._probe_incremental()
 
     # prompts
 
@@ -550,12 +644,72 @@ class Renderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
     ) -> list[int]:
-        """Prompt token ids, generation prompt included."""
+        """Prompt token ids, generation prompt included. A request that extends one rendered
+        recently renders and tokenises only what is new (`_PromptCache`); the ids are exactly
+        those of a full render."""
+        sig = _signature(tools, tool_choice) if self._cache is not None else None
+        if self._cache is None or sig is None or not _is_message_list(messages):
+            msgs, native_tools = self.normalise(messages, tools, tool_choice)
+            return self._encode(self._template_text(msgs, native_tools))
+        with self._cache.lock:
+            base, k = self._cache.find(messages, sig)
+            entry = None
+            if base is not None and self._gen_suffix is not None:
+                entry = self._extend(base, k, messages)
+                if entry is not None:
+                    self._cache.text_hits += 1
+            if entry is None:
+                entry = self._render_entry(messages, tools, tool_choice, sig)
+            self._cache.encode(entry, base)
+            self._cache.put(entry, base, k)
+            return list(entry.ids)
+
+    def _render_entry(
+        self, messages: Sequence[Mapping[str, Any]], tools: Any, tool_choice: Any, sig: bytes
+    ) -> _Entry:
+        """A full render, remembering where the last two messages end for the next request."""
         msgs, native_tools = self.normalise(messages, tools, tool_choice)
         text = self._template_text(msgs, native_tools)
-        if self._cache is None:
-            return self._encode(text)
-        return self._cache.encode(text, _prefix_keys(msgs, native_tools))
+        n, shift = len(messages), len(msgs) - len(messages)
+        ends = [-1] * (n + 1)
+        g = self._gen_suffix
+        if g is not None and text.endswith(g):
+            ends[n] = len(text) - len(g)
+            if n >= 2:  # agents often rebuild their last message each time (FACTS.md, OpenClaw)
+                head = self._template_text(msgs[: n - 1 + shift], native_tools, generation=False)
+                if text.startswith(head):
+                    ends[n - 1] = len(head)
+        return _Entry([_snapshot(m) for m in messages], sig, msgs, native_tools, shift, text, ends)
+
+    def _extend(self, base: _Entry, k: int, messages: Sequence[Mapping[str, Any]]) -> _Entry | None:
+        """Render `messages`, which share `k` messages with `base`, from the largest known text
+        boundary j <= k: the template sees the first message, message j-1 and the new messages;
+        the difference of two renders of that small context is the new text. Returns None where
+        that context shows a dependency on what follows (then the caller renders in full)."""
+        j = k
+        while j > 0 and base.ends[j] < 0:
+            j -= 1
+        if j == 0:
+            return None
+        n, shift, g = len(messages), base.shift, self._gen_suffix
+        assert g is not None
+        native = self.supports_tools
+        new = [self._message(i, messages[i], native) for i in range(j, n)]
+        norm = base.norm[: j + shift] + new
+        last = j + shift - 1
+        ctx = [norm[0]] if last == 0 else [norm[0], norm[last]]
+        before = self._template_text(ctx, base.tools, generation=False)
+        head = self._template_text(ctx + new[:-1], base.tools, generation=False) if new[:-1] else before
+        full = self._template_text(ctx + new, base.tools)
+        if not (full.startswith(head) and head.startswith(before) and full.endswith(g)):
+            return None
+        prefix = base.text[: base.ends[j]]
+        text = prefix + full[len(before):]
+        ends = base.ends[: j + 1] + [-1] * (n - j)
+        ends[n - 1] = len(prefix) + len(head) - len(before)
+        ends[n] = len(text) - len(g)
+        raw = [*base.raw[:j], *(_snapshot(m) for m in messages[j:])]
+        return _Entry(raw, base.sig, norm, base.tools, shift, text, ends)
 
     def render_text(
         self,
@@ -624,11 +778,13 @@ class Renderer:
             out["content"] = (content + "\n" + blocks) if content else blocks
         return out
 
-    def _template_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    def _template_text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool = True
+    ) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, chat_template=self.chat_template,
-                add_generation_prompt=True, tokenize=False, **self.template_kwargs,
+                add_generation_prompt=generation, tokenize=False, **self.template_kwargs,
             )
         except Exception as e:  # jinja raise_exception / TemplateError: the request is at fault
             raise RenderError(f"the chat template rejected the messages: {e}") from e
@@ -657,24 +813,54 @@ class Renderer:
                 continue
         return False
 
-    def _probe_incremental(self) -> bool:
-        """Render a conversation and its extension both ways once; any difference disables the
-        cache (a template or tokenizer where the tail changes earlier ids)."""
+    def _probe_incremental(self) -> None:
+        """Decide what the prompt cache may reuse here, by rendering probe sessions both ways.
+
+        Text reuse needs a prefix-stable template: the generation prompt is a constant suffix,
+        and a message renders the same whatever follows it. Templates that look ahead (a Qwen3
+        template drops earlier reasoning once a new user query arrives) fail the probe and keep
+        full renders; token reuse is then probed alone (a tokenizer whose tail changes earlier
+        ids disables it)."""
         assert self._cache is not None
-        convo: list[dict[str, Any]] = [
-            {"role": "system", "content": "Be brief. 😀 中文 é"},
-            {"role": "user", "content": "Hello there  \n"},
-        ]
-        extended = [*convo, {"role": "assistant", "content": " Hi! ¿Qué tal? "},
-                    {"role": "user", "content": "Fine\n\nthanks"}]
-        for msgs in (convo, extended, [*convo[:1], {"role": "user", "content": "other"}]):
-            try:
-                text = self._template_text(msgs, None)
-            except RenderError:
-                return False
-            if self._cache.encode(text, _prefix_keys(msgs, None)) != self._encode(text):
-                return False
-        self._cache = _PromptCache(self.tokenizer, self._cache._size)
+        size = self._cache.size
+        self._gen_suffix = self._probe_generation_suffix()
+        if self._gen_suffix is not None and not self._probe_sessions():
+            log.info("text-level incremental rendering disabled: the chat template is not prefix-stable")
+            self._gen_suffix = None
+        self._cache = _PromptCache(self.tokenizer, size)
+        if self._gen_suffix is None and not self._probe_sessions():
+            log.warning("incremental prompt rendering disabled: it differs from a full render here")
+            self._cache = None
+            return
+        self._cache = _PromptCache(self.tokenizer, size)
+
+    def _probe_generation_suffix(self) -> str | None:
+        suffix = None
+        for session in _PROBE_SESSIONS:
+            for msgs in session:
+                try:
+                    norm, tools = self.normalise(msgs, [_PROBE_TOOL])
+                    on = self._template_text(norm, tools)
+                    off = self._template_text(norm, tools, generation=False)
+                except RenderError:
+                    continue
+                if not on.startswith(off) or suffix not in (None, on[len(off):]):
+                    return None
+                suffix = on[len(off):]
+        return suffix or None
+
+    def _probe_sessions(self) -> bool:
+        """Every probe request through the cache gives the ids of a full render."""
+        for tools in ([_PROBE_TOOL], None):
+            for session in _PROBE_SESSIONS:
+                for msgs in session:
+                    try:
+                        norm, native_tools = self.normalise(msgs, tools)
+                        expected = self._encode(self._template_text(norm, native_tools))
+                    except RenderError:
+                        continue
+                    if self.render(msgs, tools) != expected:
+                        return False
         return True
 
     # completions

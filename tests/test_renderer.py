@@ -426,6 +426,88 @@ def test_incremental_render_of_a_10k_token_session_uses_the_prefix_cache(tokeniz
         assert incremental.render(messages, tools=tools) == expected
     assert len(expected) > 10_000
     assert incremental._cache is not None and incremental._cache.hits == len(requests) - 1
+    # the chat template itself rendered only the new messages after the first request
+    assert incremental._cache.text_hits == len(requests) - 1
+
+
+# A template that looks ahead: reasoning is shown only on assistant turns after the last user
+# message (as Qwen3's does), so a new user message changes how earlier turns render.
+LOOKAHEAD_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+{% for tool in tools %}{{ tool | tojson }}{% endfor %}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_user=0) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last_user %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+# Consecutive tool results share one user block (Qwen2.5 style): a tool message's end depends on
+# the message after it.
+GROUPING_TEMPLATE = """
+{%- for m in messages %}
+{%- if m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}
+<tool_response>{{ m.content }}</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>
+{% endif %}
+{%- else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_that_looks_ahead_is_rendered_in_full_and_stays_exact(tokenizer: Any) -> None:
+    incremental = Renderer(tokenizer, chat_template=LOOKAHEAD_TEMPLATE)
+    full = Renderer(tokenizer, chat_template=LOOKAHEAD_TEMPLATE, incremental=False)
+    assert incremental._gen_suffix is None  # the probe found it is not prefix-stable
+    history: list[dict[str, Any]] = [{"role": "system", "content": "S"}]
+    for t in range(5):
+        history.append({"role": "user", "content": f"u{t}"})
+        assert incremental.render(history) == full.render(history)
+        history.append({"role": "assistant", "content": f"a{t}", "reasoning_content": f"r{t}"})
+
+
+def test_consecutive_tool_results_in_one_block_render_exactly(tokenizer: Any) -> None:
+    incremental = Renderer(tokenizer, chat_template=GROUPING_TEMPLATE)
+    full = Renderer(tokenizer, chat_template=GROUPING_TEMPLATE, incremental=False)
+    history: list[dict[str, Any]] = [{"role": "system", "content": "S"}, {"role": "user", "content": "go"}]
+    for t in range(4):
+        history.append({"role": "assistant", "content": f"calling {t}"})
+        for k in range(t % 3 + 1):  # one, two, three results in a row; requests end on each
+            history.append({"role": "tool", "content": f"r{t}.{k}"})
+            assert incremental.render(history) == full.render(history)
+
+
+def test_a_caller_changing_its_messages_after_a_render_cannot_change_a_later_render(tokenizer: Any) -> None:
+    incremental, full = Renderer(tokenizer), Renderer(tokenizer, incremental=False)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "sunny"},
+    ]
+    incremental.render(messages, tools=[WEATHER])
+    messages[1]["content"] = "edited in place"
+    call["function"]["arguments"] = '{"city": "Rome"}'
+    messages.append({"role": "user", "content": "thanks"})
+    assert incremental.render(messages, tools=[WEATHER]) == full.render(messages, tools=[WEATHER])
+
+
+def test_values_that_compare_equal_but_render_differently_are_not_shared(tokenizer: Any) -> None:
+    incremental, full = Renderer(tokenizer), Renderer(tokenizer, incremental=False)
+
+    def convo(value: Any) -> list[dict[str, Any]]:  # 1 == 1.0 == True in Python, not in JSON
+        args = {"n": value}
+        return [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]},
+                {"role": "user", "content": "y"}]
+
+    for value in (1, True, 1.0):
+        assert incremental.render(convo(value)) == full.render(convo(value))
 
 
 def openclaw_sized_session(turns: int) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
