@@ -6,6 +6,13 @@ them: advantages are computed in `clawbridge.advantages`, the loss is `clawbridg
 Versions: version 0 is the base model. `publish()` makes the trained weights servable as the next
 version. A `sample` admitted on version K finishes on version K even if a publish happens
 meanwhile; `version=None` means "the newest published version at admission".
+
+Rollback never rewinds the version counter: `rollback(K)` makes the trainable weights those
+published as vK again and publishes them as a NEW version N+1, so a request pinned to any
+version still finishes on it, staleness stays a difference of version numbers, and the next
+train_step starts from vK's weights. The optimizer state is reset (fresh Adam moments, as after
+`load_state` of weights only) on every backend: the moments of the rolled-back-away steps
+belong to weights that no longer exist.
 """
 
 from __future__ import annotations
@@ -45,6 +52,15 @@ class ContextLengthExceeded(BackendError):
             f"{max_tokens} in the completion). Please reduce the length of the messages or "
             f"completion."
         )
+
+
+class UnknownVersion(BackendError):
+    """A rollback named a version that was never published (or whose weights are gone)."""
+
+    def __init__(self, version: int, newest: int, detail: str = "") -> None:
+        self.version = version
+        self.newest = newest
+        super().__init__(detail or f"policy@v{version} was never published (the newest is v{newest})")
 
 
 class TransientBackendError(BackendError):
@@ -116,6 +132,13 @@ class Backend(Protocol):
 
     async def publish(self) -> PolicyVersion:
         """Make the trained weights servable as version `self.version + 1`."""
+        ...
+
+    async def rollback(self, version: int) -> PolicyVersion:
+        """Restore the trainable weights to those published as `version` (0: the initial
+        adapter, i.e. the base model), reset the optimizer, and publish them as version
+        `self.version + 1`. A version that was never published, or whose weights are gone,
+        raises BackendError and changes nothing."""
         ...
 
     async def save_state(self, name: str) -> str:

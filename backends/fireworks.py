@@ -15,6 +15,11 @@ The training SDK is Tinker-shaped, so the data and metrics are the Tinker backen
   serving. `dedicated`: one inference deployment serves the policy; `publish` is
   `WeightSyncer.save_and_hotload`, and while the adapter loads the deployment answers HTTP 425:
   sampling waits and retries, the user's request never fails for it.
+- `rollback(K)`: sampler snapshots are not trainer checkpoints, so every version also keeps a
+  DCP checkpoint (`save_state("policy-vK")`, v0's at start); rollback is `load_state(path)`
+  (weights only: a fresh optimizer) and a publish. On a deployment the delta chain is reset
+  first, so the rolled-back weights hot-load as a full `base` checkpoint, not as a delta
+  against a snapshot they do not descend from.
 
 The serverless constructor connects at once, so the backend takes a `connect` callable and
 calls it in `start()`; tests pass the offline fake (tests/fakes/fake_fireworks.py).
@@ -42,8 +47,10 @@ from clawbridge.backends.tinker import (
     completion_logprobs,
     platform_datum,
     require_credentials,
+    rollback_path,
     step_metrics,
     stop_list,
+    version_state,
 )
 from clawbridge.costs import CostMeter, Usage
 from clawbridge.types import (
@@ -182,6 +189,7 @@ class FireworksBackend:
         else:
             assert self._make_syncer is not None
             self._syncer = self._make_syncer(self._training)
+        await self._keep_state(0)  # the fresh adapter is v0's weights, for rollback(0)
         log.info("fireworks (%s): LoRA rank %d on %s ready", self.mode, self.lora_rank, self.base_model)
 
     async def sample(
@@ -309,9 +317,15 @@ class FireworksBackend:
         return step_metrics(batch, new, loss, time.monotonic() - started, grad_norm,
                             {"usd": usd, "spent_usd": self.meter.spent_usd})
 
+    async def _keep_state(self, version: int) -> None:
+        name = version_state(version)
+        saved = await call(f"fireworks save_state({name})", lambda: self._training.save_state(name), self.retry)
+        self._states.put(name, str(saved.path), version)
+
     async def publish(self) -> PolicyVersion:
         v = self._version + 1
         name = f"policy-v{v}"
+        await self._keep_state(v)  # a DCP checkpoint of the weights about to be served
         if self.mode == "dedicated":
             snapshot = await self._blocking("fireworks save_and_hotload", lambda: self._syncer.save_and_hotload(name))
             if snapshot is None:
@@ -329,6 +343,17 @@ class FireworksBackend:
         for old in [k for k in self._samplers if 0 < k <= v - KEEP_VERSIONS]:
             del self._samplers[old]
         return PolicyVersion(v, saved.path)
+
+    async def rollback(self, version: int) -> PolicyVersion:
+        """vK's checkpoint into the training session (weights only: a fresh optimizer),
+        published as the next version."""
+        path = rollback_path(self._states, version, self._version)
+        await call("fireworks load_state", lambda: self._training.load_state(path), self.retry)
+        if self._syncer is not None:
+            self._syncer.reset_delta_chain()
+        published = await self.publish()
+        log.info("fireworks: policy@v%d is a rollback to policy@v%d", published.version, version)
+        return published
 
     async def save_state(self, name: str) -> str:
         saved = await call("fireworks save_state", lambda: self._training.save_state(name), self.retry)

@@ -138,6 +138,9 @@ class LocalBackend:
     async def publish(self) -> PolicyVersion:
         return await self.engine.publish()
 
+    async def rollback(self, version: int) -> PolicyVersion:
+        return await self.engine.rollback(version)
+
     async def save_state(self, name: str) -> str:
         return await self.engine.save_state(name)
 

@@ -145,6 +145,12 @@ class ModalBackend:
         self._version = published.version
         return published
 
+    async def rollback(self, version: int) -> PolicyVersion:
+        # Not retried: a rollback that ran but whose answer was lost would publish twice.
+        published: PolicyVersion = await self._remote("rollback", version, activity="train", retry=False)
+        self._version = published.version
+        return published
+
     async def save_state(self, name: str) -> str:
         return str(await self._remote("save_state", name, activity="train"))
 

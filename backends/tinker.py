@@ -14,6 +14,10 @@ The verbs map one to one onto Tinker's primitives (DESIGN.md §3):
   `save_weights_for_sampler` (a persistent `tinker://` path that outlives the session).
 - `save_state` / `load_state`: `save_state(name)` and
   `create_training_client_from_state_with_optimizer(path)`.
+- `rollback(K)`: sampler weights cannot be loaded back into a training run, so every version
+  also keeps a training state (`save_state("policy-vK")`, saved at start for v0 and beside each
+  publish; the index in the data directory remembers its path). Rollback is
+  `create_training_client_from_state(path)` (weights only: a fresh optimizer) and a publish.
 
 Version 0 is the base model's sampling client: the judge samples there (`sample(version=0)`).
 The SDK is imported lazily, and nothing touches the network before `start()`.
@@ -21,6 +25,7 @@ The SDK is imported lazily, and nothing touches the network before `start()`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -31,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from clawbridge.backends.base import BackendError, ContextLengthExceeded, ScoreModel
+from clawbridge.backends.base import BackendError, ContextLengthExceeded, ScoreModel, UnknownVersion
 from clawbridge.backends.remote import RetryPolicy, call
 from clawbridge.costs import CostMeter, Usage
 from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
@@ -143,12 +148,32 @@ class StateIndex:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self._entries, indent=1))
 
+    def path_of(self, name: str) -> str | None:
+        entry = self._entries.get(name)
+        return None if entry is None else str(entry["path"])
+
     def get(self, name: str) -> tuple[str, int | None]:
         if name in self._entries:
             return str(self._entries[name]["path"]), int(self._entries[name]["version"])
         if "://" in name or name.startswith(("accounts/", "gs://")):
             return name, None
         raise BackendError(f"no saved state named {name!r}: pass the path save_state returned")
+
+
+def version_state(version: int) -> str:
+    """The name of the training state kept with a published version, for `rollback`."""
+    return f"policy-v{version}"
+
+
+def rollback_path(states: StateIndex, version: int, newest: int) -> str:
+    """Where the training state of `version` lives, or UnknownVersion."""
+    if not 0 <= version <= newest:
+        raise UnknownVersion(version, newest)
+    path = states.path_of(version_state(version))
+    if path is None:
+        raise UnknownVersion(version, newest, f"policy@v{version} has no saved training state to roll back to "
+                                              "(it was published before rollback states were kept)")
+    return path
 
 
 def require_credentials(backend: str) -> None:
@@ -245,6 +270,7 @@ class TinkerBackend:
             "tinker create_sampling_client(base)",
             lambda: self.service.create_sampling_client(base_model=self.base_model), self.retry,
         )
+        await self._keep_state(0)  # the fresh adapter is v0's weights, for rollback(0)
         log.info("tinker: LoRA rank %d on %s ready", self.lora_rank, self.base_model)
 
     def _sampler(self, version: int | None) -> tuple[int, Any]:
@@ -347,10 +373,19 @@ class TinkerBackend:
         return step_metrics(batch, new, loss, time.monotonic() - started, grad_norm,
                             {"usd": usd, "spent_usd": self.meter.spent_usd, "advantage_scale": scale})
 
+    async def _keep_state(self, version: int) -> None:
+        name = version_state(version)
+        saved = await call(f"tinker save_state({name})", lambda: self._training.save_state(name), self.retry)
+        self._states.put(name, str(saved.path), version)
+
     async def publish(self) -> PolicyVersion:
-        sampler = await call("tinker save_weights_and_get_sampling_client",
-                             lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
         v = self._version + 1
+        # both read the weights after the last optim_step; submitted together, awaited together
+        sampler, _ = await asyncio.gather(
+            call("tinker save_weights_and_get_sampling_client",
+                 lambda: self._training.save_weights_and_get_sampling_client(), self.retry),
+            self._keep_state(v),
+        )
         path: str | None = None
         if self.persist_every and v % self.persist_every == 0:
             saved = await call("tinker save_weights_for_sampler",
@@ -362,6 +397,18 @@ class TinkerBackend:
         for old in [k for k in self._samplers if 0 < k <= v - KEEP_VERSIONS]:
             del self._samplers[old]
         return PolicyVersion(v, path)
+
+    async def rollback(self, version: int) -> PolicyVersion:
+        """vK's training state into a new training client (weights only: a fresh optimizer),
+        published as the next version."""
+        path = rollback_path(self._states, version, self._version)
+        self._training = await call(
+            "tinker create_training_client_from_state",
+            lambda: self.service.create_training_client_from_state(path), self.retry,
+        )
+        published = await self.publish()
+        log.info("tinker: policy@v%d is a rollback to policy@v%d", published.version, version)
+        return published
 
     async def save_state(self, name: str) -> str:
         saved = await call("tinker save_state", lambda: self._training.save_state(name), self.retry)

@@ -12,7 +12,10 @@ Versions. The trainable adapter is PEFT's "default" and is never served. Version
 row names its own adapter (PEFT mixed-batch LoRA, `adapter_names`), so a request admitted on vK
 finishes on vK while newer requests run on vK+1 in the same batch. An adapter is deleted once no
 request uses it and a newer version exists; an older version asked for by number is reloaded
-from its folder (rollback).
+from its folder.
+
+`rollback(K)` copies vK's folder (or, for v0, the initial adapter kept from start-up) into the
+trainable adapter, drops the optimizer, and publishes it as the next version.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from clawbridge.backends.base import BackendError
+from clawbridge.backends.base import BackendError, UnknownVersion
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.kvbatch import KVBatch
 from clawbridge.local_gpu.sampling import draw_token, needs_uniform
@@ -112,6 +115,7 @@ class Engine:
         self._model: Any = None
         self._lora_layers: list[Any] = []
         self._optimizer: torch.optim.AdamW | None = None
+        self._initial: dict[str, torch.Tensor] = {}  # the trainable adapter at start (v0's)
         self._newest = 0
         self._steps = 0
         self._refs: dict[int, int] = {}
@@ -148,6 +152,7 @@ class Engine:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]
+        self._initial = self._trainable_state()
         self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)
         self._thread.start()
 
@@ -232,6 +237,11 @@ class Engine:
 
     async def publish(self) -> PolicyVersion:
         return await self._call(self._publish)
+
+    async def rollback(self, version: int) -> PolicyVersion:
+        if not 0 <= version <= self._newest:  # checked again on the thread; this one logs nothing
+            raise UnknownVersion(version, self._newest)
+        return await self._call(self._rollback, version)
 
     async def save_state(self, name: str) -> str:
         return await self._call(self._save_state, name)
@@ -488,6 +498,26 @@ class Engine:
         self._collect()
         log.info("published policy@v%d (%s)", version, path)
         return PolicyVersion(version, str(path))
+
+    def _rollback(self, version: int) -> PolicyVersion:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if not 0 <= version <= self._newest:
+            raise UnknownVersion(version, self._newest)
+        if version == 0:
+            weights = self._initial
+        else:
+            file = self._adapter_dir(version) / "adapter_model.safetensors"
+            if not file.exists():
+                raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
+            weights = load_file(str(file), device=str(self.device))
+        with torch.no_grad():
+            set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
+        self._optimizer = None  # Adam's moments belonged to the weights rolled away from
+        published = self._publish()
+        log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
+        return published
 
     def _write_adapter(self, path: Path) -> None:
         tmp = path.with_name(f".{path.name}.tmp")

@@ -156,6 +156,9 @@ class FSDPTrainer:
     async def save_adapter(self, path: Path) -> None:
         await self.call("save_adapter", path=str(path))
 
+    async def load_adapter(self, path: Path | None) -> None:
+        await self.call("load_adapter", path=None if path is None else str(path))
+
     async def save_state(self, path: Path) -> None:
         await self.call("save_state", path=str(path))
 

@@ -128,6 +128,8 @@ class ShardedLoRATrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
         self.steps = 0
+        # this rank's shards of the initial adapter (B = 0): version 0's weights, for rollback
+        self.initial = [p.detach().clone() for p in self.params]
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -228,6 +230,31 @@ class ShardedLoRATrainer:
             self.peft_config.base_model_name_or_path = self.base_name
             self.peft_config.save_pretrained(str(folder))  # adapter_config.json, PEFT's own
         dist.barrier()
+
+    def load_adapter(self, path: str | None) -> None:
+        """Make the trainable weights those of a PEFT adapter folder (`save_adapter`'s layout;
+        None: the initial adapter) and start a fresh optimizer. Every rank reads the file and
+        takes its own shards (collective: every rank calls it)."""
+        from safetensors.torch import load_file
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        if path is None:
+            values = self.initial
+        else:
+            saved = load_file(str(Path(path) / "adapter_model.safetensors"))
+            keys = {n: re.sub(rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", n.removeprefix("peft."))
+                    for n in names}
+            missing = sorted(k for k in keys.values() if k not in saved)
+            if missing:
+                raise KeyError(f"{path} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}")
+            values = [saved[keys[n]] for n in names]
+        with torch.no_grad():
+            for p, value in zip(self.params, values, strict=True):
+                if isinstance(p, DTensor) and not isinstance(value, DTensor):
+                    value = distribute_tensor(value.to(p.device_mesh.device_type, p.dtype), p.device_mesh, p.placements)
+                p.copy_(value)
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
 
     def save_state(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp

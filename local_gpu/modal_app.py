@@ -126,6 +126,13 @@ class Engine:
         return published
 
     @modal.method()
+    async def rollback(self, version: int) -> PolicyVersion:
+        await self._ready()
+        published = await self.backend.rollback(version)
+        self._commit()
+        return published
+
+    @modal.method()
     async def save_state(self, name: str) -> str:
         await self._ready()
         where = await self.backend.save_state(name)

@@ -341,6 +341,10 @@ class Trainer(Protocol):
 
     async def train_step(self, batch: Sequence[Datum], loss: LossSpec, optim: OptimSpec) -> StepMetrics: ...
     async def save_adapter(self, path: Path) -> None: ...
+    async def load_adapter(self, path: Path | None) -> None:
+        """Make the trainable weights those of a PEFT adapter folder (None: the initial
+        adapter) and reset the optimizer."""
+        ...
     async def save_state(self, path: Path) -> None: ...
     async def load_state(self, path: Path) -> None: ...
     async def close(self) -> None: ...
@@ -483,6 +487,23 @@ class SGLangBackend:
                 self._unloads.add(task)
                 task.add_done_callback(self._unloads.discard)
             return PolicyVersion(k, str(final))
+
+    async def rollback(self, version: int) -> PolicyVersion:
+        """vK's adapter folder (v0: the initial adapter) into the trainer, then the ordinary
+        publish: written anew as the next version, loaded beside the serving ones, and the
+        superseded adapter unloaded once its requests drain."""
+        from clawbridge.backends.base import UnknownVersion
+
+        trainer = self._need_trainer()
+        if not 0 <= version <= self.version:
+            raise UnknownVersion(version, self.version)
+        folder = None if version == 0 else self.adapters_dir / f"v{version}"
+        if folder is not None and not (folder / "adapter_config.json").exists():
+            raise UnknownVersion(version, self.version, f"policy@v{version}'s adapter is gone ({folder})")
+        await trainer.load_adapter(folder)
+        published = await self.publish()
+        log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
+        return published
 
     async def _unload_when_drained(self, version: int) -> None:
         await self.router.drained(version)

@@ -117,3 +117,19 @@ def test_constructing_from_settings_connects_to_nothing(tmp_path, monkeypatch) -
     monkeypatch.setenv("FIREWORKS_API_KEY", "fw_" + "k" * 30)
     b = FireworksBackend.from_settings(Settings(data_dir=tmp_path))
     assert b.service is None and b.mode == "serverless"  # the eager SDK constructor waits for start()
+
+
+async def test_dedicated_rollback_hot_loads_the_old_weights_as_a_full_checkpoint(tokenizer) -> None:
+    b, deployment = await dedicated(tokenizer, loading_requests=0)
+    await b.train_step(fixed_batch(), optim=OptimSpec(learning_rate=1e-2))
+    await b.publish()
+    v1_weights = deployment.weights
+    await b.train_step(fixed_batch(2), optim=OptimSpec(learning_rate=1e-2))
+    await b.publish()
+    v3 = await b.rollback(1)
+    assert v3.version == b.version == 3
+    assert max_diff(deployment.weights, v1_weights) == 0
+    syncer = b._syncer
+    assert syncer.checkpoint_types == ["base", "delta", "base"]  # the chain restarts at the rollback
+    (c,) = await b.sample(PROMPT, SamplingParams(max_tokens=3))
+    assert c.version == 3

@@ -194,3 +194,36 @@ def test_from_settings_builds_a_real_service_client_without_network(monkeypatch,
     monkeypatch.delenv("TINKER_API_KEY")
     with pytest.raises(BackendError, match="TINKER_API_KEY is not set"):
         TinkerBackend.from_settings(Settings(data_dir=tmp_path))
+
+
+async def test_rollback_after_a_restart_loads_the_versions_training_state_into_a_new_client(tokenizer, tmp_path) -> None:
+    from clawbridge.backends.base import UnknownVersion
+
+    service = FakeTinkerService()
+    index = tmp_path / "tinker_states.json"
+    b = await started(tokenizer, service=service, state_index=index)
+    await b.train_step(fixed_batch(), optim=OptimSpec(learning_rate=1e-2))
+    await b.publish()
+    v1_weights = service.platform.current_weights()
+    await b.save_state("step-1")
+    await b.train_step(fixed_batch(2), optim=OptimSpec(learning_rate=1e-2))
+    await b.publish()
+    restarted = make_backend(tokenizer, service=service, state_index=index)  # a new process
+    await restarted.start()
+    await restarted.load_state("step-1")
+    restarted._version = 2  # as if it had resumed at v2 (the index still knows v1's state)
+    v3 = await restarted.rollback(1)
+    assert v3.version == 3 and service.faults.calls["create_training_client_from_state"] == 1
+    assert max_diff(service.platform.current_weights(), v1_weights) == 0
+    assert service.platform.optimizer is None  # weights only: the optimizer starts fresh
+    with pytest.raises(UnknownVersion, match="never published"):
+        await restarted.rollback(4)
+
+
+async def test_a_sampler_weights_path_is_not_a_training_state(tokenizer) -> None:
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    b._states.put("policy-v1", "tinker://fake-run/sampler_weights/ephemeral-1", 1)
+    b._version = 1
+    with pytest.raises(PermanentBackendError, match="no training weights"):
+        await b.rollback(1)

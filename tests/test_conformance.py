@@ -222,3 +222,49 @@ async def test_concurrent_samples_on_two_versions_share_the_backend(backend: Bac
     assert old[0].version == 0 and new[0].version == 1
     assert close(await backend.score(PROMPT, old[0].tokens, model="base"), old[0].logprobs)
     assert close(await backend.score(PROMPT, new[0].tokens), new[0].logprobs)
+
+
+async def test_rollback_publishes_an_earlier_versions_weights_as_a_new_version(backend: Backend) -> None:
+    from clawbridge.backends.base import UnknownVersion
+    from clawbridge.loss import ppo_loss
+
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=10, seed=51))
+    push = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    optim = OptimSpec(learning_rate=1e-2)
+    await backend.train_step([push], LossSpec(), optim)
+    assert (await backend.publish()).version == 1
+    v1_scores = await backend.score(PROMPT, c.tokens)
+    probe = SamplingParams(max_tokens=8, seed=52)
+    (v1_sample,) = await backend.sample(PROMPT, probe)
+    await backend.train_step([push], LossSpec(), optim)
+    assert (await backend.publish()).version == 2
+    assert max(abs(a - b) for a, b in zip(await backend.score(PROMPT, c.tokens), v1_scores, strict=True)) > 1e-3
+
+    stream = backend.sample_stream(PROMPT, SamplingParams(max_tokens=24, seed=53, stop_token_ids=()))
+    chunks = [await anext(stream)]  # admitted on v2
+    v3 = await backend.rollback(1)
+    chunks += [chunk async for chunk in stream]
+    assert {chunk.version for chunk in chunks} == {2}  # an in-flight request finishes on its version
+
+    assert v3.version == backend.version == 3  # versions never go back
+    assert close(await backend.score(PROMPT, c.tokens), v1_scores, tol=1e-5)
+    (again,) = await backend.sample(PROMPT, probe)
+    assert again.version == 3 and again.tokens == v1_sample.tokens
+    assert close(again.logprobs, v1_sample.logprobs, tol=1e-5)
+
+    # the next step starts from v1's weights: its loss is the PPO loss under v1's logprobs
+    mixed = Datum(PROMPT, c.tokens, c.logprobs, tuple((-1.0) ** i for i in range(len(c.tokens))))
+    metrics = await backend.train_step([mixed], LossSpec(), optim)
+    expected = ppo_loss(torch.tensor(v1_scores, dtype=torch.float64), torch.tensor(c.logprobs, dtype=torch.float64),
+                        torch.tensor(mixed.advantages, dtype=torch.float64), torch.ones(len(c.tokens), dtype=torch.float64),
+                        LossSpec())
+    assert metrics.loss == pytest.approx(float(expected), abs=1e-5)
+    assert (await backend.publish()).version == 4
+
+    # v0 is the base model; a version never published changes nothing
+    assert (await backend.rollback(0)).version == 5
+    assert close(await backend.score(PROMPT, c.tokens), await backend.score(PROMPT, c.tokens, model="base"), tol=1e-5)
+    for bad in (6, 42, -1):
+        with pytest.raises(UnknownVersion):
+            await backend.rollback(bad)
+    assert backend.version == 5

@@ -115,3 +115,17 @@ async def test_a_failure_on_the_ranks_is_reported_and_the_trainer_stays_up(train
         await two.call("load_state", path="/nonexistent/checkpoint")
     m = await two.train_step(BATCH_2, LossSpec(kl_coef=0.1), OPTIM)  # and the KL path runs
     assert m.samples == 2
+
+
+async def test_load_adapter_restores_a_saved_adapter_and_the_initial_one(trainers, tmp_path):
+    _, two = trainers
+    await two.train_step(BATCH_1, LossSpec(), OPTIM)
+    kept = await adapter(two, tmp_path / "kept")
+    await two.train_step(BATCH_2, LossSpec(), OPTIM)
+    assert any(float((v - kept[k]).abs().max()) > 0 for k, v in (await adapter(two, tmp_path / "moved")).items())
+    await two.load_adapter(tmp_path / "kept")
+    assert_same(await adapter(two, tmp_path / "restored"), kept, atol=0)
+    await two.load_adapter(None)  # version 0: the initial adapter, B = 0 (the base model's function)
+    initial = await adapter(two, tmp_path / "initial")
+    assert all(float(v.abs().max()) == 0 for k, v in initial.items() if "lora_B" in k)
+    assert any(float(v.abs().max()) > 0 for k, v in initial.items() if "lora_A" in k)

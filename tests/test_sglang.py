@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -32,17 +33,25 @@ class AdapterWriter:
     def __init__(self) -> None:
         self.model = tiny_peft_model(rank=8)
         self.saves = 0
+        self.restored: Path | bool | None = False  # load_adapter's argument, until the next save
 
     async def train_step(self, batch: Sequence[Datum], loss: LossSpec, optim: OptimSpec) -> StepMetrics:
         raise NotImplementedError("publish tests do not train")
 
+    async def load_adapter(self, path: Path | None) -> None:
+        self.restored = path
+
     async def save_adapter(self, path: Path) -> None:
         self.saves += 1
+        restored, self.restored = self.restored, False
+        if isinstance(restored, Path):  # a rollback to vK: exactly vK's weights
+            shutil.copytree(restored, path)
+            return
         gen = torch.Generator().manual_seed(self.saves)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+                if "lora_B" in name:  # after a rollback to v0: the initial adapter, B = 0
+                    p.copy_(torch.zeros(p.shape) if restored is None else torch.randn(p.shape, generator=gen) * 0.5)
         await asyncio.to_thread(self.model.save_pretrained, str(path), selected_adapters=["placeholder"])
         # PEFT saves a non-default adapter in a subfolder; SGLang wants a flat PEFT folder.
         sub = path / "placeholder"
@@ -247,3 +256,28 @@ async def test_publish_under_concurrent_streaming_load_drops_nothing_and_never_m
     assert set(fake.adapters) == {"policy@v3"}
     unloads = [n for _, kind, n in fake.events if kind == "unload"]
     assert unloads == ["policy@v1", "policy@v2"]
+
+
+async def test_rollback_loads_the_old_adapter_into_the_trainer_and_publishes_it_as_the_next_version(server, backend):
+    from clawbridge.backends.base import UnknownVersion
+
+    fake, _ = server
+    completion = [11, 12, 13]
+    base = await backend.score(PROMPT, completion, model="base")
+    await backend.publish()
+    v1 = await backend.score(PROMPT, completion)
+    await backend.publish()
+    assert await backend.score(PROMPT, completion) != pytest.approx(v1, abs=1e-3)
+    stream = backend.sample_stream(PROMPT, SamplingParams(max_tokens=6))
+    first = await anext(stream)  # admitted on v2
+    v3 = await backend.rollback(1)
+    rest = [c async for c in stream]
+    assert {c.version for c in [first, *rest]} == {2}
+    assert v3.version == backend.version == 3 and v3.path.endswith("adapters/v3")
+    assert await backend.score(PROMPT, completion) == pytest.approx(v1, abs=1e-6)
+    await backend.drain()
+    assert set(fake.adapters) == {"policy@v3"}  # v2 was unloaded once its stream finished
+    with pytest.raises(UnknownVersion):
+        await backend.rollback(4)
+    assert (await backend.rollback(0)).version == 4
+    assert await backend.score(PROMPT, completion) == pytest.approx(base, abs=1e-6)

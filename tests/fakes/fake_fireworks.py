@@ -148,8 +148,20 @@ class FakeTrainingClient:
 
         return self._future("save_state", work)
 
-    def load_state_with_optimizer(self, path: str) -> AwaitableConcurrentFuture[Any]:
-        return self._future("load_state_with_optimizer", lambda: self._platform.load_state(path, with_optimizer=True))
+    def _load(self, op: str, path: str, with_optimizer: bool) -> AwaitableConcurrentFuture[Any]:
+        def work() -> None:
+            if path not in self._platform.states:  # a sampler snapshot is not a DCP checkpoint
+                raise status_error(400, f"no DCP checkpoint at {path!r}")
+            self._platform.load_state(path, with_optimizer=with_optimizer)
+
+        return self._future(op, work)
+
+    def load_state(self, path: str, weights_access_token: str | None = None) -> AwaitableConcurrentFuture[Any]:
+        """Weights only; the optimizer starts fresh (as the SDK documents)."""
+        return self._load("load_state", path, with_optimizer=False)
+
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> AwaitableConcurrentFuture[Any]:
+        return self._load("load_state_with_optimizer", path, with_optimizer=True)
 
 
 class _nothing:
@@ -173,6 +185,7 @@ class FakeFiretitanService:
     def create_lora_training_client(self, base_model: str, rank: int = 32, **_: Any) -> FakeTrainingClient:
         if not self.training_access:
             raise status_error(403, "training API not enabled for this account")
+        self.platform.new_run()  # a new trainer session starts from a fresh adapter
         self.training = FakeTrainingClient(self.platform)
         return self.training
 
@@ -225,8 +238,16 @@ class FakeWeightSyncer:
     def __init__(self, training: FakeTrainingClient, deployment: FakeDeployment) -> None:
         self.training = training
         self.deployment = deployment
+        self.checkpoint_types: list[str] = []  # "base" (full weights) or "delta" per hot-load
+        self._chain_started = False
+
+    def reset_delta_chain(self) -> None:
+        """The next save is a full `base` checkpoint (the SDK's bookkeeping for a delta chain)."""
+        self._chain_started = False
 
     def save_and_hotload(self, name: str, checkpoint_type: str | None = None) -> str | None:
+        self.checkpoint_types.append(checkpoint_type or ("delta" if self._chain_started else "base"))
+        self._chain_started = True
         path = self.training.save_weights_for_sampler(name).result()
         self.deployment._still_loading = self.deployment.loading_requests
         self.deployment.weights = self.deployment.platform.snapshots[path.path]

@@ -222,7 +222,11 @@ class FakeTinkerService:
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, **_: Any) -> AwaitableConcurrentFuture[FakeTrainingClient]:
         self._check_model(base_model)
-        return _future(self.platform, "create_lora_training_client", lambda: FakeTrainingClient(self, base_model))
+        def work() -> FakeTrainingClient:
+            self.platform.new_run()  # a new run starts from a fresh adapter, as on the service
+            return FakeTrainingClient(self, base_model)
+
+        return _future(self.platform, "create_lora_training_client", work)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None, **_: Any) -> AwaitableConcurrentFuture[FakeSamplingClient]:
         if model_path is None and base_model is None:
@@ -234,12 +238,25 @@ class FakeTinkerService:
 
         return _future(self.platform, "create_sampling_client", work)
 
-    def create_training_client_from_state_with_optimizer(self, path: str, **_: Any) -> AwaitableConcurrentFuture[FakeTrainingClient]:
+    def _from_state(self, op: str, path: str, with_optimizer: bool) -> AwaitableConcurrentFuture[FakeTrainingClient]:
         def work() -> FakeTrainingClient:
-            self.platform.load_state(path, with_optimizer=True)
+            if path not in self.platform.states:  # e.g. a sampler_weights path: not a training state
+                raise tinker.BadRequestError(
+                    f"no training weights at {path!r}",
+                    response=httpx.Response(400, request=httpx.Request("POST", "https://tinker.fake")),
+                    body=None,
+                )
+            self.platform.load_state(path, with_optimizer=with_optimizer)
             return FakeTrainingClient(self, self.known_models[0])
 
-        return _future(self.platform, "create_training_client_from_state_with_optimizer", work)
+        return _future(self.platform, op, work)
+
+    def create_training_client_from_state(self, path: str, base_model: str | None = None, **_: Any) -> AwaitableConcurrentFuture[FakeTrainingClient]:
+        """Weights only: the new run's optimizer starts fresh (as the SDK documents)."""
+        return self._from_state("create_training_client_from_state", path, with_optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, **_: Any) -> AwaitableConcurrentFuture[FakeTrainingClient]:
+        return self._from_state("create_training_client_from_state_with_optimizer", path, with_optimizer=True)
 
     def close(self) -> None:
         self.closed = True

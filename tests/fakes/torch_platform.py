@@ -72,6 +72,7 @@ class TinyPlatform:
         self.model.eval()  # no dropout anywhere: training and sampling see the same function
         self.eos_id = eos_id
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.initial = self.current_weights()  # what a new LoRA run starts from (B = 0)
         self.optimizer: torch.optim.AdamW | None = None
         self.snapshots: dict[str, Weights] = {}
         self.states: dict[str, tuple[Weights, dict[str, Any] | None]] = {}
@@ -103,6 +104,15 @@ class TinyPlatform:
     # --- weights ----------------------------------------------------------------------------
     def current_weights(self) -> Weights:
         return {n: p.detach().clone() for n, p in self.params.items()}
+
+    def new_run(self) -> None:
+        """A new LoRA training run: fresh adapter weights (the base model's function), fresh
+        optimizer. Snapshots and saved states of earlier runs stay."""
+        with self.lock, torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.initial[n])
+            self.optimizer = None
+            self._grad_tokens = 0
 
     @contextmanager
     def using(self, weights: Weights | None) -> Iterator[None]:
