@@ -189,6 +189,19 @@ def versions_cmd(
     print_versions(data_dir, db)
 
 
+@app.command("rollback")
+def rollback_cmd(
+    version: str = typer.Argument(..., help="The version to serve again: 3 or v3 (0: the base model)."),
+    url: str = typer.Option("http://127.0.0.1:30000", "--url", help="The running clawbridge server."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="CLAWBRIDGE_API_KEY", help="The server's bearer key."),
+) -> None:
+    """Serve an earlier version again: the running server publishes its weights as a new version
+    (versions only go up), and training continues from them."""
+    from clawbridge.demo_cli import request_rollback
+
+    request_rollback(url, version, api_key)
+
+
 # --- OpenClaw: config, install (the integration engineer's commands) ------------------------------
 
 openclaw_app = typer.Typer(help="Use clawbridge as an OpenClaw model provider (docs/openclaw.md).")

@@ -107,13 +107,64 @@ def print_status(data_dir: str | None, db: str | None) -> None:
     Console().print(t)
 
 
+def version_origin(step: int | None, version: int, rollbacks: dict[str, int]) -> str:
+    """What made a version: its training step, or the rollback it is (a version a step
+    published has a step, so a stale rollback note can never relabel it)."""
+    if step is not None:
+        return str(step)
+    if str(version) in rollbacks:
+        return f"rollback of v{rollbacks[str(version)]}"
+    return "-"
+
+
 def print_versions(data_dir: str | None, db: str | None) -> None:
+    from clawbridge.trainer import ROLLBACKS_KEY
+
     with _store(data_dir, db) as store:
         rows = store.versions()
+        rollbacks = store.get_meta(ROLLBACKS_KEY) or {}
     t = Table("version", "step", "samples", "mean reward", "when (UTC)", "weights")
     t.add_row("v0", "-", "-", "-", "-", "base model")
     for r in rows:
         reward = "-" if r.mean_reward is None else f"{r.mean_reward:+.2f}"
-        t.add_row(f"v{r.version}", str(r.step or "-"), str(r.samples), reward,
+        t.add_row(f"v{r.version}", version_origin(r.step, r.version, rollbacks), str(r.samples), reward,
                   r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
     Console().print(t)
+
+
+def request_rollback(url: str, version: str, api_key: str | None, timeout_s: float = 600.0) -> None:
+    """`clawbridge rollback`: ask the running server, print what it did or why not."""
+    import httpx
+
+    text = version.strip().lower().removeprefix("v")
+    if not text.isdigit():
+        _fail(f"VERSION must be a version number like 3 or v3, not {version!r}")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    endpoint = url.rstrip("/") + "/v1/admin/rollback"
+    try:
+        # a rollback waits for a running training step to finish: allow for a long one
+        r = httpx.post(endpoint, json={"version": int(text)}, headers=headers, timeout=timeout_s)
+    except httpx.ConnectError:
+        _fail(f"no clawbridge server at {url}: start it with `clawbridge up`, or pass --url")
+    except httpx.TimeoutException:
+        _fail(f"{url} did not answer within {timeout_s:.0f} s (a training step may still be running)")
+    if r.status_code == 200:
+        out = r.json()
+        typer.echo(f"policy@v{out['version']} now serves the weights of v{out['restored']} "
+                   f"(was v{out['previous']}); training continues from them")
+        return
+    try:
+        error = r.json()["error"]
+        message, code = str(error["message"]), error.get("code")
+    except (ValueError, KeyError, TypeError):
+        message, code = r.text[:200], None
+    if r.status_code == 401:
+        message += " Pass the server's key with --api-key (or CLAWBRIDGE_API_KEY)."
+    elif r.status_code == 404 and code != "version_not_found":
+        message = f"{url} has no rollback route: is it a clawbridge server running with training on (not --no-train)?"
+    _fail(message)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"clawbridge rollback: {message}", err=True)
+    raise typer.Exit(1)

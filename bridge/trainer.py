@@ -8,10 +8,17 @@
 A crash before the store commit leaves the samples `judged`: they are trained again after the
 restart, and the weights of that step were lost with the process too (the backend resumes from
 its last checkpoint), so no sample is ever trained twice into the same weights.
+
+A rollback (`clawbridge rollback K`) runs under the same lock as a step, so no train_step or
+publish interleaves with it: backend.rollback(K) publishes vK's weights as v(N+1), the store
+records that version (no step; `meta["policy.rollbacks"]` says which version it copies), and a
+checkpoint is taken at once so that `--resume` continues from the rolled-back weights rather
+than from a checkpoint of the weights rolled away from.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +31,7 @@ from clawbridge.types import Datum, StepMetrics
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "trainer.checkpoint"  # store meta: the latest resumable state
+ROLLBACKS_KEY = "policy.rollbacks"  # store meta: {"<version>": <the version it is a copy of>}
 
 
 def to_datum(s: Sample) -> Datum:
@@ -65,11 +73,21 @@ class StepResult:
     metrics: dict[str, float]
 
 
+@dataclass(frozen=True)
+class RollbackResult:
+    version: int  # the new version, serving `restored`'s weights
+    restored: int
+    previous: int  # the version that served until the rollback
+    path: str | None
+    checkpoint: str
+
+
 class Trainer:
-    def __init__(self, settings: Settings, backend: Backend, store: Store) -> None:
+    def __init__(self, settings: Settings, backend: Backend, store: Store, *, lock: asyncio.Lock | None = None) -> None:
         self.settings = settings
         self.backend = backend
         self.store = store
+        self.lock = lock or asyncio.Lock()  # one of: a step (train_step + publish + record), a rollback
         self.dropped_stale = 0
         self.last: StepResult | None = None  # the newest step this process trained
 
@@ -88,6 +106,10 @@ class Trainer:
 
     async def step_once(self) -> StepResult | None:
         """Train one step if a full batch is waiting; None otherwise."""
+        async with self.lock:
+            return await self._step()
+
+    async def _step(self) -> StepResult | None:
         s, store = self.settings, self.store
         self.dropped_stale += await store.run(store.drop_stale_samples, self.backend.version, s.max_staleness)
         batch = await store.run(store.pending_samples, s.batch_size, method=s.method)
@@ -116,8 +138,26 @@ class Trainer:
         self.last = StepResult(step, policy.version, len(batch), record)
         return self.last
 
-    async def checkpoint(self, step: int, version: int) -> str:
-        path = await self.backend.save_state(f"step-{step:06d}")
+    async def rollback(self, version: int) -> RollbackResult:
+        """Serve `version`'s weights again, as a new version; the next step trains from them.
+        Waits for a running step to finish first. UnknownVersion (a BackendError) changes
+        nothing."""
+        async with self.lock:
+            store = self.store
+            previous = self.backend.version
+            policy = await self.backend.rollback(version)
+            await store.run(store.record_policy_version,
+                            PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
+            rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
+            rollbacks[str(policy.version)] = version
+            await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
+            step = await self.next_step_number() - 1
+            path = await self.checkpoint(step, policy.version, f"rollback-v{policy.version:06d}")
+            log.info("rollback: policy@v%d serves policy@v%d's weights (was v%d)", policy.version, version, previous)
+            return RollbackResult(policy.version, version, previous, policy.path, path)
+
+    async def checkpoint(self, step: int, version: int, name: str | None = None) -> str:
+        path = await self.backend.save_state(name or f"step-{step:06d}")
         await self.store.run(
             self.store.set_meta, CHECKPOINT_KEY, {"path": path, "step": step, "version": version}
         )
