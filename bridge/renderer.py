@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import codecs
 import contextlib
-import copy
 import json
 import logging
 import re
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
+from clawbridge.prefix import shared_prefix, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -447,7 +447,7 @@ class _PromptCache:
         for entry in reversed(self.entries.values()):
             if entry.sig != sig:
                 continue
-            k = _shared_prefix(entry.raw, messages)
+            k = shared_prefix(entry.raw, messages)
             if k > best_k:
                 best, best_k = entry, k
         return best, best_k
@@ -489,45 +489,6 @@ class _PromptCache:
                 cut_ids.append(n0 + k + 1)
         entry.ids = prefix_ids + tuple(new)
         entry.cuts, entry.cut_ids = cuts, cut_ids
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal as JSON values: `==` that also tells 1, 1.0 and True apart (they render differently)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(v, b[k]) for k, v in a.items())
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def _same_message(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if type(a) is not dict or type(b) is not dict or a != b:
-        return False if type(a) is dict and type(b) is dict else _same(a, b)
-    # Equal dicts whose values are all strings (almost every message) need no walk.
-    if all(type(v) is str for v in a.values()) and all(type(v) is str for v in b.values()):
-        return True
-    return _same(a, b)
-
-
-def _snapshot(m: Any) -> Any:
-    """A copy the caller cannot change under the cache (messages of strings need no deep copy)."""
-    if type(m) is dict and all(type(v) is str for v in m.values()):
-        return dict(m)
-    return copy.deepcopy(m)
-
-
-def _shared_prefix(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> int:
-    n = min(len(old), len(new))
-    for i in range(n):
-        if not _same_message(old[i], new[i]):
-            return i
-    return n
 
 
 def _signature(tools: Any, tool_choice: Any) -> bytes | None:
@@ -679,7 +640,7 @@ class Renderer:
                 head = self._template_text(msgs[: n - 1 + shift], native_tools, generation=False)
                 if text.startswith(head):
                     ends[n - 1] = len(head)
-        return _Entry([_snapshot(m) for m in messages], sig, msgs, native_tools, shift, text, ends)
+        return _Entry([snapshot(m) for m in messages], sig, msgs, native_tools, shift, text, ends)
 
     def _extend(self, base: _Entry, k: int, messages: Sequence[Mapping[str, Any]]) -> _Entry | None:
         """Render `messages`, which share `k` messages with `base`, from the largest known text
@@ -708,7 +669,7 @@ class Renderer:
         ends = base.ends[: j + 1] + [-1] * (n - j)
         ends[n - 1] = len(prefix) + len(head) - len(before)
         ends[n] = len(text) - len(g)
-        raw = [*base.raw[:j], *(_snapshot(m) for m in messages[j:])]
+        raw = [*base.raw[:j], *(snapshot(m) for m in messages[j:])]
         return _Entry(raw, base.sig, norm, base.tools, shift, text, ends)
 
     def render_text(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import math
 import os
@@ -596,3 +597,136 @@ def test_opening_creates_the_sqlite_directory_in_wal_mode(tmp_path: Path) -> Non
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
     assert path.exists()
+
+
+# --- message deltas: a turn stores only what it adds ----------------------------------------------
+def growing_session(turns: int, session: str = "s1") -> list[TurnRecord]:
+    """OpenClaw-shaped requests: a big system prompt, history, and a rebuilt last message that
+    the next request drops."""
+    system = {"role": "system", "content": "You are an agent. " * 500}
+    history: list[dict[str, Any]] = [system]
+    recs = []
+    for i in range(turns):
+        history.append({"role": "user", "content": f"step {i} ✓"})
+        internal = {"role": "user", "content": [{"type": "text", "text": f"<<<INTERNAL>>> {i}"}]}
+        recs.append(turn(session, messages=[*history, internal]))
+        history.append({"role": "assistant", "content": f"done {i}", "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": '{"n": 1}'}}]})
+        history.append({"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i}"})
+    return recs
+
+
+def stored_messages(store: Store) -> dict[str, tuple[str | None, int, list[Any]]]:
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, messages_base, messages_keep, messages FROM turns"))
+        return {r.id: (r.messages_base, r.messages_keep, json.loads(r.messages) if isinstance(r.messages, str) else r.messages) for r in rows}
+
+
+async def test_a_growing_session_stores_only_the_messages_each_turn_adds(store: Store) -> None:
+    recs = growing_session(6)
+    for rec in recs:
+        await store.record_turn_async(rec)
+    raw = stored_messages(store)
+    assert raw[recs[0].id][0] is None and len(raw[recs[0].id][2]) == 3  # the first is whole
+    for prev, rec in itertools.pairwise(recs):
+        base, keep, own = raw[rec.id]
+        # extends the previous turn without its rebuilt last message: new are the assistant's
+        # reply, the tool result, the user's message and the new internal context
+        assert (base, keep) == (prev.id, len(prev.messages) - 1)
+        assert own == rec.messages[keep:] and len(own) == 4
+    # every reader gets the whole list back, exactly
+    assert [t.messages for t in store.session_turns("s1")] == [r.messages for r in recs]
+    assert store.get_turn(recs[-1].id).messages == recs[-1].messages  # type: ignore[union-attr]
+    out = io.StringIO()
+    store.export_jsonl(out)
+    assert [json.loads(line)["messages"] for line in out.getvalue().splitlines()] == [r.messages for r in recs]
+    store.attach_next_state(recs[-1].id, [{"role": "user", "content": "thanks"}])
+    assert [t.messages for t in store.turns_awaiting_judgment()] == [recs[-1].messages]
+
+
+def test_reading_a_turn_walks_a_bounded_chain_of_deltas(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    from clawbridge.store import core
+
+    monkeypatch.setattr(core, "MAX_MESSAGE_CHAIN", 3)
+    recs = growing_session(9)
+    for rec in recs:
+        store.record_turn(rec)
+    raw = stored_messages(store)
+
+    def depth(turn_id: str) -> int:
+        base = raw[turn_id][0]
+        return 0 if base is None else 1 + depth(base)
+
+    assert max(depth(r.id) for r in recs) == 3  # then a turn stores its whole list again
+    assert sum(raw[r.id][0] is None for r in recs) >= 2
+    assert store.get_turn(recs[7].id).messages == recs[7].messages  # type: ignore[union-attr]
+    assert [t.messages for t in store.session_turns("s1")] == [r.messages for r in recs]
+
+
+def test_changing_a_recorded_message_list_afterwards_changes_nothing_stored(store: Store) -> None:
+    a = turn(messages=[{"role": "user", "content": "one"}, {"role": "user", "content": [{"type": "text", "text": "x"}]}])
+    store.record_turn(a)
+    a.messages[0]["content"] = "changed in place"
+    a.messages[1]["content"][0]["text"] = "changed too"
+    b = turn(messages=[{"role": "user", "content": "changed in place"}, {"role": "user", "content": [{"type": "text", "text": "changed too"}]}, {"role": "user", "content": "two"}])
+    store.record_turn(b)
+    assert store.get_turn(b.id).messages == b.messages  # type: ignore[union-attr]
+    assert store.get_turn(a.id).messages[0]["content"] == "one"  # type: ignore[union-attr]
+
+
+def test_values_python_calls_equal_but_json_does_not_are_never_shared(store: Store) -> None:
+    a = turn(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "n": 1}]}])
+    b = turn(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "n": True}]}, {"role": "user", "content": "y"}])
+    store.record_turn(a)
+    store.record_turn(b)
+    got = store.get_turn(b.id)
+    assert got is not None and got.messages[0]["content"][0]["n"] is True
+
+
+def test_side_turns_between_main_turns_do_not_break_the_main_chain(store: Store) -> None:
+    recs = growing_session(4)
+    side = turn(messages=[{"role": "user", "content": "title for this chat?"}], turn_type="side")
+    store.record_turn(recs[0])
+    store.record_turn(side)
+    for rec in recs[1:]:
+        store.record_turn(rec)
+    raw = stored_messages(store)
+    assert raw[side.id][0] is None
+    assert raw[recs[1].id][0] == recs[0].id
+    by_index = sorted(store.session_turns("s1"), key=lambda t: t.index)
+    assert [t.messages for t in by_index] == [recs[0].messages, side.messages, *(r.messages for r in recs[1:])]
+
+
+def test_choices_of_one_request_and_a_reopened_store_stay_whole(db_url: str) -> None:
+    recs = growing_session(2)
+    s = Store.open(db_url)
+    s.record_turn(recs[0])
+    twin = turn(messages=recs[0].messages)  # n = 2: the second choice has the same messages
+    s.record_turn(twin)
+    s.close()
+    s = Store.open(db_url)  # remembers nothing: its first turn of the session is stored whole
+    s.record_turn(recs[1])
+    raw = stored_messages(s)
+    assert raw[twin.id][:2] == (recs[0].id, len(recs[0].messages)) and raw[twin.id][2] == []
+    assert raw[recs[1].id][0] is None
+    by_index = sorted(s.session_turns("s1"), key=lambda t: t.index)
+    assert [t.messages for t in by_index] == [recs[0].messages, recs[0].messages, recs[1].messages]
+    s.close()
+
+
+def test_downgrading_writes_whole_lists_back(tmp_path: Path) -> None:
+    from alembic import command
+
+    url = f"sqlite:///{tmp_path / 'down.db'}"
+    s = Store.open(url)
+    recs = growing_session(4)
+    for rec in recs:
+        s.record_turn(rec)
+    with s.engine.begin() as conn:
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, "0001")
+    with s.engine.connect() as conn:
+        rows = dict(conn.execute(sa.text("SELECT id, messages FROM turns")).all())
+    assert {i: json.loads(m) for i, m in rows.items()} == {r.id: r.messages for r in recs}
+    s.close()

@@ -57,7 +57,8 @@ def top_from_json(data: list[Any] | None) -> tuple[tuple[TokenLogprob, ...], ...
     return tuple(tuple(TokenLogprob(int(i), float(lp)) for i, lp in alts) for alts in data)
 
 
-def turn_from_row(r: Any, judged: frozenset[str]) -> StoredTurn:
+def turn_from_row(r: Any, judged: frozenset[str], messages: list[JSONObject]) -> StoredTurn:
+    """A turn row back as a record; `messages` is its whole list (see `Store._whole_messages`)."""
     return StoredTurn(
         id=r.id,
         session_id=r.session_id,
@@ -66,7 +67,7 @@ def turn_from_row(r: Any, judged: frozenset[str]) -> StoredTurn:
         turn_type=r.turn_type,
         tagged=r.tagged,
         train=r.train,
-        messages=r.messages,
+        messages=messages,
         tools=r.tools,
         request_params=r.request_params,
         prompt_ids=unpack_ids(r.prompt_ids),
@@ -122,7 +123,10 @@ def sample_from_row(r: Any) -> Sample:
     )
 
 
-def turn_row(rec: TurnRecord, idx: int) -> dict[str, Any]:
+def turn_row(
+    rec: TurnRecord, idx: int, base: str | None = None, keep: int = 0
+) -> dict[str, Any]:
+    """The row of a turn; with a `base`, only the messages after the `keep` it shares."""
     return {
         "id": rec.id,
         "session_id": rec.session_id,
@@ -130,7 +134,9 @@ def turn_row(rec: TurnRecord, idx: int) -> dict[str, Any]:
         "turn_type": rec.turn_type,
         "tagged": rec.tagged,
         "train": rec.train,
-        "messages": rec.messages,
+        "messages_base": base,
+        "messages_keep": keep if base is not None else 0,
+        "messages": rec.messages[keep:] if base is not None else rec.messages,
         "tools": rec.tools,
         "request_params": rec.request_params,
         "prompt_ids": pack_ids(rec.prompt_ids),

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from functools import partial
 from importlib import resources
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import IO, Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
+from clawbridge.prefix import shared_prefix, snapshot
 from clawbridge.store import codec
 from clawbridge.store import schema as t
 from clawbridge.store.records import (
@@ -46,6 +49,12 @@ R = TypeVar("R")
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 READ_THREADS = 4
+# A turn stores only the messages it adds to a recent turn of its session (`messages_base`);
+# every MAX_MESSAGE_CHAIN turns in a chain one stores its whole list, so reading a turn back never
+# walks more than that many rows. RECENT_SESSIONS bounds what the writer remembers.
+MAX_MESSAGE_CHAIN = 32
+RECENT_SESSIONS = 256
+RECENT_PER_SESSION = 2  # the last main and side turns, say: each extends its own kind
 # Which states a sample may move to, and from where. `trained` and `dropped` are final: that is
 # what makes "no sample is trained twice" a property of the database, not of the trainer.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -67,6 +76,15 @@ class SampleStateError(StoreError):
 _INSERT_TURN = t.turns.insert()
 
 
+@dataclass(frozen=True)
+class _Recent:
+    """A turn the writer recorded lately: what the session's next turns may extend."""
+
+    turn_id: str
+    messages: list[Any]  # its whole list, snapshotted (the caller's dicts may change later)
+    depth: int  # turns between it and the nearest turn that stores its whole list
+
+
 class Store:
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
@@ -75,6 +93,8 @@ class Store:
         # Reads get their own threads: a slow query must not starve the event loop's default
         # executor, which the rest of the process shares.
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="clawbridge-store")
+        self._recent: OrderedDict[str, list[_Recent]] = OrderedDict()  # session id -> newest first
+        self._recent_lock = threading.Lock()
         # Built once: building a statement per call costs more than executing it.
         ins = self._insert(t.sessions)
         self._upsert_session_for_turns = ins.on_conflict_do_update(
@@ -251,7 +271,15 @@ class Store:
         session upsert per session (its turn count numbers the new turns), one multi-row
         insert."""
         ids = [r.id for r in recs]
-        seen = set(conn.execute(sa.select(t.turns.c.id).where(t.turns.c.id.in_(ids))).scalars())
+        with self._recent_lock:
+            recent = {r.session_id: list(self._recent.get(r.session_id, ())) for r in recs}
+        # One lookup: which of these turns are stored already, and which remembered turns (the
+        # bases the new ones may extend) really are committed.
+        candidates = [c.turn_id for cs in recent.values() for c in cs]
+        stored = set(
+            conn.execute(sa.select(t.turns.c.id).where(t.turns.c.id.in_(ids + candidates))).scalars()
+        )
+        seen = {i for i in ids if i in stored}
         by_session: dict[str, list[TurnRecord]] = {}
         for rec in recs:
             if rec.id not in seen:
@@ -270,9 +298,27 @@ class Store:
                     "turns": len(new), "main_turns": main, "done": False,
                 },
             ).scalar_one()
-            rows.extend(codec.turn_row(r, count - len(new) + k) for k, r in enumerate(new))
+            bases = [c for c in recent[session_id] if c.turn_id in stored]
+            for k, r in enumerate(new):
+                base, keep = _best_base(bases, r.messages)
+                rows.append(codec.turn_row(r, count - len(new) + k, base.turn_id if base else None, keep))
+                if base is None:
+                    mine = _Recent(r.id, [snapshot(m) for m in r.messages], 0)
+                else:
+                    tail = [snapshot(m) for m in r.messages[keep:]]
+                    mine = _Recent(r.id, base.messages[:keep] + tail, base.depth + 1)
+                bases = [mine, *bases][:RECENT_PER_SESSION]
+            recent[session_id] = bases
         if rows:
             conn.execute(_INSERT_TURN, rows)
+        # Remembered before the commit: if it fails, the next batch's lookup finds these ids
+        # missing and stores whole lists again.
+        with self._recent_lock:
+            for session_id in by_session:
+                self._recent[session_id] = recent[session_id]
+                self._recent.move_to_end(session_id)
+            while len(self._recent) > RECENT_SESSIONS:
+                self._recent.popitem(last=False)
         return ids
 
     def attach_next_state(
@@ -360,7 +406,53 @@ class Store:
                 )
             ):
                 kinds.setdefault(tid, set()).add(kind)
-        return [codec.turn_from_row(r, frozenset(kinds.get(r.id, ()))) for r in rows]
+        whole = self._whole_messages(conn, rows)
+        return [codec.turn_from_row(r, frozenset(kinds.get(r.id, ())), whole[r.id]) for r in rows]
+
+    def _whole_messages(self, conn: sa.Connection, rows: Sequence[Any]) -> dict[str, list[JSONObject]]:
+        """Each row's whole message list: its base's first `messages_keep` messages, then its
+        own. The bases outside `rows` come in one recursive query, up to the turns that store a
+        whole list (at most MAX_MESSAGE_CHAIN away)."""
+        parts: dict[str, tuple[str | None, int, list[JSONObject]]] = {
+            r.id: (r.messages_base, r.messages_keep, r.messages) for r in rows
+        }
+        missing = {r.messages_base for r in rows if r.messages_base is not None} - parts.keys()
+        if missing:
+            tu = t.turns
+            chain = (
+                sa.select(tu.c.id, tu.c.messages_base)
+                .where(tu.c.id.in_(sorted(missing)))
+                .cte("chain", recursive=True)
+            )
+            chain = chain.union(
+                sa.select(tu.c.id, tu.c.messages_base).join(chain, tu.c.id == chain.c.messages_base)
+            )
+            for r in conn.execute(
+                sa.select(tu.c.id, tu.c.messages_base, tu.c.messages_keep, tu.c.messages).where(
+                    tu.c.id.in_(sa.select(chain.c.id))
+                )
+            ):
+                parts[r.id] = (r.messages_base, r.messages_keep, r.messages)
+        whole: dict[str, list[JSONObject]] = {}
+
+        def resolve(turn_id: str) -> None:
+            # Iterative: walk up to a whole list (or one resolved already), then back down.
+            path = []
+            while turn_id not in whole:
+                base, _, own = parts[turn_id]
+                if base is None:
+                    whole[turn_id] = own
+                    break
+                path.append(turn_id)
+                turn_id = base
+            for tid in reversed(path):
+                base, keep, own = parts[tid]
+                assert base is not None
+                whole[tid] = whole[base][:keep] + own
+
+        for r in rows:
+            resolve(r.id)
+        return whole
 
     # --- judgments ----------------------------------------------------------------------------
     def add_judgment(self, judgment: Judgment) -> int:
@@ -736,6 +828,17 @@ def _configure_sqlite(engine: sa.Engine, synchronous: str) -> None:
     def _on_begin(conn: sa.Connection) -> None:
         write = conn.get_execution_options().get("clawbridge_write", False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _best_base(bases: Sequence[_Recent], messages: Sequence[Any]) -> tuple[_Recent | None, int]:
+    """The remembered turn sharing the longest message prefix with `messages` (none if no
+    message is shared, or its chain is as long as allowed)."""
+    best, keep = None, 0
+    for c in bases:
+        k = shared_prefix(c.messages, messages)
+        if k > keep and c.depth < MAX_MESSAGE_CHAIN:
+            best, keep = c, k
+    return best, keep
 
 
 def alembic_config() -> Any:

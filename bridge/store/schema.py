@@ -88,6 +88,12 @@ turns = sa.Table(
     sa.Column("logprobs", sa.LargeBinary, nullable=False),
     sa.Column("top_logprobs", sa.JSON(none_as_null=True)),
     sa.Column("tools", sa.JSON(none_as_null=True)),
+    # A turn stores only the messages it adds to a turn it extends: its full message list is
+    # the first `messages_keep` messages of turn `messages_base`'s full list, then `messages`.
+    # No base: `messages` is the whole list. Rows are never deleted, and the writer checks the
+    # base exists in the same transaction (no FK: SQLite could only add one by copying the table).
+    sa.Column("messages_base", sa.Text),
+    sa.Column("messages_keep", sa.Integer, nullable=False, server_default="0"),
     sa.Column("messages", sa.JSON, nullable=False),
     sa.Column("prompt_ids", sa.LargeBinary, nullable=False),
     sa.Index(None, "session_id", "idx"),

@@ -1,0 +1,53 @@
+"""Exact comparison of message lists, for what a conversation's next request shares with its last.
+
+The renderer's prompt cache and the store's message deltas both reuse the longest message prefix
+a new request shares with an earlier one, and both must be exact: `==` is not, since 1, 1.0 and
+True are equal in Python but not in JSON (they render and serialise differently). What is kept
+for later comparison is a snapshot, so a caller changing its dicts afterwards changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def same_message(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if type(a) is not dict or type(b) is not dict or a != b:
+        return False if type(a) is dict and type(b) is dict else same_json(a, b)
+    # Equal dicts whose values are all strings (almost every message) need no walk.
+    if all(type(v) is str for v in a.values()) and all(type(v) is str for v in b.values()):
+        return True
+    return same_json(a, b)
+
+
+def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
+    """How many leading messages `new` shares with `old`."""
+    n = min(len(old), len(new))
+    for i in range(n):
+        if not same_message(old[i], new[i]):
+            return i
+    return n
+
+
+def snapshot(m: Any) -> Any:
+    """A copy the caller cannot change (a message of strings needs no deep copy)."""
+    if type(m) is dict and all(type(v) is str for v in m.values()):
+        return dict(m)
+    return copy.deepcopy(m)
