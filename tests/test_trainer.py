@@ -76,6 +76,45 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
         store.close()
 
 
+async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_continues_from_it(data_dir: Path):
+    from clawbridge.demo_cli import version_origin
+    from clawbridge.trainer import ROLLBACKS_KEY
+
+    settings = settings_for(data_dir, batch_size=2, checkpoint_every=1)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    prompt, completion = (1, 520, 3121, 28), (17, 401, 2032)
+    try:
+        judged_samples(store, 4)
+        trainer = Trainer(settings, backend, store)
+        assert (await trainer.step_once()).version == 1  # type: ignore[union-attr]
+        v1 = await backend.score(prompt, completion)
+        assert (await trainer.step_once()).version == 2  # type: ignore[union-attr]
+        rb = await trainer.rollback(1)
+        assert (rb.version, rb.restored, rb.previous) == (3, 1, 2)
+        rows = {r.version: r for r in store.versions()}
+        assert rows[3].step is None and rows[3].samples == 0 and rows[3].path == rb.path
+        rollbacks = store.get_meta(ROLLBACKS_KEY)
+        assert rollbacks == {"3": 1}
+        assert [version_origin(rows[v].step, v, rollbacks) for v in (1, 2, 3)] == ["1", "2", "rollback of v1"]
+        ck = store.get_meta(CHECKPOINT_KEY)
+        assert (ck["version"], ck["step"], ck["path"]) == (3, 2, rb.checkpoint)
+    finally:
+        await backend.close()
+
+    fresh = LocalBackend.from_settings(settings)
+    await fresh.start()
+    try:
+        resumed = Trainer(settings, fresh, store)
+        await resumed.resume()
+        assert fresh.version == 3 and await resumed.next_step_number() == 3
+        assert await fresh.score(prompt, completion) == pytest.approx(v1, abs=1e-6)
+    finally:
+        await fresh.close()
+        store.close()
+
+
 async def test_samples_older_than_max_staleness_are_dropped_with_the_reason(data_dir: Path):
     settings = settings_for(data_dir, batch_size=2, max_staleness=0)
     store = Store.open(settings.db_url)
