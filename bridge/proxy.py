@@ -315,7 +315,7 @@ class Proxy:
             first = await anext(aiter(chunks))
         except StopAsyncIteration:
             first = TokenChunk((), (), d.version, "stop")
-        return StreamingResponse(
+        return _EventStream(
             self._events(d, chunks, first, include_usage),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
@@ -415,6 +415,22 @@ class Proxy:
         if self.hooks.status_extra is not None:
             out["extra"] = self.hooks.status_extra()
         return out
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose event generator is closed as soon as the response ends, however it ends. A
+    client that disconnects makes the next send fail; Starlette then leaves the generator
+    suspended for the garbage collector. Closing it here runs its `finally` at once: the
+    backend's stream is closed, so the engine stops generating for nobody, and the turn, whose
+    answer was not fully sent, is not recorded (that happens only after the last event is built)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            body = self.body_iterator
+            if hasattr(body, "aclose"):
+                await body.aclose()
 
 
 def _tool_calls(msg: AssistantMessage) -> list[dict[str, Any]] | None:

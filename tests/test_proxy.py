@@ -302,3 +302,49 @@ def test_banner_has_endpoint_curl_and_a_pasteable_openclaw_provider(live: LiveSe
     assert provider["agents"]["defaults"]["model"]["primary"] == f"clawbridge/{MODEL}"
     line = status_line(live.call(live.proxy.status()))
     assert "requests" in line and "policy@v0" in line
+
+
+def test_a_client_leaving_mid_stream_stops_generation_and_records_nothing(live: LiveServer):
+    """A turn whose answer was not fully sent is no training sample: nothing is recorded, and
+    the engine stops generating for it at once (its batch row is freed)."""
+    import threading
+    import time
+
+    engine = live.backend.engine
+    drawn = [0]
+    lock = threading.Lock()
+    original = engine._take
+
+    def counting_take(seq: Any, logits: Any) -> Any:
+        with lock:
+            drawn[0] += 1
+        return original(seq, logits)
+
+    engine._take = counting_take
+    before = store_of(live).stats().turns
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count to a million"}],
+            "stream": True, "max_tokens": 20_000, "temperature": 0}
+    try:
+        with httpx.Client(timeout=30) as http, http.stream(
+            "POST", f"{live.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "left-early"}
+        ) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events >= 5:
+                    break  # leaving the block closes the connection mid-answer
+        deadline = time.monotonic() + 10
+        while engine._active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not engine._active, "the engine is still generating for a client that left"
+        stopped_at = drawn[0]
+        time.sleep(0.5)
+        assert drawn[0] == stopped_at and stopped_at < 2_000  # no compute after the stop
+    finally:
+        engine._take = original
+    deadline = time.monotonic() + 5
+    while live.proxy.counters.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert live.proxy.counters.in_flight == 0
+    assert turns(live, "left-early") == [] and store_of(live).stats().turns == before
