@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 BASE = "__base__"  # PEFT's row name for "no adapter"
 TRAIN = "default"  # the trainable adapter; saved without a sub-folder under this name
+STALE = "\0stale"  # no adapter's name: the LoRA layers must be pointed again before a forward
 
 
 def adapter_name(version: int) -> str:
@@ -114,6 +115,8 @@ class Engine:
         self.stop_ids = self._default_stop_ids()
         self._model: Any = None
         self._lora_layers: list[Any] = []
+        self._trainable_active: list[Any] = []  # each layer's active adapter as PEFT set it up
+        self._pointed: str | None = None  # the adapter the layers point at (None: trainable)
         self._optimizer: torch.optim.AdamW | None = None
         self._initial: dict[str, torch.Tensor] = {}  # the trainable adapter at start (v0's)
         self._newest = 0
@@ -152,6 +155,7 @@ class Engine:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]
+        self._trainable_active = [layer._active_adapter for layer in self._lora_layers]
         self._initial = self._trainable_state()
         self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)
         self._thread.start()
@@ -335,20 +339,24 @@ class Engine:
         forward instead: the mixed-batch path (per-layer gathers and scatters, hooks on every
         module) measured twice the cost of a plain forward of SmolLM2 on CPU."""
         if names is None:
+            self._point_at(None)
             return self._model(**inputs)
         unique = set(names)
         if len(unique) > 1:
             return self._model(**inputs, adapter_names=list(names))
-        name = unique.pop()
-        saved = [layer._active_adapter for layer in self._lora_layers]
-        for layer in self._lora_layers:
-            # PEFT's own set_adapter also flips requires_grad, which must stay on "default"
-            layer._active_adapter = [] if name == BASE else [name]
-        try:
-            return self._model(**inputs)
-        finally:
-            for layer, value in zip(self._lora_layers, saved, strict=True):
-                layer._active_adapter = value
+        self._point_at(unique.pop())
+        return self._model(**inputs)
+
+    def _point_at(self, name: str | None) -> None:
+        """Point every LoRA layer at adapter `name` (None: the trainable one as PEFT set it up),
+        only when it changes: the assignment goes through nn.Module.__setattr__ on each of the
+        hundreds of LoRA layers, which measured a few percent of a decode step. PEFT's own
+        set_adapter would also flip requires_grad, which must stay on the trainable adapter."""
+        if name == self._pointed:
+            return
+        for layer, trainable in zip(self._lora_layers, self._trainable_active, strict=True):
+            layer._active_adapter = trainable if name is None else [] if name == BASE else [name]
+        self._pointed = name
 
     def _run_job(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():
@@ -468,6 +476,7 @@ class Engine:
             if not (path / "adapter_config.json").exists():
                 raise BackendError(f"policy@v{version} is no longer available ({path} is missing)")
             self._model.load_adapter(str(path), adapter_name=adapter_name(version))
+            self._pointed = STALE  # PEFT may re-point layers when adapters come and go
             self._loaded.add(version)
         self._refs[version] = self._refs.get(version, 0) + 1
         return version
@@ -481,6 +490,7 @@ class Engine:
         for version in sorted(self._loaded):
             if version != self._newest and self._refs.get(version, 0) <= 0:
                 self._model.delete_adapter(adapter_name(version))
+                self._pointed = STALE
                 self._loaded.discard(version)
                 self._refs.pop(version, None)
 
@@ -493,6 +503,7 @@ class Engine:
         self._write_adapter(path)
         # serve exactly what was persisted: the folder is what restarts and rollbacks load
         self._model.load_adapter(str(path), adapter_name=adapter_name(version))
+        self._pointed = STALE
         self._loaded.add(version)
         self._newest = version
         self._collect()

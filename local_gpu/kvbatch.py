@@ -40,6 +40,7 @@ class KVBatch:
     mask: torch.Tensor | None = None  # [B, L] 1 = real token, 0 = left padding
     positions: list[int] = field(default_factory=list)  # position of each row's next input
     next_tokens: list[int] = field(default_factory=list)  # each row's next input token
+    padded: bool = False  # some row has left padding: the model needs the mask
 
     @property
     def size(self) -> int:
@@ -54,10 +55,11 @@ class KVBatch:
         device = _layers(cache)[0][0].device
         row_mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
         if self.cache is None or self.mask is None:
-            self.cache, self.mask = cache, row_mask
+            self.cache, self.mask, self.padded = cache, row_mask, False
         else:
             length = max(self.length, prompt_len)
             old_pad, new_pad = length - self.length, length - prompt_len
+            self.padded = self.padded or old_pad > 0 or new_pad > 0
             merged = [
                 (
                     torch.cat([_pad_left(k0, old_pad), _pad_left(k1, new_pad)]),
@@ -76,16 +78,21 @@ class KVBatch:
         self.next_tokens.append(next_token)
 
     def step_inputs(self) -> dict[str, torch.Tensor | DynamicCache]:
-        """Model inputs for one decode step of every row (the cache grows by one column)."""
+        """Model inputs for one decode step of every row (the cache grows by one column). The
+        mask goes to the model only while some row is padded: without padding every cached
+        position is attended anyway, and building the 4-D mask each step costs the model's
+        Python mask machinery on every token."""
         assert self.mask is not None and self.cache is not None
         device = self.mask.device
         self.mask = torch.cat([self.mask, self.mask.new_ones(self.size, 1)], dim=1)
-        return {
+        inputs: dict[str, torch.Tensor | DynamicCache] = {
             "input_ids": torch.tensor(self.next_tokens, device=device).view(-1, 1),
-            "attention_mask": self.mask,
             "position_ids": torch.tensor(self.positions, device=device).view(-1, 1),
             "past_key_values": self.cache,
         }
+        if self.padded:
+            inputs["attention_mask"] = self.mask
+        return inputs
 
     def advance(self, tokens: list[int]) -> None:
         self.next_tokens = tokens
@@ -97,12 +104,14 @@ class KVBatch:
             return
         if not rows:
             self.cache, self.mask, self.positions, self.next_tokens = None, None, [], []
+            self.padded = False
             return
         assert self.mask is not None and self.cache is not None
         index = torch.tensor(rows, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         first = int(mask.any(dim=0).to(torch.int8).argmax())  # first column some row still uses
         self.mask = mask[:, first:]
+        self.padded = not bool(self.mask.all())
         for layer in _full_layers(self.cache):
             layer.keys = layer.keys.index_select(0, index)[:, :, first:]
             layer.values = layer.values.index_select(0, index)[:, :, first:]
