@@ -10,11 +10,18 @@ for f in bridge/*; do ln -s "$PWD/$f" build/pkg/clawbridge/; done
 for d in backends judges local_gpu; do ln -s "$PWD/$d" build/pkg/clawbridge/$d; done
 export PYTHONPATH="$PWD/build/pkg"
 python -c "import peft, pytest, pytest_asyncio" 2>/dev/null || export PYTHONPATH="$PYTHONPATH:$PWD/build/gpu_assets/site"
+# the server's own dependencies (starlette, uvicorn, SQLAlchemy, pydantic, openai...) for tests/gpu's
+# end-to-end `up` test, as cp312 wheels in build/gpu_assets/wheels where the machine lacks them
+if ! python -c "import starlette, sqlalchemy, pydantic_settings, openai" 2>/dev/null && [ -d build/gpu_assets/wheels ]; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cb-site build/gpu_assets/wheels/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/cb-site"
+fi
 export CLAWBRIDGE_TOKENIZER_DIR="$PWD/build/gpu_assets/tokenizer"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/env.txt"
 timeout ${T_TESTS:-170} python -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt"
 timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 2>&1 | tail -40 | tee "$OUT/gpu_train.txt"
+[ -n "${NO_CKPT:-}" ] && timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 --no-checkpointing 2>&1 | tail -40 | tee "$OUT/gpu_train_nockpt.txt"
 timeout ${T_SAMPLE:-170} python bench/gpu_sample.py --arch qwen3-4b --tokenizer build/gpu_assets/tokenizer 2>&1 | tail -60 | tee "$OUT/gpu_sample.txt"
 timeout ${T_PUB:-80} python bench/publish_latency.py --engine-model arch:qwen3-4b --tokenizer build/gpu_assets/tokenizer --repeat 5 2>&1 | tail -20 | tee "$OUT/publish.txt"
 cp /tmp/cb-train-*/trainer.log "$OUT/" 2>/dev/null || true

@@ -44,6 +44,33 @@ async def run(engine: Engine, prompt: list[int], tokens: int, concurrency: int) 
             "ttft_ms": round(1000 * sum(firsts) / len(firsts), 1)}
 
 
+def reference(folder: Path, prompt: list[int], tokens: int, batch: int) -> dict[str, float]:
+    """The floor for an eager PyTorch decode of the same weights: plain Transformers (no PEFT, no
+    scheduler), one forward per token for `batch` identical rows, greedy, one host sync per token
+    (as any server streaming tokens has). The engine's ratio to this is its own overhead."""
+    model = models.load_model(models.resolve(str(folder)), dtype=torch.bfloat16, device="cuda")
+    ids = torch.tensor([prompt] * batch, device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):  # warm-up, then the timed run
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt.tolist()
+            first = time.perf_counter() - started
+            cache = out.past_key_values
+            for _ in range(tokens - 1):
+                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                nxt.tolist()
+            wall = time.perf_counter() - started
+    del model, cache, out
+    torch.cuda.empty_cache()
+    return {"concurrency": batch, "tokens": tokens * batch, "tokens_per_s": round(tokens * batch / wall, 1),
+            "per_request_tokens_per_s": round(tokens / wall, 1), "ttft_ms": round(1000 * first, 1)}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen3-4b")
@@ -78,6 +105,12 @@ async def main() -> None:
             rows[version] = {"publish_s": publish_s,
                              "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency]}
             print(version, rows[version], flush=True)
+        if args.device == "cuda":
+            rows["reference_hf_eager"] = {"runs": [reference(folder, prompt, args.tokens, c) for c in args.concurrency]}
+            print("reference", rows["reference_hf_eager"], flush=True)
+            for i, c in enumerate(args.concurrency):
+                print(f"c{c}: engine {rows['base']['runs'][i]['tokens_per_s']} tok/s vs plain eager "
+                      f"{rows['reference_hf_eager']['runs'][i]['tokens_per_s']} tok/s", flush=True)
         write_result("gpu_sample", {"arch": args.arch, "dtype": "bfloat16", "prompt": args.prompt,
                                     "tokens": args.tokens, "model_write_s": round(made, 1),
                                     "engine_start_s": round(load, 1), **rows})

@@ -77,7 +77,7 @@ def test_the_one_gpu_stack_serves_trains_publishes_and_stops_everything(tmp_path
     the supervisor and the FSDP2 trainer (one gloo rank) under torchrun. A chat is served by v0;
     a train step and a publish later the next chat is served by v1; stopping the server stops
     every process the stack started."""
-    settings = Settings(model=models.TINY, data_dir=tmp_path, lora_rank=8, lora_alpha=8, train=False)
+    settings = Settings(model=models.TINY, data_dir=tmp_path, lora_rank=8, lora_alpha=8, train=False, port=0)
     plan = layout.plan(1)
     port = free_port()
     fake = ServerSpec("policy-sglang", (sys.executable, FAKE, "--port", str(port)), port, (0,))

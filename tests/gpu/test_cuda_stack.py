@@ -7,9 +7,6 @@ set CLAWBRIDGE_TOKENIZER_DIR to a saved copy of it (bench/README: build/gpu_asse
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,21 +20,6 @@ BATCH = [
     Datum((1, 2), (9, 10, 11, 12), (-11.0, -10.5, -11.2, -10.9), (0.5, 0.5, 0.5, 0.5), temperature=0.7),
 ]
 OPTIM = OptimSpec(learning_rate=1e-2)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    """tiny-random as a folder (fp32 weights + tokenizer), loadable without the GGUF package."""
-    folder = tmp_path_factory.mktemp("tiny")
-    try:
-        tok = models.load_tokenizer(models.resolve(models.TINY))
-        tok.save_pretrained(str(folder))
-    except models.ModelNotFound:
-        src = Path(os.environ.get("CLAWBRIDGE_TOKENIZER_DIR", "build/gpu_assets/tokenizer"))
-        for f in src.iterdir():
-            shutil.copy(f, folder / f.name)
-    models.load_model(models.ModelSpec("tiny", None, 4096), seed=0).save_pretrained(str(folder))
-    return str(folder)
 
 
 async def test_the_engine_samples_scores_trains_and_publishes_on_cuda(tiny_dir, tmp_path):
