@@ -730,3 +730,39 @@ def test_downgrading_writes_whole_lists_back(tmp_path: Path) -> None:
         rows = dict(conn.execute(sa.text("SELECT id, messages FROM turns")).all())
     assert {i: json.loads(m) for i, m in rows.items()} == {r.id: r.messages for r in recs}
     s.close()
+
+
+def test_a_store_written_before_deltas_and_next_state_rows_upgrades_in_place(db_url: str) -> None:
+    """Revision 0001 data (whole message lists, next states on the turn row) reads back the
+    same after `Store.open` migrates to head."""
+    from clawbridge.store.records import pack_floats, pack_ids
+
+    s = Store.open(db_url, migrate=False)
+    s.migrate("0001")
+    now = datetime.now(UTC)
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi ✓"}]
+    with s.engine.begin() as conn:
+        md = sa.MetaData()
+        sessions = sa.Table("sessions", md, autoload_with=conn)
+        turns = sa.Table("turns", md, autoload_with=conn)
+        conn.execute(sessions.insert().values(id="old", source="header", created_at=now, updated_at=now,
+                                              turns=2, main_turns=2, done=False))
+        for i, (tid, ns) in enumerate((("t-old-0", [{"role": "user", "content": "thanks"}]), ("t-old-1", None))):
+            conn.execute(turns.insert().values(
+                id=tid, session_id="old", idx=i, turn_type="main", tagged=True, train=True, version=0,
+                finish_reason="stop", n_prompt=2, n_completion=1, created_at=now,
+                next_state_at=now if ns else None, next_state=ns, sampling={}, request_params={},
+                response={"role": "assistant", "content": "yo"}, completion_ids=pack_ids([5]),
+                logprobs=pack_floats([-0.5]), messages=messages, prompt_ids=pack_ids([1, 2]),
+            ))
+    s.close()
+    s = Store.open(db_url)
+    got = {t.id: t for t in s.session_turns("old")}
+    assert got["t-old-0"].messages == messages and got["t-old-0"].next_state == [{"role": "user", "content": "thanks"}]
+    assert got["t-old-0"].next_state_at is not None and got["t-old-1"].next_state is None
+    assert s.stats().awaiting_next_state == 1
+    # and the session goes on with deltas from there
+    rec = turn("old", messages=[*messages, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "more"}])
+    s.record_turn(rec)
+    assert s.get_turn(rec.id).messages == rec.messages  # type: ignore[union-attr]
+    s.close()

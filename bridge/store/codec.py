@@ -153,8 +153,6 @@ def turn_row(
         "ttft_ms": rec.ttft_ms,
         "total_ms": rec.total_ms,
         "created_at": rec.created_at,
-        "next_state": None,
-        "next_state_at": None,
     }
 
 

@@ -331,12 +331,15 @@ class Store:
     def _attach_next_state(
         self, turn_id: str, next_state: list[JSONObject], at: datetime | None, conn: sa.Connection
     ) -> bool:
-        res = conn.execute(
-            sa.update(t.turns)
-            .where(t.turns.c.id == turn_id, t.turns.c.next_state_at.is_(None))
-            .values(next_state=next_state, next_state_at=at or utcnow())
-        )
-        return bool(res.rowcount)
+        if conn.execute(sa.select(t.turns.c.id).where(t.turns.c.id == turn_id)).first() is None:
+            return False
+        added = conn.execute(
+            self._insert(t.next_states)
+            .values(turn_id=turn_id, messages=next_state, created_at=at or utcnow())
+            .on_conflict_do_nothing()
+            .returning(t.next_states.c.turn_id)
+        ).scalar()
+        return added is not None
 
     def get_turn(self, turn_id: str) -> StoredTurn | None:
         with self._read() as conn:
@@ -373,7 +376,7 @@ class Store:
                 sa.and_(
                     t.turns.c.turn_type == "main",
                     t.turns.c.train == sa.true(),
-                    t.turns.c.next_state_at.is_not(None),
+                    t.next_states.c.turn_id.is_not(None),
                     missing,
                 ),
                 limit=limit,
@@ -387,9 +390,16 @@ class Store:
         order: Any = None,
         limit: int | None = None,
     ) -> list[StoredTurn]:
+        ns = t.next_states.c
         q = (
-            sa.select(t.turns, t.sessions.c.source.label("session_source"))
+            sa.select(
+                t.turns,
+                t.sessions.c.source.label("session_source"),
+                ns.messages.label("next_state"),
+                ns.created_at.label("next_state_at"),
+            )
             .join(t.sessions, t.sessions.c.id == t.turns.c.session_id)
+            .outerjoin(t.next_states, ns.turn_id == t.turns.c.id)
             .where(where)
             .order_by(
                 order if order is not None else t.turns.c.created_at, t.turns.c.id
@@ -773,7 +783,8 @@ class Store:
                 untagged_turns=count(conn, t.turns, tu.tagged == sa.false()),
                 opted_out_turns=count(conn, t.turns, tu.train == sa.false()),
                 awaiting_next_state=count(
-                    conn, t.turns, tu.turn_type == "main", tu.next_state_at.is_(None)
+                    conn, t.turns, tu.turn_type == "main",
+                    ~sa.exists().where(t.next_states.c.turn_id == tu.id),
                 ),
                 judged_turns=int(
                     conn.execute(sa.select(sa.func.count(sa.distinct(t.judgments.c.turn_id)))).scalar_one()

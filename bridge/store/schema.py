@@ -79,10 +79,8 @@ turns = sa.Table(
     sa.Column("ttft_ms", sa.Float),
     sa.Column("total_ms", sa.Float),
     sa.Column("created_at", UTCDateTime(), nullable=False),
-    sa.Column("next_state_at", UTCDateTime()),
     sa.Column("sampling", sa.JSON, nullable=False),
     sa.Column("request_params", sa.JSON, nullable=False),
-    sa.Column("next_state", sa.JSON(none_as_null=True)),
     sa.Column("response", sa.JSON, nullable=False),
     sa.Column("completion_ids", sa.LargeBinary, nullable=False),
     sa.Column("logprobs", sa.LargeBinary, nullable=False),
@@ -98,6 +96,17 @@ turns = sa.Table(
     sa.Column("prompt_ids", sa.LargeBinary, nullable=False),
     sa.Index(None, "session_id", "idx"),
     sa.Index(None, "created_at"),
+)
+
+# A turn's next state (what the next main request appended after its reply), in a table of its
+# own: attaching it is a small insert, where an update of the turn would rewrite its whole row
+# (SQLite rewrites a row on any update; an OpenClaw turn's row is ~50 KB of ids and tools).
+next_states = sa.Table(
+    "next_states",
+    metadata,
+    sa.Column("turn_id", sa.Text, sa.ForeignKey("turns.id"), primary_key=True),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("messages", sa.JSON, nullable=False),
 )
 
 judgments = sa.Table(
