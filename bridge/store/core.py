@@ -845,10 +845,14 @@ def _best_base(bases: Sequence[_Recent], messages: Sequence[Any]) -> tuple[_Rece
     """The remembered turn sharing the longest message prefix with `messages` (none if no
     message is shared, or its chain is as long as allowed)."""
     best, keep = None, 0
-    for c in bases:
+    for c in bases:  # newest first
+        if c.depth >= MAX_MESSAGE_CHAIN:
+            continue
         k = shared_prefix(c.messages, messages)
-        if k > keep and c.depth < MAX_MESSAGE_CHAIN:
+        if k > keep:
             best, keep = c, k
+        if k and k >= len(c.messages) - 1:  # extends it (its rebuilt last message aside): done
+            break
     return best, keep
 
 
