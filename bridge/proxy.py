@@ -85,6 +85,7 @@ class Draft:
     request_params: dict[str, Any]
     logprobs: bool
     t0: float
+    next_state: NextState | None = None  # for the session's previous turn, not yet written
 
 
 class Proxy:
@@ -176,8 +177,6 @@ class Proxy:
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         )
         adm = self.sessions.admit(tag, messages)
-        if adm.next_state is not None:
-            self._spawn(self._attach(adm.next_state))
         draft = Draft(
             id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
             created=int(time.time()),
@@ -193,8 +192,18 @@ class Proxy:
             ),
             logprobs=req.logprobs,
             t0=time.perf_counter(),
+            next_state=adm.next_state,
         )
         return req, draft
+
+    def attach_next_state(self, d: Draft) -> None:
+        """Write the next state this request carried for its session's previous turn (once).
+        Called just before this request's own turn is written, so both share one commit of the
+        group-commit writer (an attach at admission would commit alone and compete with the
+        render for the interpreter); or, when the request ends without a turn, at its end."""
+        ns, d.next_state = d.next_state, None
+        if ns is not None:
+            self._spawn(self._attach(ns))
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -250,6 +259,7 @@ class Proxy:
             )
             for c, reply, fin in zip(comps, replies, finishes, strict=True)
         ]
+        self.attach_next_state(d)
         try:
             await asyncio.gather(*(self.store.record_turn_async(r) for r in recs))
             self.counters.turns_recorded += len(recs)
@@ -368,6 +378,8 @@ class Proxy:
             return
         finally:
             self.counters.in_flight -= 1
+            if finish is None:  # no whole answer (backend error, client gone): no turn follows
+                self.attach_next_state(d)
             if hasattr(chunks, "aclose"):
                 await chunks.aclose()
         comp = Completion(
@@ -533,6 +545,7 @@ def create_app(
         t0 = time.perf_counter()
         status = 200
         streaming = False
+        d: Draft | None = None
         try:
             proxy.check_auth(request)
             req, d = proxy.admit(request, await proxy.read_body(request))
@@ -552,6 +565,8 @@ def create_app(
         finally:
             if not streaming:
                 proxy.counters.in_flight -= 1
+                if d is not None:  # failed before its turn was written
+                    proxy.attach_next_state(d)
             metrics.observe(status, time.perf_counter() - t0)
 
     async def models(request: Request) -> Response:

@@ -320,9 +320,13 @@ def test_a_client_leaving_mid_stream_stops_generation_and_records_nothing(live: 
             drawn[0] += 1
         return original(seq, logits)
 
+    first = [{"role": "user", "content": "hello"}]
+    reply = httpx.post(f"{live.url}/v1/chat/completions", headers={"X-Session-Id": "left-early"}, timeout=30,
+                       json={"model": MODEL, "messages": first, "max_tokens": 4}).json()["choices"][0]["message"]
     engine._take = counting_take
     before = store_of(live).stats().turns
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "count to a million"}],
+    ask = {"role": "user", "content": "count to a million"}
+    body = {"model": MODEL, "messages": [*first, reply, ask],
             "stream": True, "max_tokens": 20_000, "temperature": 0}
     try:
         with httpx.Client(timeout=30) as http, http.stream(
@@ -347,4 +351,10 @@ def test_a_client_leaving_mid_stream_stops_generation_and_records_nothing(live: 
     while live.proxy.counters.in_flight and time.monotonic() < deadline:
         time.sleep(0.02)
     assert live.proxy.counters.in_flight == 0
-    assert turns(live, "left-early") == [] and store_of(live).stats().turns == before
+    assert store_of(live).stats().turns == before
+    # the only turn is the first request's; the next state the second carried for it is kept
+    deadline = time.monotonic() + 5
+    while not turns(live, "left-early")[0].next_state and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [kept] = turns(live, "left-early")
+    assert kept.next_state == [ask]
