@@ -105,6 +105,20 @@ class Store:
                 "updated_at": ins.excluded.updated_at,
             },
         ).returning(t.sessions.c.turns)
+        # One statement: insert the next state if its turn exists and has none yet.
+        self._insert_next_state = (
+            self._insert(t.next_states)
+            .from_select(
+                ["turn_id", "created_at", "messages"],
+                sa.select(
+                    t.turns.c.id,
+                    sa.bindparam("at", type_=t.next_states.c.created_at.type),
+                    sa.bindparam("messages", type_=t.next_states.c.messages.type),
+                ).where(t.turns.c.id == sa.bindparam("turn_id")),
+            )
+            .on_conflict_do_nothing()
+            .returning(t.next_states.c.turn_id)
+        )
 
     # --- opening ------------------------------------------------------------------------------
     @classmethod
@@ -331,15 +345,8 @@ class Store:
     def _attach_next_state(
         self, turn_id: str, next_state: list[JSONObject], at: datetime | None, conn: sa.Connection
     ) -> bool:
-        if conn.execute(sa.select(t.turns.c.id).where(t.turns.c.id == turn_id)).first() is None:
-            return False
-        added = conn.execute(
-            self._insert(t.next_states)
-            .values(turn_id=turn_id, messages=next_state, created_at=at or utcnow())
-            .on_conflict_do_nothing()
-            .returning(t.next_states.c.turn_id)
-        ).scalar()
-        return added is not None
+        params = {"turn_id": turn_id, "messages": next_state, "at": at or utcnow()}
+        return conn.execute(self._insert_next_state, params).scalar() is not None
 
     def get_turn(self, turn_id: str) -> StoredTurn | None:
         with self._read() as conn:
