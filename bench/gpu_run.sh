@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one go: tests/gpu, then the three benchmarks.
+# TESTS=0 / TRAIN=0 / PUBLISH=0 skip those benchmarks; NO_CKPT=1 adds a training run without checkpointing.
 # Runs from the repository root with the machine's python; results land in $OUT (or bench/results).
 set -u
 OUT=${OUT:-bench/results}; mkdir -p "$OUT"; export OUT
@@ -19,9 +20,9 @@ fi
 export CLAWBRIDGE_TOKENIZER_DIR="$PWD/build/gpu_assets/tokenizer"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$OUT/env.txt"
-timeout ${T_TESTS:-170} python -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt"
-timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 2>&1 | tail -40 | tee "$OUT/gpu_train.txt"
+[ "${TESTS:-1}" = 1 ] && timeout ${T_TESTS:-170} python -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt"
+[ "${TRAIN:-1}" = 1 ] && timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 2>&1 | tail -40 | tee "$OUT/gpu_train.txt"
 [ -n "${NO_CKPT:-}" ] && timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 --no-checkpointing 2>&1 | tail -40 | tee "$OUT/gpu_train_nockpt.txt"
-timeout ${T_SAMPLE:-170} python bench/gpu_sample.py --arch qwen3-4b --tokenizer build/gpu_assets/tokenizer 2>&1 | tail -60 | tee "$OUT/gpu_sample.txt"
-timeout ${T_PUB:-80} python bench/publish_latency.py --engine-model arch:qwen3-4b --tokenizer build/gpu_assets/tokenizer --repeat 5 2>&1 | tail -20 | tee "$OUT/publish.txt"
+timeout ${T_SAMPLE:-170} python bench/gpu_sample.py --arch qwen3-4b --tokenizer build/gpu_assets/tokenizer ${SAMPLE_ARGS:-} 2>&1 | tail -120 | tee "$OUT/gpu_sample.txt"
+[ "${PUBLISH:-1}" = 1 ] && timeout ${T_PUB:-80} python bench/publish_latency.py --engine-model arch:qwen3-4b --tokenizer build/gpu_assets/tokenizer --repeat 5 2>&1 | tail -20 | tee "$OUT/publish.txt"
 cp /tmp/cb-train-*/trainer.log "$OUT/" 2>/dev/null || true

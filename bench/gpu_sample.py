@@ -44,6 +44,23 @@ async def run(engine: Engine, prompt: list[int], tokens: int, concurrency: int) 
             "ttft_ms": round(1000 * sum(firsts) / len(firsts), 1)}
 
 
+async def profile(engine: Engine, prompt: list[int], tokens: int = 16) -> None:
+    """torch.profiler (host side, every thread: the engine's too) over one request's decode at
+    c1: which ops and modules take the host's time per token. Host only: CUPTI tracing of every
+    thread made the run stall on the H100 machine."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    every_thread = _ExperimentalConfig(profile_all_threads=True)
+    with torch_profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        started = time.perf_counter()
+        await run(engine, prompt, tokens, 1)
+        wall = time.perf_counter() - started
+    print(f"profile: {tokens} tokens in {wall * 1000:.0f} ms wall", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
 def reference(folder: Path, prompt: list[int], tokens: int, batch: int) -> dict[str, float]:
     """The floor for an eager PyTorch decode of the same weights: plain Transformers (no PEFT, no
     scheduler), one forward per token for `batch` identical rows, greedy, one host sync per token
@@ -80,7 +97,9 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
     args = ap.parse_args()
+    sys.setswitchinterval(0.0005)  # as `clawbridge up` runs (server.SWITCH_INTERVAL_S)
     root = Path(tempfile.mkdtemp(prefix="cb-sample-"))
     t = time.perf_counter()
     folder = model_dir(args.arch, Path(tempfile.gettempdir()) / "cb-models", args.tokenizer)
@@ -105,12 +124,15 @@ async def main() -> None:
             rows[version] = {"publish_s": publish_s,
                              "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency]}
             print(version, rows[version], flush=True)
-        if args.device == "cuda":
+        if args.device == "cuda" and not args.profile:
             rows["reference_hf_eager"] = {"runs": [reference(folder, prompt, args.tokens, c) for c in args.concurrency]}
             print("reference", rows["reference_hf_eager"], flush=True)
             for i, c in enumerate(args.concurrency):
                 print(f"c{c}: engine {rows['base']['runs'][i]['tokens_per_s']} tok/s vs plain eager "
                       f"{rows['reference_hf_eager']['runs'][i]['tokens_per_s']} tok/s", flush=True)
+        if args.profile:
+            await profile(engine, prompt)
+            return
         write_result("gpu_sample", {"arch": args.arch, "dtype": "bfloat16", "prompt": args.prompt,
                                     "tokens": args.tokens, "model_write_s": round(made, 1),
                                     "engine_start_s": round(load, 1), **rows})
