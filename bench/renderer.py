@@ -33,6 +33,9 @@ def main() -> None:
             inc_ms.append(1e3 * (time.perf_counter() - t))
     f, n = statistics.median(full_ms), statistics.median(inc_ms)
     print(f"prompt render, {len(expected)} tokens: full {f:.1f} ms, incremental {n:.1f} ms, ratio {f / n:.1f}x")
+    cache = incremental._cache
+    assert cache is not None
+    print(f"requests whose template text was rendered incrementally: {cache.text_hits} of {len(requests) - 1}")
 
     ids = tokenizer.encode("plain words 😀 and more words ")
     for label, count in (("1K", 1000), ("8K", 8000)):

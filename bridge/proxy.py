@@ -11,10 +11,12 @@ waits only for its own commit, so a turn whose answer a client received survives
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -340,6 +342,7 @@ class Proxy:
             return wire.chunk_bytes(d.id, d.model, d.created, delta, fingerprint=fp, **kw)
 
         ttft_ms = (time.perf_counter() - d.t0) * 1000
+        feed = _Prefetch(chunks)
         tokens: list[int] = []
         lps: list[float] = []
         tops: list[Any] = []
@@ -370,7 +373,7 @@ class Proxy:
                 if out:
                     yield b"".join(out)
                     out = []
-                chunk = await anext(chunks, None)
+                chunk = await feed.next()
             for delta in decoder.finish(finish or "stop"):
                 out.append(event(_delta(delta)))
         except BackendError as e:
@@ -380,8 +383,7 @@ class Proxy:
             self.counters.in_flight -= 1
             if finish is None:  # no whole answer (backend error, client gone): no turn follows
                 self.attach_next_state(d)
-            if hasattr(chunks, "aclose"):
-                await chunks.aclose()
+            await feed.aclose()
         comp = Completion(
             tokens=tuple(tokens),
             logprobs=tuple(lps),
@@ -427,6 +429,63 @@ class Proxy:
         if self.hooks.status_extra is not None:
             out["extra"] = self.hooks.status_extra()
         return out
+
+
+class _Prefetch:
+    """A backend's token stream pulled by a task of its own. `next()` returns the next chunk
+    merged with every chunk that arrived behind it while the previous events were being sent, so
+    a burst of tokens (a batching engine's step, a fast backend) leaves in one write; a token that
+    arrives alone is passed on as soon as it arrives, as before."""
+
+    def __init__(self, chunks: AsyncIterator[TokenChunk]) -> None:
+        self._chunks = chunks
+        self._items: deque[TokenChunk | BaseException | None] = deque()
+        self._ready = asyncio.Event()
+        self._task = asyncio.ensure_future(self._pull())
+
+    async def _pull(self) -> None:
+        try:
+            async for chunk in self._chunks:
+                self._put(chunk)
+                if chunk.finish_reason is not None:
+                    break
+            self._put(None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # BackendError and kin: raised to the reader in order
+            self._put(e)
+
+    def _put(self, item: TokenChunk | BaseException | None) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def next(self) -> TokenChunk | None:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        while item is not None and item.finish_reason is None and self._items:
+            nxt = self._items[0]
+            if not isinstance(nxt, TokenChunk):
+                break
+            self._items.popleft()
+            item = _merge(item, nxt)
+        return item
+
+    async def aclose(self) -> None:
+        """Stop pulling (the backend's stream sees the cancellation: the engine stops) and close."""
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        if hasattr(self._chunks, "aclose"):
+            await self._chunks.aclose()
+
+
+def _merge(a: TokenChunk, b: TokenChunk) -> TokenChunk:
+    top = (a.top_logprobs or ()) + (b.top_logprobs or ()) if a.top_logprobs or b.top_logprobs else None
+    return TokenChunk(a.tokens + b.tokens, a.logprobs + b.logprobs, b.version, b.finish_reason, top)
 
 
 class _EventStream(StreamingResponse):

@@ -358,3 +358,56 @@ def test_a_client_leaving_mid_stream_stops_generation_and_records_nothing(live: 
         time.sleep(0.02)
     [kept] = turns(live, "left-early")
     assert kept.next_state == [ask]
+
+
+def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
+    from clawbridge.backends.base import BackendError
+    from clawbridge.proxy import _Prefetch
+    from clawbridge.types import TokenChunk
+
+    closed = []
+
+    async def source(gaps: bool, fail: bool = False):
+        try:
+            for i in range(6):
+                if gaps and i:
+                    await asyncio.sleep(0.01)
+                if fail and i == 4:
+                    raise BackendError("engine died")
+                yield TokenChunk((i,), (-float(i),), 0, "stop" if i == 5 else None)
+        finally:
+            closed.append(True)
+
+    async def read(gaps: bool) -> list[TokenChunk]:
+        feed, out = _Prefetch(source(gaps)), []
+        while (c := await feed.next()) is not None:
+            out.append(c)
+            if c.finish_reason:
+                break
+        await feed.aclose()
+        return out
+
+    burst = asyncio.run(asyncio.wait_for(read(gaps=False), 10))
+    assert [c.tokens for c in burst] == [(0, 1, 2, 3, 4, 5)] and burst[-1].finish_reason == "stop"
+    assert burst[0].logprobs == (-0.0, -1.0, -2.0, -3.0, -4.0, -5.0)
+    spaced = asyncio.run(asyncio.wait_for(read(gaps=True), 10))
+    assert [c.tokens for c in spaced] == [(i,) for i in range(6)]  # nothing waits for company
+
+    async def failing() -> list[tuple[int, ...]]:
+        feed, got = _Prefetch(source(gaps=False, fail=True)), []
+        with pytest.raises(BackendError):
+            while True:
+                got.append((await feed.next()).tokens)  # type: ignore[union-attr]
+        await feed.aclose()
+        return got
+
+    assert asyncio.run(asyncio.wait_for(failing(), 10)) == [(0, 1, 2, 3)]  # the error comes after what preceded it
+
+    async def abandoned() -> None:
+        feed = _Prefetch(source(gaps=True))
+        await feed.next()
+        await feed.aclose()  # a client gone: the source is closed, its generation stops
+
+    closed.clear()
+    asyncio.run(asyncio.wait_for(abandoned(), 10))
+    assert closed == [True]
