@@ -9,7 +9,7 @@ for later comparison is a snapshot, so a caller changing its dicts afterwards ch
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -51,3 +51,19 @@ def snapshot(m: Any) -> Any:
     if type(m) is dict and all(type(v) is str for v in m.values()):
         return dict(m)
     return copy.deepcopy(m)
+
+
+def best_prefix(candidates: Iterable[Sequence[Any]], messages: Sequence[Any]) -> tuple[int, int]:
+    """(index, shared length) of the candidate sharing the longest prefix with `messages`, the
+    first on a tie; (-1, 0) when none shares a message. A candidate must agree at the best
+    length so far to beat it, so one comparison rules out most (forks share long prefixes)."""
+    best, best_k, n = -1, 0, len(messages)
+    for i, old in enumerate(candidates):
+        if best_k and (len(old) <= best_k or not same_message(old[best_k], messages[best_k])):
+            continue
+        k = shared_prefix(old, messages)
+        if k > best_k:
+            best, best_k = i, k
+            if k == n:
+                break
+    return best, best_k

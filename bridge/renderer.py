@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from clawbridge.prefix import same_message, shared_prefix, snapshot
+from clawbridge.prefix import best_prefix, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -443,20 +443,9 @@ class _PromptCache:
 
     def find(self, messages: Sequence[Mapping[str, Any]], sig: bytes) -> tuple[_Entry | None, int]:
         """The entry sharing the longest message prefix with `messages` (the newest on a tie)."""
-        best, best_k, n = None, 0, len(messages)
-        for entry in reversed(self.entries.values()):
-            if entry.sig != sig:
-                continue
-            # Only an entry that agrees at position best_k can beat the best so far: one
-            # comparison rules out the rest (forks of a conversation share long prefixes).
-            if best_k and (len(entry.raw) <= best_k or not same_message(entry.raw[best_k], messages[best_k])):
-                continue
-            k = shared_prefix(entry.raw, messages)
-            if k > best_k:
-                best, best_k = entry, k
-                if k == n:
-                    break
-        return best, best_k
+        entries = [e for e in reversed(self.entries.values()) if e.sig == sig]
+        i, k = best_prefix((e.raw for e in entries), messages)
+        return (entries[i], k) if i >= 0 else (None, 0)
 
     def put(self, entry: _Entry, base: _Entry | None = None, shared: int = 0) -> None:
         """Keep `entry`; a base it extends by all or all but its last message (the agent rebuilt

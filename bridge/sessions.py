@@ -19,10 +19,12 @@ import hashlib
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from clawbridge.prefix import best_prefix, snapshot
 from clawbridge.types import TurnType
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
@@ -180,6 +182,38 @@ class _Session:
     last_main: _Pending | None = None
 
 
+class _Fingerprints:
+    """The fingerprints of the last few histories: a request that extends one (the normal case:
+    an agent resends its history plus what is new) hashes only its new messages. OpenClaw's
+    system message alone is ~36 K characters, hashed on every request otherwise."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._entries: OrderedDict[int, tuple[list[Any], list[bytes]]] = OrderedDict()
+        self._next = 0
+
+    def of(self, hist: Sequence[Mapping[str, Any]]) -> list[bytes]:
+        entries = list(reversed(self._entries.items()))
+        i, k = best_prefix((snap for _, (snap, _) in entries), hist)
+        if i < 0:
+            snap, fps = [snapshot(m) for m in hist], fingerprints(hist)
+        else:
+            key, (old, old_fps) = entries[i]
+            snap, fps = old[:k], old_fps[:k]
+            prev = fps[-1]
+            for m in hist[k:]:
+                snap.append(snapshot(m))
+                prev = extend(prev, m)
+                fps.append(prev)
+            if k >= len(old) - 1:  # superseded: one entry per conversation
+                del self._entries[key]
+        self._entries[self._next] = (snap, fps)
+        self._next += 1
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return list(fps)
+
+
 class Sessions:
     def __init__(
         self,
@@ -192,6 +226,7 @@ class Sessions:
         self._clock = clock
         self._sessions: dict[str, _Session] = {}
         self._index: dict[bytes, str] = {}  # fingerprint of history + reply -> session id
+        self._fingerprints = _Fingerprints()
         self.counts = {"untagged": 0, "matched": 0, "side": 0, "main": 0, "no_train": 0}
 
     def __len__(self) -> int:
@@ -199,7 +234,7 @@ class Sessions:
 
     def admit(self, tag: TurnTag, messages: Sequence[Mapping[str, Any]]) -> Admission:
         hist = history(messages)
-        fps = fingerprints(hist)
+        fps = self._fingerprints.of(hist)
         sid, matched, untagged = tag.session_id, False, tag.session_id is None
         if sid is None:
             self.counts["untagged"] += 1

@@ -148,3 +148,25 @@ def test_fingerprints_ignore_whitespace_padding_but_not_text():
     b = fingerprints([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     c = fingerprints([{"role": "user", "content": "ho"}])
     assert a == b and a != c
+
+
+def test_remembered_fingerprints_equal_a_fresh_hash_as_conversations_grow_branch_and_change():
+    from clawbridge.sessions import _Fingerprints, fingerprints
+
+    memo = _Fingerprints(size=4)
+    system = {"role": "system", "content": "S " * 1000}
+    convo: list[dict] = [system]
+    seen = []
+    for t in range(6):
+        convo.append({"role": "user", "content": f"u{t}"})
+        assert memo.of(convo) == fingerprints(convo)
+        seen.append(list(convo))
+        convo.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{t}", "type": "function", "function": {"name": "f", "arguments": '{"n": 1}'}}]})
+    branch = [*seen[2][:-1], {"role": "user", "content": "another way"}]
+    assert memo.of(branch) == fingerprints(branch)
+    convo[1]["content"] = "edited in place"  # a caller changing its dicts afterwards
+    assert memo.of(convo) == fingerprints(convo)
+    for other in range(8):  # more conversations than the memo keeps
+        msgs = [system, {"role": "user", "content": f"other {other}"}]
+        assert memo.of(msgs) == fingerprints(msgs)
