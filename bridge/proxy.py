@@ -35,7 +35,7 @@ from clawbridge.types import Completion, SamplingParams, TokenChunk
 from clawbridge.wire import APIError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
@@ -88,6 +88,7 @@ class Draft:
     logprobs: bool
     t0: float
     next_state: NextState | None = None  # for the session's previous turn, not yet written
+    events_began: bool = False  # the stream's event generator ran (it then cleans up itself)
 
 
 class Proxy:
@@ -329,13 +330,29 @@ class Proxy:
             first = TokenChunk((), (), d.version, "stop")
         return _EventStream(
             self._events(d, chunks, first, include_usage),
+            abandoned=lambda: self._abandoned(d, chunks),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
+    async def _abandoned(self, d: Draft, chunks: AsyncIterator[TokenChunk]) -> None:
+        """The response ended before its event generator ever ran (the client left before the
+        first body byte): do what the generator's `finally` would have done — count the request
+        out, keep the next state it carried, and close the backend's stream so the engine stops
+        generating for nobody."""
+        if d.events_began:
+            return
+        d.events_began = True
+        self.counters.in_flight -= 1
+        self.attach_next_state(d)
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
     async def _events(
         self, d: Draft, chunks: AsyncIterator[TokenChunk], first: TokenChunk, include_usage: bool
     ) -> AsyncIterator[bytes]:
+        d.events_began = True
         fp = f"policy@v{d.version}"
 
         def event(delta: dict[str, Any] | None, **kw: Any) -> bytes:
@@ -493,7 +510,12 @@ class _EventStream(StreamingResponse):
     client that disconnects makes the next send fail; Starlette then leaves the generator
     suspended for the garbage collector. Closing it here runs its `finally` at once: the
     backend's stream is closed, so the engine stops generating for nobody, and the turn, whose
-    answer was not fully sent, is not recorded (that happens only after the last event is built)."""
+    answer was not fully sent, is not recorded (that happens only after the last event is built).
+    A generator that never started has no `finally` to run: `abandoned` does its work then."""
+
+    def __init__(self, content: Any, *, abandoned: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._abandoned = abandoned
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -502,6 +524,7 @@ class _EventStream(StreamingResponse):
             body = self.body_iterator
             if hasattr(body, "aclose"):
                 await body.aclose()
+            await self._abandoned()
 
 
 def _tool_calls(msg: AssistantMessage) -> list[dict[str, Any]] | None:
@@ -676,6 +699,9 @@ def create_app(
         return _json(wire.error_body(str(exc.detail), "invalid_request_error", None, code), exc.status_code)
 
     async def server_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientDisconnect):  # the client left; no error of ours, nobody to answer
+            log.info("client left during %s", request.url.path)
+            return Response(status_code=499)
         proxy.counters.errors_5xx += 1
         log.exception("unhandled error on %s", request.url.path, exc_info=exc)
         return _json(wire.error_body("The server had an error while processing your request.", "server_error"), 500)

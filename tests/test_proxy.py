@@ -360,6 +360,56 @@ def test_a_client_leaving_mid_stream_stops_generation_and_records_nothing(live: 
     assert kept.next_state == [ask]
 
 
+def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_state_kept(live: LiveServer):
+    """A client that is gone before the stream's first byte, with an ASGI server whose `send`
+    fails then (spec 2.4 servers may; uvicorn drops the send and the generator cleans up after
+    itself): the event generator never runs, so its own cleanup never happens. The request must
+    still be counted out, the next state it carried kept, and the backend's stream closed (no
+    generation for nobody). Driven at the ASGI boundary."""
+    import time
+
+    from starlette.requests import ClientDisconnect
+
+    first = [{"role": "user", "content": "hi"}]
+    reply = httpx.post(f"{live.url}/v1/chat/completions", headers={"X-Session-Id": "gone-early"}, timeout=30,
+                       json={"model": MODEL, "messages": first, "max_tokens": 4}).json()["choices"][0]["message"]
+    ask = {"role": "user", "content": "and now a very long story"}
+    body = json.dumps({"model": MODEL, "messages": [*first, reply, ask], "stream": True,
+                       "max_tokens": 20_000, "temperature": 0}).encode()
+    app = live.running.server.config.app  # type: ignore[union-attr]  # the live server's own app
+    before = store_of(live).stats().turns
+    sent: list[dict[str, Any]] = []
+    received = []
+
+    async def receive() -> dict[str, Any]:
+        received.append(1)
+        if len(received) == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            raise OSError("the client is gone")
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+             "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"x-session-id", b"gone-early")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    with pytest.raises(ClientDisconnect):
+        live.call(app(scope, receive, send))
+    assert not sent and live.proxy.counters.errors_5xx == 0
+    assert live.proxy.counters.in_flight == 0
+    engine = live.backend.engine
+    deadline = time.monotonic() + 10
+    while (engine._active or not turns(live, "gone-early")[0].next_state) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not engine._active, "the engine is still generating for a client that left"
+    assert turns(live, "gone-early")[0].next_state == [ask]
+    assert store_of(live).stats().turns == before
+
+
 def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
     from clawbridge.backends.base import BackendError
     from clawbridge.proxy import _Prefetch
