@@ -4,7 +4,6 @@ torchrun (gloo, CPU), served through the real HTTP proxy to the real `openai` cl
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from clawbridge.local_gpu.stack import SGLangStack, build_local
 from clawbridge.local_gpu.supervisor import Policy, ServerSpec, Supervisor
 from clawbridge.types import Datum, OptimSpec
 from live_server import LiveServer
+from test_supervisor import alive
 
 FAKE = str(Path(__file__).parent / "fakes" / "fake_sglang.py")
 
@@ -61,14 +61,6 @@ def test_the_plan_is_checked_against_the_visible_gpus(tmp_path):
 def test_num_gpus_zero_keeps_a_gpu_machine_on_cpu(tmp_path):
     backend = build_local(Settings(model=models.TINY, data_dir=tmp_path, num_gpus=0), visible=4, sglang_installed=True)
     assert isinstance(backend, LocalBackend) and backend.engine.device == "cpu"
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.timeout(300)
