@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from clawbridge.backends.base import BackendError
+from clawbridge.local_gpu.supervisor import terminate_group
 from clawbridge.types import Datum, LossSpec, OptimSpec, StepMetrics
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,13 @@ class FSDPTrainer:
     async def info(self) -> dict[str, Any]:
         return dict(await self.call("info"))
 
+    def _stop_group(self, proc: subprocess.Popen[bytes]) -> None:
+        """Give torchrun a moment to exit after "shutdown", then stop its process group (the
+        ranks it spawned share it) as the supervisor stops a server."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=min(self.grace_s, 5.0))
+        terminate_group(proc, self.grace_s)
+
     async def close(self) -> None:
         if self._conn is not None:
             try:
@@ -177,30 +184,8 @@ class FSDPTrainer:
             self._conn.close()
             self._conn = None
         if self.proc is not None:
-            await asyncio.to_thread(stop_group, self.proc, self.grace_s)
+            await asyncio.to_thread(self._stop_group, self.proc)
             self.proc = None
         if self._log is not None:
             self._log.close()
             self._log = None
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
-    """SIGTERM to the process group, then SIGKILL after `grace_s`; returns the exit code."""
-    if proc.poll() is None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=min(grace_s, 5.0))  # a clean exit after "shutdown"
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-    # the group may still hold ranks torchrun spawned; they share its process group id
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode

@@ -62,6 +62,8 @@ class SGLangStack(SGLangBackend):
     trainer (concurrently: both load the model for minutes) and `close` stops them. Everything
     between is the plain `SGLangBackend`."""
 
+    trainer: FSDPTrainer
+
     def __init__(
         self,
         plan: layout.Plan,
@@ -94,7 +96,6 @@ class SGLangStack(SGLangBackend):
             trainer=trainer,
             judge_url=f"http://127.0.0.1:{ports[judge]}" if judge in ports else None,
         )
-        self.fsdp = trainer
 
     @classmethod
     def from_settings(cls, settings: Settings, plan: layout.Plan) -> SGLangStack:
@@ -124,12 +125,15 @@ class SGLangStack(SGLangBackend):
 
     async def start(self) -> None:
         log.info("starting %s", ", ".join(p.name for p in self.plan.processes if p.role != "proxy"))
-        servers = asyncio.create_task(self.supervisor.start(self.specs))
-        trainer = asyncio.create_task(self.fsdp.start())
+        starts = [asyncio.create_task(self.supervisor.start(self.specs)),
+                  asyncio.create_task(self.trainer.start())]
         try:
-            await asyncio.gather(servers, trainer)
+            await asyncio.gather(*starts)
             await super().start()
         except BaseException:
+            for task in starts:  # the other one may still be loading: stop waiting for it
+                task.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
             await self.close()
             raise
 

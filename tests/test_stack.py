@@ -43,7 +43,7 @@ def test_gpus_with_sglang_run_the_plan(tmp_path, capsys):
     stack = build_local(settings, visible=8, sglang_installed=True)
     assert isinstance(stack, SGLangStack)
     assert stack.plan.roles == {"actor": (0, 1, 2, 3), "rollout": (4, 5), "prm": (6, 7)}
-    assert stack.fsdp.nproc == 4 and stack.fsdp.gpus == (0, 1, 2, 3) and stack.fsdp.device == "cuda"
+    assert stack.trainer.nproc == 4 and stack.trainer.gpus == (0, 1, 2, 3) and stack.trainer.device == "cuda"
     by_name = {s.name: s for s in stack.specs}
     assert by_name["policy-sglang"].gpus == (4, 5) and "--enable-lora" in by_name["policy-sglang"].argv
     assert by_name["judge-sglang"].gpus == (6, 7) and "--enable-lora" not in by_name["judge-sglang"].argv
