@@ -88,7 +88,6 @@ class Draft:
     logprobs: bool
     t0: float
     next_state: NextState | None = None  # for the session's previous turn, not yet written
-    events_began: bool = False  # the stream's event generator ran (it then cleans up itself)
 
 
 class Proxy:
@@ -330,19 +329,16 @@ class Proxy:
             first = TokenChunk((), (), d.version, "stop")
         return _EventStream(
             self._events(d, chunks, first, include_usage),
-            abandoned=lambda: self._abandoned(d, chunks),
+            on_close=lambda: self._stream_closed(d, chunks),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
 
-    async def _abandoned(self, d: Draft, chunks: AsyncIterator[TokenChunk]) -> None:
-        """The response ended before its event generator ever ran (the client left before the
-        first body byte): do what the generator's `finally` would have done — count the request
-        out, keep the next state it carried, and close the backend's stream so the engine stops
-        generating for nobody."""
-        if d.events_began:
-            return
-        d.events_began = True
+    async def _stream_closed(self, d: Draft, chunks: AsyncIterator[TokenChunk]) -> None:
+        """However a stream's response ended — answered, failed, or the client gone, even before
+        the first byte when the event generator never ran: count it out, keep the next state it
+        carried (a no-op once its own turn was recorded with it), and close the backend's stream
+        so the engine stops generating for nobody (a no-op once the generator closed it)."""
         self.counters.in_flight -= 1
         self.attach_next_state(d)
         aclose = getattr(chunks, "aclose", None)
@@ -352,7 +348,6 @@ class Proxy:
     async def _events(
         self, d: Draft, chunks: AsyncIterator[TokenChunk], first: TokenChunk, include_usage: bool
     ) -> AsyncIterator[bytes]:
-        d.events_began = True
         fp = f"policy@v{d.version}"
 
         def event(delta: dict[str, Any] | None, **kw: Any) -> bytes:
@@ -397,9 +392,6 @@ class Proxy:
             yield b"".join([*out, wire.error_event(_backend_error(e))])
             return
         finally:
-            self.counters.in_flight -= 1
-            if finish is None:  # no whole answer (backend error, client gone): no turn follows
-                self.attach_next_state(d)
             await feed.aclose()
         comp = Completion(
             tokens=tuple(tokens),
@@ -511,11 +503,11 @@ class _EventStream(StreamingResponse):
     suspended for the garbage collector. Closing it here runs its `finally` at once: the
     backend's stream is closed, so the engine stops generating for nobody, and the turn, whose
     answer was not fully sent, is not recorded (that happens only after the last event is built).
-    A generator that never started has no `finally` to run: `abandoned` does its work then."""
+    `on_close` then runs once, however the response ended (`Proxy._stream_closed`)."""
 
-    def __init__(self, content: Any, *, abandoned: Callable[[], Awaitable[None]], **kw: Any) -> None:
+    def __init__(self, content: Any, *, on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
         super().__init__(content, **kw)
-        self._abandoned = abandoned
+        self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -524,7 +516,7 @@ class _EventStream(StreamingResponse):
             body = self.body_iterator
             if hasattr(body, "aclose"):
                 await body.aclose()
-            await self._abandoned()
+            await self._on_close()
 
 
 def _tool_calls(msg: AssistantMessage) -> list[dict[str, Any]] | None:
@@ -634,7 +626,7 @@ def create_app(
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 resp = await proxy.stream(d, include_usage)
-                streaming = True  # the event generator counts itself out when it ends
+                streaming = True  # the response counts itself out when it ends (_stream_closed)
                 return resp
             return await proxy.complete(d, req.n)
         except APIError as e:
