@@ -254,7 +254,7 @@ class FireworksBackend:
         self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
     ) -> AsyncIterator[TokenChunk]:
         (c,) = await self.sample(prompt_ids, params, n=1, version=version)
-        yield TokenChunk(c.tokens, c.logprobs, c.version, c.finish_reason)
+        yield c.as_chunk()
 
     async def score(
         self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,

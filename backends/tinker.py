@@ -315,7 +315,7 @@ class TinkerBackend:
     ) -> AsyncIterator[TokenChunk]:
         # Tinker answers whole completions: one chunk.
         (c,) = await self.sample(prompt_ids, params, n=1, version=version)
-        yield TokenChunk(c.tokens, c.logprobs, c.version, c.finish_reason, c.top_logprobs)
+        yield c.as_chunk()
 
     async def score(
         self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,

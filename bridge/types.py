@@ -52,6 +52,10 @@ class Completion:
     version: int
     top_logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
 
+    def as_chunk(self) -> TokenChunk:
+        """The whole completion as one stream chunk (platforms that answer whole completions)."""
+        return TokenChunk(self.tokens, self.logprobs, self.version, self.finish_reason, self.top_logprobs)
+
 
 @dataclass(frozen=True)
 class TokenChunk:
