@@ -32,6 +32,8 @@ from clawbridge.store import (
     Store,
     TrainingStep,
     TurnRecord,
+    codec,
+    schema,
 )
 from clawbridge.store.core import alembic_config
 from clawbridge.store.schema import metadata
@@ -115,6 +117,29 @@ def test_a_turn_round_trips_with_exact_token_ids_and_logprobs(store: Store) -> N
                  "turn_type", "tagged", "train", "session_source", "queued_ms", "ttft_ms", "total_ms", "created_at"):
         assert getattr(got, name) == getattr(rec, name), name
     assert got.index == 0 and got.next_state is None
+
+
+def test_the_capture_path_writes_the_row_sqlalchemy_would(store: Store) -> None:
+    """Turns are inserted on the DBAPI cursor (`store/fast.py`); the stored bytes must be what
+    SQLAlchemy itself writes for the same row, NULLs, JSON, blobs and times included."""
+    rec = turn(
+        "fast", tools=None, top_logprobs=None, ttft_ms=None,
+        messages=[{"role": "user", "content": "ünïcode \ud83d"}], request_params={"n": 1},
+    )
+    store.record_turn(rec)
+    row = codec.turn_row(rec, 0)
+    with store._write() as conn:
+        conn.execute(schema.turns.insert(), {**row, "id": "via-sqlalchemy"})
+
+    def stored(turn_id: str) -> tuple[Any, ...]:
+        with store.engine.connect() as conn:
+            r = conn.exec_driver_sql(
+                "SELECT * FROM turns WHERE id = " + ("?" if store.dialect == "sqlite" else "%(id)s"),
+                (turn_id,) if store.dialect == "sqlite" else {"id": turn_id},
+            ).one()
+        return tuple(bytes(v) if isinstance(v, memoryview) else v for v in r[1:])
+
+    assert stored(rec.id) == stored("via-sqlalchemy")
 
 
 def test_awkward_client_text_and_long_ids_are_stored_not_lost(store: Store) -> None:

@@ -8,12 +8,13 @@ worker thread (`Store.run`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from functools import partial
@@ -25,6 +26,7 @@ import sqlalchemy as sa
 from clawbridge.prefix import shared_prefix, snapshot
 from clawbridge.store import codec
 from clawbridge.store import schema as t
+from clawbridge.store.fast import Prepared, existing_ids_sql
 from clawbridge.store.records import (
     JSONObject,
     Judgment,
@@ -73,9 +75,6 @@ class SampleStateError(StoreError):
     """A sample is not in a state the requested transition starts from."""
 
 
-_INSERT_TURN = t.turns.insert()
-
-
 @dataclass(frozen=True)
 class _Recent:
     """A turn the writer recorded lately: what the session's next turns may extend."""
@@ -95,9 +94,12 @@ class Store:
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="clawbridge-store")
         self._recent: OrderedDict[str, list[_Recent]] = OrderedDict()  # session id -> newest first
         self._recent_lock = threading.Lock()
-        # Built once: building a statement per call costs more than executing it.
+        self._writer_conn: sa.Connection | None = None  # the writer thread's own connection
+        # The capture path's statements, compiled once and run on the DBAPI cursor (`fast.py`).
+        dialect = engine.dialect
+        self._insert_turn = Prepared(t.turns.insert(), dialect)
         ins = self._insert(t.sessions)
-        self._upsert_session_for_turns = ins.on_conflict_do_update(
+        upsert = ins.on_conflict_do_update(
             index_elements=[t.sessions.c.id],
             set_={
                 "turns": t.sessions.c.turns + ins.excluded.turns,
@@ -105,8 +107,9 @@ class Store:
                 "updated_at": ins.excluded.updated_at,
             },
         ).returning(t.sessions.c.turns)
+        self._upsert_session_for_turns = Prepared(upsert, dialect)
         # One statement: insert the next state if its turn exists and has none yet.
-        self._insert_next_state = (
+        insert_next_state = (
             self._insert(t.next_states)
             .from_select(
                 ["turn_id", "created_at", "messages"],
@@ -119,6 +122,7 @@ class Store:
             .on_conflict_do_nothing()
             .returning(t.next_states.c.turn_id)
         )
+        self._insert_next_state = Prepared(insert_next_state, dialect)
 
     # --- opening ------------------------------------------------------------------------------
     @classmethod
@@ -165,6 +169,9 @@ class Store:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._writer_conn is not None:
+            self._writer_conn.close()
+            self._writer_conn = None
         self._readers.shutdown(wait=True)
         self.engine.dispose()
 
@@ -189,6 +196,24 @@ class Store:
                 yield conn
 
     @contextmanager
+    def _writer_txn(self) -> Iterator[sa.Connection]:
+        """A write transaction for the writer thread, on a connection it keeps: checking one out
+        of the pool for every group commit costs more than the commit. After a failure the
+        connection is dropped and the next transaction opens a fresh one."""
+        conn = self._writer_conn
+        if conn is None:
+            conn = self._writer_conn = self.engine.connect()
+            conn.execution_options(clawbridge_write=True)
+        try:
+            with conn.begin():
+                yield conn
+        except BaseException:
+            self._writer_conn = None
+            with contextlib.suppress(Exception):
+                conn.close()
+            raise
+
+    @contextmanager
     def _read(self) -> Iterator[sa.Connection]:
         with self.engine.connect() as conn, conn.begin():
             yield conn
@@ -200,7 +225,7 @@ class Store:
     @property
     def writer(self) -> AsyncWriter:
         if self._writer is None:
-            self._writer = AsyncWriter(self._write)
+            self._writer = AsyncWriter(self._writer_txn)
         return self._writer
 
     async def run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -283,16 +308,19 @@ class Store:
     def _record_turns(self, conn: sa.Connection, recs: list[TurnRecord]) -> list[str]:
         """Insert many turns with a few statements: one lookup for ids already stored, one
         session upsert per session (its turn count numbers the new turns), one multi-row
-        insert."""
+        insert; on the DBAPI cursor (`fast.py`), since every answer waits for this."""
+        with closing(conn.connection.cursor()) as cur:
+            return self._insert_turns(cur, recs)
+
+    def _insert_turns(self, cur: Any, recs: list[TurnRecord]) -> list[str]:
         ids = [r.id for r in recs]
         with self._recent_lock:
             recent = {r.session_id: list(self._recent.get(r.session_id, ())) for r in recs}
         # One lookup: which of these turns are stored already, and which remembered turns (the
         # bases the new ones may extend) really are committed.
-        candidates = [c.turn_id for cs in recent.values() for c in cs]
-        stored = set(
-            conn.execute(sa.select(t.turns.c.id).where(t.turns.c.id.in_(ids + candidates))).scalars()
-        )
+        lookup = ids + [c.turn_id for cs in recent.values() for c in cs]
+        sql, bind = existing_ids_sql(self.engine.dialect, t.turns, len(lookup))
+        stored = {row[0] for row in cur.execute(sql, bind(lookup)).fetchall()}
         seen = {i for i in ids if i in stored}
         by_session: dict[str, list[TurnRecord]] = {}
         for rec in recs:
@@ -303,15 +331,15 @@ class Store:
         for session_id, new in by_session.items():
             main = sum(r.turn_type == "main" for r in new)
             # The session row is the per-session lock: its turn count gives the turns' indexes.
-            count = conn.execute(
-                self._upsert_session_for_turns,
+            count = self._upsert_session_for_turns.execute(
+                cur,
                 {
                     "id": session_id, "source": new[0].session_source,
                     "created_at": new[0].created_at,
                     "updated_at": max(r.created_at for r in new),
                     "turns": len(new), "main_turns": main, "done": False,
                 },
-            ).scalar_one()
+            ).fetchone()[0]
             bases = [c for c in recent[session_id] if c.turn_id in stored]
             for k, r in enumerate(new):
                 base, keep = _best_base(bases, r.messages)
@@ -324,7 +352,7 @@ class Store:
                 bases = [mine, *bases][:RECENT_PER_SESSION]
             recent[session_id] = bases
         if rows:
-            conn.execute(_INSERT_TURN, rows)
+            self._insert_turn.executemany(cur, rows)
         # Remembered before the commit: if it fails, the next batch's lookup finds these ids
         # missing and stores whole lists again.
         with self._recent_lock:
@@ -346,7 +374,8 @@ class Store:
         self, turn_id: str, next_state: list[JSONObject], at: datetime | None, conn: sa.Connection
     ) -> bool:
         params = {"turn_id": turn_id, "messages": next_state, "at": at or utcnow()}
-        return conn.execute(self._insert_next_state, params).scalar() is not None
+        with closing(conn.connection.cursor()) as cur:
+            return self._insert_next_state.execute(cur, params).fetchone() is not None
 
     def get_turn(self, turn_id: str) -> StoredTurn | None:
         with self._read() as conn:
