@@ -29,12 +29,16 @@ def same_json(a: Any, b: Any) -> bool:
 def same_message(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    if type(a) is not dict or type(b) is not dict or a != b:
-        return False if type(a) is dict and type(b) is dict else same_json(a, b)
-    # Equal dicts whose values are all strings (almost every message) need no walk.
-    if all(type(v) is str for v in a.values()) and all(type(v) is str for v in b.values()):
-        return True
-    return same_json(a, b)
+    if type(a) is not dict or type(b) is not dict:
+        return same_json(a, b)
+    if a != b:  # exact equality implies `==`
+        return False
+    # Equal dicts whose values are all strings (almost every message) need no walk: a value of
+    # `b` equal to a string of `a` is that string (JSON gives no str subclasses).
+    for v in a.values():
+        if type(v) is not str:
+            return same_json(a, b)
+    return True
 
 
 def shared_prefix(old: Sequence[Any], new: Sequence[Any]) -> int:
@@ -58,8 +62,15 @@ def best_prefix(candidates: Iterable[Sequence[Any]], messages: Sequence[Any]) ->
     first on a tie; (-1, 0) when none shares a message. A candidate must agree at the best
     length so far to beat it, so one comparison rules out most (forks share long prefixes)."""
     best, best_k, n = -1, 0, len(messages)
+    if n == 0:
+        return best, best_k
+    first = messages[0]
     for i, old in enumerate(candidates):
         if best_k and (len(old) <= best_k or not same_message(old[best_k], messages[best_k])):
+            continue
+        # Most candidates are other conversations: one C-level `!=` on the first message rules
+        # them out (exact equality implies `==`, so this never drops a true match).
+        if not old or old[0] != first:
             continue
         k = shared_prefix(old, messages)
         if k > best_k:
