@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -152,7 +152,7 @@ class Proxy:
             tag = read_tag(request.headers, ours, request.path_params.get("session_id"))
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
-        messages, tools = req.message_dicts(), req.tool_dicts()
+        messages, tools, request_params = req.dicts()
         try:
             prompt = self.renderer.render(messages, tools, req.tool_choice)
         except RenderError as e:
@@ -180,7 +180,7 @@ class Proxy:
         )
         adm = self.sessions.admit(tag, messages)
         draft = Draft(
-            id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            id=f"chatcmpl-{os.urandom(12).hex()}",
             created=int(time.time()),
             model=self.model_name,
             messages=messages,
@@ -189,9 +189,7 @@ class Proxy:
             params=params,
             version=self.backend.version,  # pinned at admission; the backend keeps it
             adm=adm,
-            request_params=req.model_dump(
-                exclude={"messages", "tools", "model"}, exclude_none=True
-            ),
+            request_params=request_params,
             logprobs=req.logprobs,
             t0=time.perf_counter(),
             next_state=adm.next_state,
@@ -263,7 +261,10 @@ class Proxy:
         ]
         self.attach_next_state(d)
         try:
-            await asyncio.gather(*(self.store.record_turn_async(r) for r in recs))
+            if len(recs) == 1:
+                await self.store.record_turn_async(recs[0])
+            else:
+                await asyncio.gather(*(self.store.record_turn_async(r) for r in recs))
             self.counters.turns_recorded += len(recs)
         except Exception:
             self.counters.record_failures += len(recs)

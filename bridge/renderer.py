@@ -447,6 +447,9 @@ class _PromptCache:
         i, k = best_prefix((e.raw for e in entries), messages)
         return (entries[i], k) if i >= 0 else (None, 0)
 
+    def newest(self) -> _Entry | None:
+        return next(reversed(self.entries.values()), None)
+
     def put(self, entry: _Entry, base: _Entry | None = None, shared: int = 0) -> None:
         """Keep `entry`; a base it extends by all or all but its last message (the agent rebuilt
         it) is superseded and leaves, so one conversation holds one entry and `find` stays short."""
@@ -616,7 +619,9 @@ class Renderer:
                     self._cache.text_hits += 1
             if entry is None:
                 entry = self._render_entry(messages, tools, tool_choice, sig)
-            self._cache.encode(entry, base)
+            # A new conversation still shares its opening (a system prompt, the template's
+            # default one) with the last one rendered: its ids are reused up to a boundary.
+            self._cache.encode(entry, base or self._cache.newest())
             self._cache.put(entry, base, k)
             return list(entry.ids)
 

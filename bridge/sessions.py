@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -245,7 +245,7 @@ class Sessions:
                     break
         new = sid is None or sid not in self._sessions
         if sid is None:
-            sid = f"s-{uuid.uuid4().hex[:16]}"
+            sid = f"s-{os.urandom(8).hex()}"
         sess = self._sessions.get(sid)
         if sess is None:
             sess = self._sessions[sid] = _Session(sid, self._clock())

@@ -131,13 +131,14 @@ class ChatRequest(_Lenient):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
 
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
-
-    def tool_dicts(self) -> list[dict[str, Any]] | None:
-        if not self.tools:
-            return None
-        return [t.model_dump(exclude_none=True) for t in self.tools]
+    def dicts(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any]]:
+        """(messages, tools or None, the other parameters) as plain dicts without unset fields:
+        what is rendered and recorded. One dump of the whole request (a dump per message costs
+        several times more on an agent's long history)."""
+        d = self.model_dump(exclude_none=True)
+        messages, tools = d.pop("messages"), d.pop("tools", None) or None
+        del d["model"]
+        return messages, tools, d
 
 
 def parse_chat_request(raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:

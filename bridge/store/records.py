@@ -7,8 +7,8 @@ both smaller and faster than JSON and round-trips every float64 bit for bit (inf
 
 from __future__ import annotations
 
+import os
 import sys
-import uuid
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ def utcnow() -> datetime:
 
 
 def new_turn_id() -> str:
-    return f"turn-{uuid.uuid4().hex}"
+    return f"turn-{os.urandom(16).hex()}"
 
 
 # --- packed arrays ------------------------------------------------------------------------------
