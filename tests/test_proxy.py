@@ -291,6 +291,39 @@ def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
         assert tc.get("/v1/models", headers={"Authorization": "Bearer sk-secret-123"}).status_code == 200
 
 
+def test_both_chat_routes_answer_errors_the_same_way(tmp_path: Path, live: LiveServer):
+    """`/v1/chat/completions` skips Starlette's middleware stack (`proxy._App`); its errors must
+    still get the handlers the session-prefixed route gets through the stack."""
+    from clawbridge.proxy import create_app
+    from starlette.testclient import TestClient
+
+    class Broken:  # a backend with a bug: sampling raises something that is no BackendError
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        async def sample(self, *a: Any, **kw: Any) -> Any:
+            raise RuntimeError("a bug in the backend")
+
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path, api_key="sk-secret-123", train=False)
+    app = create_app(settings, Broken(live.backend), store_of(live), renderer=live.proxy.renderer)  # type: ignore[arg-type]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    auth = {"Authorization": "Bearer sk-secret-123"}
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        for path in ("/v1/chat/completions", "/s/errs/v1/chat/completions"):
+            r = tc.post(path, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+            r = tc.post(path, content=b"{", headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", path
+            r = tc.post(path, json=body, headers=auth)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", path
+            assert "a bug" not in r.text
+        assert tc.get("/v1/chat/completions", headers=auth).status_code == 405  # the router's answer
+        assert app.state.proxy.counters.errors_5xx == 2
+
+
 def test_banner_has_endpoint_curl_and_a_pasteable_openclaw_provider(live: LiveServer):
     from clawbridge.server import banner, status_line
 
