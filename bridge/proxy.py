@@ -565,6 +565,7 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
+        self._by_status: dict[int, Any] = {}
         self.requests = Counter(
             "clawbridge_requests", "Chat completion requests by status", ["status"], registry=self.registry
         )
@@ -586,7 +587,10 @@ class Metrics:
             self.registry.register(_ExtraGauges(proxy.hooks.metrics_extra))
 
     def observe(self, status: int, seconds: float) -> None:
-        self.requests.labels(str(status)).inc()
+        child = self._by_status.get(status)
+        if child is None:  # `labels()` costs a lock and a tuple lookup: once per status
+            child = self._by_status[status] = self.requests.labels(str(status))
+        child.inc()
         self.latency.observe(seconds)
 
     def render(self) -> bytes:

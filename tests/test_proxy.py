@@ -205,10 +205,11 @@ def test_opt_out_header_answers_and_marks_the_turn_untrainable(live: LiveServer,
     assert turn.train is False
 
 
-def test_health_metrics_and_status(live: LiveServer):
+def test_health_metrics_and_status(live: LiveServer, client: openai.OpenAI):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count me"}], max_tokens=2)
     assert httpx.get(f"{live.url}/healthz").json()["status"] == "ok"
     metrics = httpx.get(f"{live.url}/metrics").text
-    assert "clawbridge_requests_total" in metrics and "clawbridge_turns_recorded" in metrics
+    assert 'clawbridge_requests_total{status="200"}' in metrics and "clawbridge_turns_recorded" in metrics
     status = httpx.get(f"{live.url}/v1/status").json()
     assert status["model"] == MODEL and status["store"]["turns"] >= 1
 
