@@ -312,6 +312,21 @@ async def test_async_reads_and_session_writes_run_off_the_event_loop(store: Stor
     assert (stats.turns, stats.sessions_done) == (1, 1)
 
 
+async def test_a_write_whose_caller_gave_up_before_it_began_is_skipped(store: Store) -> None:
+    started, gate, ran = threading.Event(), threading.Event(), []
+    blocker = store.writer.submit(lambda conn: started.set() or gate.wait(10))  # holds the writer
+    assert await asyncio.to_thread(started.wait, 10)
+    task = asyncio.ensure_future(store.writer.write(lambda conn: ran.append("cancelled one")))
+    kept = asyncio.ensure_future(store.writer.write(lambda conn: ran.append("kept") or 7))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    gate.set()
+    assert await kept == 7 and blocker.result(5) is True
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ran == ["kept"]
+
+
 def test_a_closed_writer_refuses_new_writes(db_url: str) -> None:
     from clawbridge.store import WriterClosed
 

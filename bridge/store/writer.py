@@ -10,6 +10,7 @@ acknowledged write survives a crash of the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -33,13 +34,23 @@ class _Item:
     op: Op | None  # a plain write, or
     many: ManyOp | None  # a write that runs together with its neighbours of the same kind
     arg: Any
-    future: Future[Any]
+    # Who waits: a thread (`submit`) or a coroutine (`write`); an event loop's waiters are woken
+    # together, with one call into their loop per commit.
+    future: Future[Any] | None = None
+    waiter: asyncio.Future[Any] | None = None
 
     def run_alone(self, conn: sa.Connection) -> Any:
         if self.many is not None:
             return self.many(conn, [self.arg])[0]
         assert self.op is not None
         return self.op(conn)
+
+    def start(self) -> bool:
+        """False if the caller gave up before the write began (it is then skipped)."""
+        if self.future is not None:
+            return self.future.set_running_or_notify_cancel()
+        assert self.waiter is not None
+        return not self.waiter.cancelled()
 
 
 _STOP = object()
@@ -79,19 +90,23 @@ class AsyncWriter:
 
     def submit(self, op: Callable[[sa.Connection], T]) -> Future[T]:
         fut: Future[T] = Future()
-        self._put(_Item(op, None, None, fut))
+        self._put(_Item(op, None, None, future=fut))
         return fut
 
     def submit_many(self, fn: Callable[[sa.Connection, list[A]], list[T]], arg: A) -> Future[T]:
         fut: Future[T] = Future()
-        self._put(_Item(None, fn, arg, fut))
+        self._put(_Item(None, fn, arg, future=fut))
         return fut
 
     async def write(self, op: Callable[[sa.Connection], T]) -> T:
-        return await asyncio.wrap_future(self.submit(op))
+        waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._put(_Item(op, None, None, waiter=waiter))
+        return await waiter
 
     async def write_many(self, fn: Callable[[sa.Connection, list[A]], list[T]], arg: A) -> T:
-        return await asyncio.wrap_future(self.submit_many(fn, arg))
+        waiter: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._put(_Item(None, fn, arg, waiter=waiter))
+        return await waiter
 
     def _put(self, item: _Item) -> None:
         with self._lock:
@@ -132,13 +147,11 @@ class AsyncWriter:
             try:
                 self._commit(batch)
             except BaseException as exc:  # never leave a caller waiting on a dead thread
-                for it in batch:
-                    if not it.future.done():
-                        it.future.set_exception(exc)
+                _settle([(it, None, exc) for it in batch])
                 raise
 
     def _commit(self, batch: list[_Item]) -> None:
-        live = [it for it in batch if it.future.set_running_or_notify_cancel()]
+        live = [it for it in batch if it.start()]
         if not live:
             return
         try:
@@ -147,28 +160,54 @@ class AsyncWriter:
         except Exception as exc:
             if len(live) == 1:
                 log.exception("store write failed")
-                live[0].future.set_exception(exc)
+                _settle([(live[0], None, exc)])
                 return
             log.warning("a batch of %d writes failed; retrying each alone", len(live))
-            for it in live:
-                self._commit_one(it)
+            _settle([self._commit_one(it) for it in live])
             return
         self.batches += 1
         self.written += len(live)
-        for it, res in zip(live, results, strict=True):
-            it.future.set_result(res)
+        _settle([(it, res, None) for it, res in zip(live, results, strict=True)])
 
-    def _commit_one(self, it: _Item) -> None:
+    def _commit_one(self, it: _Item) -> tuple[_Item, Any, BaseException | None]:
         try:
             with self._begin() as conn:
                 res = it.run_alone(conn)
         except Exception as exc:
             log.exception("store write failed")
-            it.future.set_exception(exc)
-            return
+            return it, None, exc
         self.batches += 1
         self.written += 1
-        it.future.set_result(res)
+        return it, res, None
+
+
+def _settle(outcomes: list[tuple[_Item, Any, BaseException | None]]) -> None:
+    """Hand each write's outcome to its caller: threads directly, coroutines through one
+    `call_soon_threadsafe` per event loop (a wake-up per commit, not per write)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
+    for it, res, exc in outcomes:
+        if it.future is not None:
+            if it.future.done():
+                continue
+            if exc is None:
+                it.future.set_result(res)
+            else:
+                it.future.set_exception(exc)
+        elif it.waiter is not None:
+            by_loop.setdefault(it.waiter.get_loop(), []).append((it.waiter, res, exc))
+    for loop, waiters in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            loop.call_soon_threadsafe(_wake, waiters)
+
+
+def _wake(waiters: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for fut, res, exc in waiters:
+        if fut.done():  # cancelled meanwhile
+            continue
+        if exc is None:
+            fut.set_result(res)
+        else:
+            fut.set_exception(exc)
 
 
 def _run_in_order(conn: sa.Connection, items: list[_Item]) -> list[Any]:
