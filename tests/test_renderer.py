@@ -241,6 +241,28 @@ def test_a_template_with_tool_support_receives_tools_and_structured_calls(tokeni
     assert native.render(messages, tools=[WEATHER]) == ids_of(tokenizer, text)
 
 
+@pytest.mark.parametrize("template", [None, NATIVE_TEMPLATE])
+def test_the_template_called_directly_renders_what_apply_chat_template_renders(tokenizer: Any, template: str | None) -> None:
+    r = Renderer(tokenizer, chat_template=template)
+    assert r._direct is not None  # the fast call is in use for these templates
+    messages = [
+        {"role": "system", "content": "Sys. 😀"},
+        {"role": "user", "content": "w?", "name": "al"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "c", "content": "snow"},
+        {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "text", "text": "now?"}]},
+    ]
+    for n in range(1, len(messages) + 1):
+        for tools in (None, [WEATHER]):
+            norm, native = r.normalise(messages[:n], tools)
+            for generation in (True, False):
+                assert r._template_text(norm, native, generation=generation) == tokenizer.apply_chat_template(
+                    norm, tools=native, chat_template=r.chat_template, add_generation_prompt=generation, tokenize=False
+                )
+
+
 def test_a_prompt_that_opens_think_makes_the_completion_start_as_reasoning(tokenizer: Any) -> None:
     native = Renderer(tokenizer, chat_template=NATIVE_TEMPLATE)
     msg = native.parse(ids_of(tokenizer, "Let me think.\n</think>\n\nIt is 4.<|im_end|>"), "stop")
