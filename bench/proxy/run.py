@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -149,6 +150,10 @@ def main() -> None:
     finally:
         for p in procs.values():
             stop(p)
+        if sys.exc_info()[0] is None:
+            shutil.rmtree(data, ignore_errors=True)  # the servers' logs and clawbridge's store
+        else:
+            print(f"the servers' logs are in {data}", file=sys.stderr)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "proxy.json").write_text(json.dumps(rows, indent=1))
