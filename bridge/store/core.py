@@ -874,7 +874,7 @@ def _configure_sqlite(engine: sa.Engine, synchronous: str) -> None:
     @sa.event.listens_for(engine, "begin")
     def _on_begin(conn: sa.Connection) -> None:
         write = conn.get_execution_options().get("clawbridge_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        conn.connection.dbapi_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")  # type: ignore[union-attr]
 
 
 def _best_base(bases: Sequence[_Recent], messages: Sequence[Any]) -> tuple[_Recent | None, int]:
