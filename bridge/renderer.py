@@ -779,12 +779,18 @@ class Renderer:
             compiled = _compile_jinja_template(self.chat_template)
         except Exception:
             return None
-        variables = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
+        # `Template.render` merges the environment's globals (a ChainMap) into a fresh dict on
+        # every call; merged once here, each render's context is this dict plus the messages.
+        variables = {**compiled.globals, **self.tokenizer.special_tokens_map, **self.template_kwargs}
+        concat, body = compiled.environment.concat, compiled.root_render_func
 
         def render(messages: list[dict[str, Any]], tools: Any, generation: bool) -> str:
-            return str(compiled.render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=generation, **variables
-            ))
+            ctx = compiled.new_context(
+                {**variables, "messages": messages, "tools": tools, "documents": None,
+                 "add_generation_prompt": generation},
+                shared=True,
+            )
+            return str(concat(body(ctx)))
 
         for session in _PROBE_SESSIONS:
             for msgs in session:
