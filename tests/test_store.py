@@ -312,6 +312,19 @@ async def test_async_reads_and_session_writes_run_off_the_event_loop(store: Stor
     assert (stats.turns, stats.sessions_done) == (1, 1)
 
 
+async def test_the_writer_replaces_its_kept_connection_when_it_dies(store: Store) -> None:
+    """The writer keeps one connection between commits (no pool check-out, no pre-ping); when
+    it died meanwhile (a database restart), the write is retried on a fresh one, not failed."""
+    first, second = turn("kept"), turn("kept")
+    await store.record_turn_async(first)
+    kept = store._writer_conn
+    assert kept is not None
+    kept.connection.dbapi_connection.close()  # type: ignore[union-attr]
+    assert await store.record_turn_async(second) == second.id
+    assert store._writer_conn is not kept
+    assert [t.id for t in store.session_turns("kept")] == [first.id, second.id]
+
+
 async def test_a_write_whose_caller_gave_up_before_it_began_is_skipped(store: Store) -> None:
     started, gate, ran = threading.Event(), threading.Event(), []
     blocker = store.writer.submit(lambda conn: started.set() or gate.wait(10))  # holds the writer

@@ -67,8 +67,9 @@ class AsyncWriter:
     An op is a function of an open connection inside the batch's transaction. A batched op
     (`submit_many(fn, arg)`) is a function of the connection and a list of args returning one
     result per arg: consecutive ones with the same `fn` run as one call, so a burst of turns
-    becomes a few multi-row statements. Order is kept. When a batch fails, each of its ops is
-    retried in its own transaction, so one bad write fails alone.
+    becomes a few multi-row statements. Order is kept. When a batch fails (a batch of one too),
+    each of its ops is retried in its own transaction, so one bad write fails alone and a dead
+    connection is replaced before anyone's write fails.
     """
 
     def __init__(
@@ -158,11 +159,11 @@ class AsyncWriter:
             with self._begin() as conn:
                 results = _run_in_order(conn, live)
         except Exception as exc:
-            if len(live) == 1:
-                log.exception("store write failed")
-                _settle([(live[0], None, exc)])
-                return
-            log.warning("a batch of %d writes failed; retrying each alone", len(live))
+            # Each write again, alone, in a fresh transaction: one bad write then fails only its
+            # caller, and a connection that died while kept (a database restart) costs one
+            # attempt, not the writes. The failed transaction was rolled back; where a connection
+            # died during COMMIT and the outcome is unknown, the store's writes are idempotent.
+            log.warning("a batch of %d write(s) failed (%s); retrying each alone", len(live), exc)
             _settle([self._commit_one(it) for it in live])
             return
         self.batches += 1
