@@ -529,6 +529,8 @@ def _probe_sessions() -> list[list[list[dict[str, Any]]]]:
     think = {"role": "assistant", "content": "done", "reasoning_content": "let me think"}
     return [
         [[sys_, u[0], ctx[0]], [sys_, u[0], a[0], u[1], ctx[1]], [sys_, u[0], a[0], u[1], a[1], u[2], ctx[2]]],
+        # a request sent twice (a client's retry), then continued
+        [[sys_, u[0], ctx[0]], [sys_, u[0], ctx[0]], [sys_, u[0], a[0], u[1], ctx[1]]],
         [[u[0]], [u[0], a[0], u[1]], [u[0], a[0], u[1], a[1], u[2]], [u[0], a[0], u[3]]],
         [[sys_, u[0]], [sys_, u[0], call, r1, r2], [sys_, u[0], call, r1, r2, a[1], u[1]],
          [sys_, u[0], call, r1, r2, a[1], u[1], think, u[2]]],
@@ -669,7 +671,8 @@ class Renderer:
         prefix = base.text[: base.ends[j]]
         text = prefix + full[len(before):]
         ends = base.ends[: j + 1] + [-1] * (n - j)
-        ends[n - 1] = len(prefix) + len(head) - len(before)
+        if j < n:  # a repeated request (nothing new) keeps the base's boundaries as they are
+            ends[n - 1] = len(prefix) + len(head) - len(before)
         ends[n] = len(text) - len(g)
         raw = [*base.raw[:j], *(snapshot(m) for m in messages[j:])]
         return _Entry(raw, base.sig, norm, base.tools, shift, text, ends)

@@ -430,6 +430,21 @@ def test_incremental_render_equals_full_render_on_a_long_session(tokenizer: Any)
         assert incremental.render(messages, tools=tools) == full.render(messages, tools=tools)
 
 
+def test_a_request_sent_twice_then_continued_renders_exactly(tokenizer: Any) -> None:
+    """A retry shares every message with its base (nothing new to render); the request after it
+    drops the rebuilt last message, so it must start from the boundary before that message."""
+    incremental = Renderer(tokenizer)
+    full = Renderer(tokenizer, incremental=False)
+    sys_ = {"role": "system", "content": "Sys."}
+    ctx0 = {"role": "user", "content": "internal context 0"}
+    first = [sys_, {"role": "user", "content": "q0"}, ctx0]
+    then = [*first[:2], {"role": "assistant", "content": "a0"}, {"role": "user", "content": "q1"},
+            {"role": "user", "content": "internal context 1"}]
+    for messages in (first, first, then):
+        assert incremental.render(messages) == full.render(messages)
+    assert incremental._cache is not None and incremental._cache.text_hits == 2
+
+
 def test_incremental_render_equals_apply_chat_template_for_plain_growth(tokenizer: Any) -> None:
     incremental = Renderer(tokenizer)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "S 😀"}]
