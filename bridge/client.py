@@ -21,7 +21,8 @@ import httpx
 import openai
 
 
-def _root(base_url: str) -> str:
+def root_url(base_url: str) -> str:
+    """A server's root, whether given as `http://host:port` or the OpenAI-style `.../v1`."""
     url = base_url.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
@@ -121,7 +122,7 @@ class Client:
     def __init__(
         self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None, timeout: float = 120.0
     ) -> None:
-        self.base_url = _root(base_url)
+        self.base_url = root_url(base_url)
         self.api_key = api_key
         self.timeout = timeout
 

@@ -135,12 +135,13 @@ def print_versions(data_dir: str | None, db: str | None) -> None:
 def request_rollback(url: str, version: str, api_key: str | None, timeout_s: float = 600.0) -> None:
     """`clawbridge rollback`: ask the running server, print what it did or why not."""
     import httpx
+    from clawbridge.client import root_url
 
     text = version.strip().lower().removeprefix("v")
     if not text.isdigit():
         _fail(f"VERSION must be a version number like 3 or v3, not {version!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    endpoint = url.rstrip("/") + "/v1/admin/rollback"
+    endpoint = root_url(url) + "/v1/admin/rollback"
     try:
         # a rollback waits for a running training step to finish: allow for a long one
         r = httpx.post(endpoint, json={"version": int(text)}, headers=headers, timeout=timeout_s)

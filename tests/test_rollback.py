@@ -157,8 +157,9 @@ def quiet_live(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_a_version_never_published_is_a_clear_404(quiet_live: LiveServer) -> None:
-    out = cli("rollback", "7", "--url", quiet_live.url, "--api-key", KEY)
-    assert out.exit_code == 1 and "policy@v7 was never published (the newest is v0)" in out.output
+    for url in (quiet_live.url, f"{quiet_live.url}/v1/"):  # the root, or the OpenAI-style base URL
+        out = cli("rollback", "7", "--url", url, "--api-key", KEY)
+        assert out.exit_code == 1 and "policy@v7 was never published (the newest is v0)" in out.output
     r = httpx.post(f"{quiet_live.url}/v1/admin/rollback", json={"version": 7}, headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found"
     assert quiet_live.running is not None and quiet_live.running.backend.version == 0
