@@ -127,7 +127,9 @@ def test_rollback_under_streaming_load_serves_the_old_weights_as_a_new_version(t
         assert backend.version == 4
         rollback_version = learner.last_rollback.version if learner.last_rollback else None
         assert rollback_version in (3, 4) and f"policy@v{rollback_version}" in out.output
-        assert {f"policy@v{v}" for v in (2, 3, 4)} & set(fingerprints)
+        # streams went on through both: at most 3 of the 4 answered after both returned were
+        # admitted before, so one was served by the newest version
+        assert "policy@v4" in fingerprints
 
         if rollback_version == 3:  # the step ran after it: roll back once more to check weights
             assert cli("rollback", "1", "--url", live.url, "--api-key", KEY).exit_code == 0
