@@ -612,8 +612,7 @@ class Renderer:
         those of a full render."""
         sig = _signature(tools, tool_choice) if self._cache is not None else None
         if self._cache is None or sig is None or not _is_message_list(messages):
-            msgs, native_tools = self.normalise(messages, tools, tool_choice)
-            return self._encode(self._template_text(msgs, native_tools))
+            return self._encode(self.render_text(messages, tools, tool_choice))
         with self._cache.lock:
             base, k = self._cache.find(messages, sig)
             entry = None
@@ -844,17 +843,15 @@ class Renderer:
         full renders; token reuse is then probed alone (a tokenizer whose tail changes earlier
         ids disables it)."""
         assert self._cache is not None
-        size = self._cache.size
         self._gen_suffix = self._probe_generation_suffix()
         if self._gen_suffix is not None and not self._probe_sessions():
             log.info("text-level incremental rendering disabled: the chat template is not prefix-stable")
             self._gen_suffix = None
-        self._cache = _PromptCache(self.tokenizer, size)
         if self._gen_suffix is None and not self._probe_sessions():
             log.warning("incremental prompt rendering disabled: it differs from a full render here")
             self._cache = None
             return
-        self._cache = _PromptCache(self.tokenizer, size)
+        self._cache = _PromptCache(self.tokenizer, self._cache.size)  # without the probes' entries
 
     def _probe_generation_suffix(self) -> str | None:
         suffix = None
@@ -872,13 +869,14 @@ class Renderer:
         return suffix or None
 
     def _probe_sessions(self) -> bool:
-        """Every probe request through the cache gives the ids of a full render."""
+        """Every probe request through a fresh cache gives the ids of a full render."""
+        assert self._cache is not None
+        self._cache = _PromptCache(self.tokenizer, self._cache.size)
         for tools in ([_PROBE_TOOL], None):
             for session in _PROBE_SESSIONS:
                 for msgs in session:
                     try:
-                        norm, native_tools = self.normalise(msgs, tools)
-                        expected = self._encode(self._template_text(norm, native_tools))
+                        expected = self._encode(self.render_text(msgs, tools))
                     except RenderError:
                         continue
                     if self.render(msgs, tools) != expected:
