@@ -518,10 +518,14 @@ def test_consecutive_tool_results_in_one_block_render_exactly(tokenizer: Any) ->
         for k in range(t % 3 + 1):  # one, two, three results in a row; requests end on each
             history.append({"role": "tool", "content": f"r{t}.{k}"})
             assert incremental.render(history) == full.render(history)
+    # some requests extended their base, and the grouped ones fell back to full renders
+    assert incremental._gen_suffix is not None and incremental._cache is not None
+    assert 0 < incremental._cache.text_hits < 7
 
 
 def test_a_caller_changing_its_messages_after_a_render_cannot_change_a_later_render(tokenizer: Any) -> None:
     incremental, full = Renderer(tokenizer), Renderer(tokenizer, incremental=False)
+    assert incremental._gen_suffix is not None  # the cache is in use, text level included
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "S"}, {"role": "user", "content": "weather?"},
@@ -543,6 +547,7 @@ def test_values_that_compare_equal_but_render_differently_are_not_shared(tokeniz
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}]},
                 {"role": "user", "content": "y"}]
 
+    assert incremental._gen_suffix is not None  # the cache is in use, text level included
     for value in (1, True, 1.0):
         assert incremental.render(convo(value)) == full.render(convo(value))
 
