@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,11 +87,14 @@ def main() -> None:
     a = ap.parse_args()
     dbs = ["sqlite", "postgresql"] if a.db == "both" else [a.db]
     cluster = None
+    dirs: list[str] = []  # the SQLite runs' stores (tens of MB each), removed at the end
     try:
         for db in dbs:
             for mode in ("whole", "delta"):
                 if db == "sqlite":
-                    url = f"sqlite:///{tempfile.mkdtemp(prefix='cb-store-bench-')}/clawbridge.db"
+                    tmp = tempfile.mkdtemp(prefix="cb-store-bench-")
+                    dirs.append(tmp)
+                    url = f"sqlite:///{tmp}/clawbridge.db"
                 else:
                     from pg import PgCluster, find_pg_bin
 
@@ -108,6 +112,8 @@ def main() -> None:
     finally:
         if cluster is not None:
             cluster.stop()
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":
