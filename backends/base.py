@@ -63,6 +63,12 @@ class UnknownVersion(BackendError):
         super().__init__(detail or f"policy@v{version} was never published (the newest is v{newest})")
 
 
+def require_published(version: int, newest: int) -> None:
+    """UnknownVersion unless v0 <= `version` <= the newest published version."""
+    if not 0 <= version <= newest:
+        raise UnknownVersion(version, newest)
+
+
 class TransientBackendError(BackendError):
     """Worth retrying: rate limits, 5xx, timeouts, a hot-load in progress."""
 

@@ -36,7 +36,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from clawbridge.backends.base import BackendError, ContextLengthExceeded, ScoreModel, UnknownVersion
+from clawbridge.backends.base import (
+    BackendError,
+    ContextLengthExceeded,
+    ScoreModel,
+    UnknownVersion,
+    require_published,
+)
 from clawbridge.backends.remote import RetryPolicy, call
 from clawbridge.costs import CostMeter, Usage
 from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
@@ -167,8 +173,7 @@ def version_state(version: int) -> str:
 
 def rollback_path(states: StateIndex, version: int, newest: int) -> str:
     """Where the training state of `version` lives, or UnknownVersion."""
-    if not 0 <= version <= newest:
-        raise UnknownVersion(version, newest)
+    require_published(version, newest)
     path = states.path_of(version_state(version))
     if path is None:
         raise UnknownVersion(version, newest, f"policy@v{version} has no saved training state to roll back to "

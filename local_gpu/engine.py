@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from clawbridge.backends.base import BackendError, UnknownVersion
+from clawbridge.backends.base import BackendError, UnknownVersion, require_published
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.kvbatch import KVBatch
 from clawbridge.local_gpu.sampling import draw_token, needs_uniform
@@ -243,8 +243,6 @@ class Engine:
         return await self._call(self._publish)
 
     async def rollback(self, version: int) -> PolicyVersion:
-        if not 0 <= version <= self._newest:  # checked again on the thread; this one logs nothing
-            raise UnknownVersion(version, self._newest)
         return await self._call(self._rollback, version)
 
     async def save_state(self, name: str) -> str:
@@ -363,6 +361,8 @@ class Engine:
             return
         try:
             job.future.set_result(job.fn(*job.args))
+        except UnknownVersion as exc:  # the caller's mistake, answered as such: nothing to log
+            job.future.set_exception(exc)
         except BaseException as exc:
             log.exception("engine job %s failed", getattr(job.fn, "__name__", job.fn))
             job.future.set_exception(exc)
@@ -526,8 +526,7 @@ class Engine:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        if not 0 <= version <= self._newest:
-            raise UnknownVersion(version, self._newest)
+        require_published(version, self._newest)
         if version == 0:
             weights = self._initial
         else:

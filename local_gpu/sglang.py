@@ -36,6 +36,8 @@ from clawbridge.backends.base import (
     ContextLengthExceeded,
     ScoreModel,
     TransientBackendError,
+    UnknownVersion,
+    require_published,
 )
 from clawbridge.types import (
     Completion,
@@ -492,11 +494,8 @@ class SGLangBackend:
         """vK's adapter folder (v0: the initial adapter) into the trainer, then the ordinary
         publish: written anew as the next version, loaded beside the serving ones, and the
         superseded adapter unloaded once its requests drain."""
-        from clawbridge.backends.base import UnknownVersion
-
         trainer = self._need_trainer()
-        if not 0 <= version <= self.version:
-            raise UnknownVersion(version, self.version)
+        require_published(version, self.version)
         folder = None if version == 0 else self.adapters_dir / f"v{version}"
         if folder is not None and not (folder / "adapter_config.json").exists():
             raise UnknownVersion(version, self.version, f"policy@v{version}'s adapter is gone ({folder})")
