@@ -189,7 +189,7 @@ class FireworksBackend:
         else:
             assert self._make_syncer is not None
             self._syncer = self._make_syncer(self._training)
-        await self._keep_state(0)  # the fresh adapter is v0's weights, for rollback(0)
+        await self._save_state(version_state(0), 0)  # the fresh adapter: v0's, for rollback(0)
         log.info("fireworks (%s): LoRA rank %d on %s ready", self.mode, self.lora_rank, self.base_model)
 
     async def sample(
@@ -317,15 +317,10 @@ class FireworksBackend:
         return step_metrics(batch, new, loss, time.monotonic() - started, grad_norm,
                             {"usd": usd, "spent_usd": self.meter.spent_usd})
 
-    async def _keep_state(self, version: int) -> None:
-        name = version_state(version)
-        saved = await call(f"fireworks save_state({name})", lambda: self._training.save_state(name), self.retry)
-        self._states.put(name, str(saved.path), version)
-
     async def publish(self) -> PolicyVersion:
         v = self._version + 1
-        name = f"policy-v{v}"
-        await self._keep_state(v)  # a DCP checkpoint of the weights about to be served
+        name = version_state(v)
+        await self._save_state(name, v)  # a DCP checkpoint of the weights about to be served
         if self.mode == "dedicated":
             snapshot = await self._blocking("fireworks save_and_hotload", lambda: self._syncer.save_and_hotload(name))
             if snapshot is None:
@@ -356,8 +351,12 @@ class FireworksBackend:
         return published
 
     async def save_state(self, name: str) -> str:
-        saved = await call("fireworks save_state", lambda: self._training.save_state(name), self.retry)
-        self._states.put(name, str(saved.path), self._version)
+        return await self._save_state(name, self._version)
+
+    async def _save_state(self, name: str, version: int) -> str:
+        """A training state under `name`, indexed with the version whose weights it holds."""
+        saved = await call(f"fireworks save_state({name})", lambda: self._training.save_state(name), self.retry)
+        self._states.put(name, str(saved.path), version)
         return str(saved.path)
 
     async def load_state(self, name: str) -> None:

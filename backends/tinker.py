@@ -275,7 +275,7 @@ class TinkerBackend:
             "tinker create_sampling_client(base)",
             lambda: self.service.create_sampling_client(base_model=self.base_model), self.retry,
         )
-        await self._keep_state(0)  # the fresh adapter is v0's weights, for rollback(0)
+        await self._save_state(version_state(0), 0)  # the fresh adapter: v0's, for rollback(0)
         log.info("tinker: LoRA rank %d on %s ready", self.lora_rank, self.base_model)
 
     def _sampler(self, version: int | None) -> tuple[int, Any]:
@@ -378,18 +378,13 @@ class TinkerBackend:
         return step_metrics(batch, new, loss, time.monotonic() - started, grad_norm,
                             {"usd": usd, "spent_usd": self.meter.spent_usd, "advantage_scale": scale})
 
-    async def _keep_state(self, version: int) -> None:
-        name = version_state(version)
-        saved = await call(f"tinker save_state({name})", lambda: self._training.save_state(name), self.retry)
-        self._states.put(name, str(saved.path), version)
-
     async def publish(self) -> PolicyVersion:
         v = self._version + 1
         # both read the weights after the last optim_step; submitted together, awaited together
         sampler, _ = await asyncio.gather(
             call("tinker save_weights_and_get_sampling_client",
                  lambda: self._training.save_weights_and_get_sampling_client(), self.retry),
-            self._keep_state(v),
+            self._save_state(version_state(v), v),
         )
         path: str | None = None
         if self.persist_every and v % self.persist_every == 0:
@@ -416,8 +411,12 @@ class TinkerBackend:
         return published
 
     async def save_state(self, name: str) -> str:
-        saved = await call("tinker save_state", lambda: self._training.save_state(name), self.retry)
-        self._states.put(name, str(saved.path), self._version)
+        return await self._save_state(name, self._version)
+
+    async def _save_state(self, name: str, version: int) -> str:
+        """A training state under `name`, indexed with the version whose weights it holds."""
+        saved = await call(f"tinker save_state({name})", lambda: self._training.save_state(name), self.retry)
+        self._states.put(name, str(saved.path), version)
         return str(saved.path)
 
     async def load_state(self, name: str) -> None:
