@@ -523,7 +523,6 @@ class Engine:
         return PolicyVersion(version, str(path))
 
     def _rollback(self, version: int) -> PolicyVersion:
-        from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         require_published(version, self._newest)
@@ -534,9 +533,7 @@ class Engine:
             if not file.exists():
                 raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
             weights = load_file(str(file), device=str(self.device))
-        with torch.no_grad():
-            set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
-        self._optimizer = None  # Adam's moments belonged to the weights rolled away from
+        self._set_trainable(weights)  # Adam's moments belonged to the weights rolled away from
         published = self._publish()
         log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
         return published
@@ -577,9 +574,6 @@ class Engine:
         if self._optimizer is None:
             self._optimizer = torch.optim.AdamW(self._params(), lr=1e-4)
         return self._optimizer
-
-    def _micro_batches(self, batch: tuple[Datum, ...]) -> list[list[Datum]]:
-        return micro_batches(batch, self.train_token_budget)
 
     def _batch_logprobs(
         self, group: list[Datum], names: list[str] | None = None
@@ -624,7 +618,7 @@ class Engine:
             )
         optimizer.zero_grad(set_to_none=True)
         loss_sum = clipped = kl = 0.0
-        for group in self._micro_batches(batch):
+        for group in micro_batches(batch, self.train_token_budget):
             base = None
             if loss.kl_coef:
                 with torch.no_grad():
@@ -680,19 +674,23 @@ class Engine:
         tmp.rename(path)
         return str(path)
 
-    def _load_state(self, name: str) -> None:
+    def _set_trainable(self, weights: dict[str, torch.Tensor]) -> None:
+        """The trainable adapter's weights, and a fresh optimizer for them."""
         from peft import set_peft_model_state_dict
+
+        with torch.no_grad():
+            set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
+        self._optimizer = None
+
+    def _load_state(self, name: str) -> None:
         from safetensors.torch import load_file
 
         path = self._checkpoint_dir(name)
         if not (path / "state.json").exists():
             raise BackendError(f"no checkpoint at {path}")
         meta = json.loads((path / "state.json").read_text())
-        weights = load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
-        with torch.no_grad():
-            set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
+        self._set_trainable(load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device)))
         saved = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
-        self._optimizer = None
         if saved["optimizer"] is not None:
             self._get_optimizer().load_state_dict(saved["optimizer"])
         self._steps = int(meta["steps"])

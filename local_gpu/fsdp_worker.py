@@ -43,6 +43,11 @@ ADAPTER = "default"  # PEFT saves the default adapter flat, the layout SGLang lo
 KEY_ENV = "CLAWBRIDGE_TRAINER_KEY"  # the RPC auth key travels by environment, never argv
 
 
+def _peft_key(name: str) -> str:
+    """A trainable parameter's name as PEFT saves it: `...lora_A.weight`, without the adapter."""
+    return re.sub(rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", name.removeprefix("peft."))
+
+
 class ChunkedLogprobs(nn.Module):
     """The FSDP root: runs the decoder, then log softmax(logits / T)[target] over chunks of
     positions, each chunk checkpointed so its [B, chunk, V] logits are recomputed in backward
@@ -126,15 +131,12 @@ class ShardedLoRATrainer:
         self.model: Any = ChunkedLogprobs(peft_model, chunk)
         fully_shard(self.model, mesh=mesh, mp_policy=mp)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        self.optimizer = self._fresh_optimizer()
         self.steps = 0
         # this rank's shards of the initial adapter (B = 0): version 0's weights, for rollback
         self.initial = [p.detach().clone() for p in self.params]
 
     # --- one step ---------------------------------------------------------------------------
-
-    def _micro_batches(self, batch: list[Datum]) -> list[list[Datum]]:
-        return micro_batches(batch, self.token_budget)
 
     def _logprobs(self, group: list[Datum]) -> torch.Tensor:
         """New logprobs of every completion token of `group`, concatenated (engine order)."""
@@ -162,7 +164,7 @@ class ShardedLoRATrainer:
         started = time.perf_counter()
         total = batch_tokens(batch)
         mine = batch[self.rank :: self.world]
-        groups = self._micro_batches(mine)
+        groups = micro_batches(mine, self.token_budget)
         # every rank must run the same number of forward/backward passes (FSDP collectives):
         # ranks with fewer micro-batches run zero-weight ones on the batch's first datum
         count = torch.tensor([len(groups)], device=self.device)
@@ -213,11 +215,12 @@ class ShardedLoRATrainer:
         for key, value in full.items():
             if "lora_" not in key:  # a tied (frozen) lm_head can slip through ignore_frozen_params
                 continue
-            k = key.removeprefix("peft.")
-            k = re.sub(rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", k)
             assert isinstance(value, torch.Tensor)
-            out[k] = value.detach().float().contiguous()
+            out[_peft_key(key)] = value.detach().float().contiguous()
         return out
+
+    def _fresh_optimizer(self) -> torch.optim.AdamW:
+        return torch.optim.AdamW(self.params, lr=1e-4)  # each step sets its own lr
 
     def save_adapter(self, path: str) -> None:
         from safetensors.torch import save_file
@@ -243,8 +246,7 @@ class ShardedLoRATrainer:
             values = self.initial
         else:
             saved = load_file(str(Path(path) / "adapter_model.safetensors"))
-            keys = {n: re.sub(rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", n.removeprefix("peft."))
-                    for n in names}
+            keys = {n: _peft_key(n) for n in names}
             missing = sorted(k for k in keys.values() if k not in saved)
             if missing:
                 raise KeyError(f"{path} lacks {len(missing)} LoRA tensors, e.g. {missing[0]}")
@@ -254,7 +256,7 @@ class ShardedLoRATrainer:
                 if isinstance(p, DTensor) and not isinstance(value, DTensor):
                     value = distribute_tensor(value.to(p.device_mesh.device_type, p.dtype), p.device_mesh, p.placements)
                 p.copy_(value)
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        self.optimizer = self._fresh_optimizer()
 
     def save_state(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
