@@ -14,6 +14,7 @@ import asyncio
 import json
 from typing import TYPE_CHECKING, Any
 
+from clawbridge import wire
 from clawbridge.store import JudgeVote, Judgment
 from clawbridge.wire import APIError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -45,20 +46,13 @@ class FeedbackRequest(BaseModel):
 
 
 def parse(raw: bytes, header_session: str | None) -> FeedbackRequest:
-    try:
-        body = json.loads(raw or b"{}")
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"The body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "The body must be a JSON object.")
+    body = wire.json_object(raw)
     if header_session and "session_id" not in body:
         body["session_id"] = header_session
     try:
         return FeedbackRequest.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"Invalid feedback: {err['msg']}", param=param) from None
+        raise wire.invalid(e, "feedback") from None
 
 
 async def record_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:

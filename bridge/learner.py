@@ -16,6 +16,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from clawbridge import wire
 from clawbridge.backends.base import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.collector import Collector
 from clawbridge.config import Settings
@@ -170,13 +171,9 @@ def rollback_route(learner: Learner) -> Route:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         try:
-            body = RollbackRequest.model_validate(json.loads(await request.body() or b"{}"))
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"The body is not valid JSON: {e}") from None
+            body = RollbackRequest.model_validate(wire.json_object(await request.body()))
         except ValidationError as e:
-            err = e.errors()[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            raise APIError(400, f"Invalid rollback: {err['msg']}", param=param) from None
+            raise wire.invalid(e, "rollback") from None
         try:
             rb = await learner.rollback(proxy, body.version)
         except UnknownVersion as e:

@@ -51,6 +51,24 @@ def error_body(
 # --- requests -----------------------------------------------------------------------------------
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A small JSON request body (an empty one is `{}`), or a 400."""
+    try:
+        body = orjson.loads(raw or b"{}")
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"The body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The body must be a JSON object.")
+    return body
+
+
+def invalid(e: ValidationError, what: str) -> APIError:
+    """The 400 for a body that failed validation: its first error, and the field it names."""
+    err = e.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    return APIError(400, f"Invalid {what}: {err['msg']}", param=param)
+
+
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
