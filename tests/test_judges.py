@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -391,6 +392,19 @@ async def test_auto_picks_the_rules_judge_offline_and_http_with_an_endpoint() ->
         build_judges(Settings(judge="http", judge_url="http://127.0.0.1:9/v1"))
     with pytest.raises(ValueError, match="backend"):
         build_judges(Settings(judge="backend"))
+
+
+async def test_the_backend_judge_uses_the_stacks_judge_server_where_it_has_one() -> None:
+    from clawbridge.judges.clients import BackendJudgeClient, OpenAIJudgeClient
+
+    stack = SimpleNamespace(judge_endpoint=("http://127.0.0.1:9/v1", "prm-model"))  # the GPU stack's PRM server
+    judges = build_judges(Settings(judge="backend"), stack)  # type: ignore[arg-type]
+    client = judges.reward.client  # type: ignore[attr-defined]
+    assert isinstance(client, OpenAIJudgeClient) and judges.hint.client is client  # type: ignore[attr-defined]
+    assert client.url == "http://127.0.0.1:9/v1/chat/completions" and client.model == "prm-model"
+    await judges.aclose()
+    plain = build_judges(Settings(judge="backend"), SimpleNamespace(model_name="policy"))  # type: ignore[arg-type]
+    assert isinstance(plain.reward.client, BackendJudgeClient)  # type: ignore[attr-defined]
 
 
 # --- the HTTP client against a live server on loopback ----------------------------------------------
