@@ -484,14 +484,9 @@ class Engine:
         """Load a published adapter for serving, in the model's dtype. PEFT would upcast it to
         fp32 (its default for training), and then every LoRA layer casts its input up and its
         output back on every token: on a bf16 GPU model that was ~500 extra kernels per token.
-        Sampling and `score` of a version both run this copy, so their logprobs agree."""
-        name = adapter_name(version)
-        self._model.load_adapter(str(path), adapter_name=name, autocast_adapter_dtype=False)
-        if self.dtype != torch.float32:
-            for layer in self._lora_layers:
-                for weights in (layer.lora_A, layer.lora_B):
-                    if name in weights:
-                        weights[name].to(self.dtype)
+        Without autocast PEFT creates the adapter in the base layer's dtype. Sampling and `score`
+        of a version both run this copy, so their logprobs agree."""
+        self._model.load_adapter(str(path), adapter_name=adapter_name(version), autocast_adapter_dtype=False)
         self._pointed = STALE  # PEFT may re-point layers when adapters come and go
 
     def _release(self, version: int) -> None:

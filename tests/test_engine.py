@@ -176,3 +176,23 @@ async def test_the_embedded_model_answers_a_simple_question(tmp_path: Path) -> N
         assert "Paris" in tok.decode(c.tokens)
     finally:
         await backend.close()
+
+
+async def test_a_published_adapter_serves_in_the_models_dtype(tmp_path: Path) -> None:
+    """A bf16 model serves its published adapters in bf16 (PEFT's default upcast to fp32 made
+    every LoRA layer cast each token's activations up and back: ~500 extra kernels a token on
+    a GPU). The trainable adapter stays fp32."""
+    threads = torch.get_num_threads()  # the engine's setting is process-wide: restored
+    backend = LocalBackend("tiny-random", tmp_path, lora_rank=4, lora_alpha=4, dtype=torch.bfloat16, threads=1)
+    backend.engine.start()
+    try:
+        published = await backend.publish()
+        c = (await backend.sample(PROMPT, SamplingParams(max_tokens=3, seed=1), version=published.version))[0]
+        assert c.version == published.version
+        params = dict(backend.engine._model.named_parameters())
+        served = {p.dtype for n, p in params.items() if f".v{published.version}." in n}
+        assert served == {torch.bfloat16}
+        assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    finally:
+        backend.engine.close()
+        torch.set_num_threads(threads)
