@@ -8,6 +8,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -112,6 +113,44 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
         assert await fresh.score(prompt, completion) == pytest.approx(v1, abs=1e-6)
     finally:
         await fresh.close()
+        store.close()
+
+
+async def test_a_rollback_asked_for_during_a_step_waits_for_the_step_to_publish(data_dir: Path):
+    """Whatever the timing: the training step holds the lock from train_step to publish, and a
+    rollback asked for meanwhile runs after it (not between its update and its publish)."""
+    settings = settings_for(data_dir, batch_size=2)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    calls: list[str] = []
+    gate = asyncio.Event()
+    train_step, rollback = backend.train_step, backend.rollback
+
+    async def held_train_step(*a: Any, **kw: Any) -> Any:
+        calls.append("train_step")
+        await gate.wait()
+        return await train_step(*a, **kw)
+
+    async def noted_rollback(version: int) -> Any:
+        calls.append("rollback")
+        return await rollback(version)
+
+    backend.train_step, backend.rollback = held_train_step, noted_rollback  # type: ignore[method-assign]
+    try:
+        judged_samples(store, 2)
+        trainer = Trainer(settings, backend, store)
+        step = asyncio.create_task(trainer.step_once())
+        while not calls:
+            await asyncio.sleep(0.01)
+        back = asyncio.create_task(trainer.rollback(0))
+        await asyncio.sleep(0.2)
+        assert calls == ["train_step"] and not back.done()  # the rollback waits on the lock
+        gate.set()
+        assert (await step).version == 1  # type: ignore[union-attr]
+        assert (await back).version == 2 and calls == ["train_step", "rollback"]
+    finally:
+        await backend.close()
         store.close()
 
 
