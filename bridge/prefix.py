@@ -9,8 +9,11 @@ for later comparison is a snapshot, so a caller changing its dicts afterwards ch
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 
 def same_json(a: Any, b: Any) -> bool:
@@ -78,3 +81,52 @@ def best_prefix(candidates: Iterable[Sequence[Any]], messages: Sequence[Any]) ->
             if k == n:
                 break
     return best, best_k
+
+
+class Found(NamedTuple, Generic[T]):
+    key: int
+    messages: Sequence[Any]  # the snapshot the item was kept with
+    item: T
+    shared: int  # leading messages the new list shares with it
+
+
+class Recent(Generic[T]):
+    """The newest `size` items, each kept with the message list it was built from (a snapshot),
+    found again by the longest exact message prefix a new list shares with that list. An item
+    that the next one extends by all its messages, or all but its last (agents rebuild a last
+    message on every request), is superseded: a conversation holds one item, lookups stay short.
+    The session fingerprints and the renderer's prompt cache are both one of these."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[int, tuple[Sequence[Any], T]] = OrderedDict()
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def find(self, messages: Sequence[Any], accept: Callable[[T], bool] | None = None) -> Found[T] | None:
+        """The item sharing the longest prefix with `messages` (the newest on a tie), among those
+        `accept` takes; None when none shares a message."""
+        candidates = [
+            (key, kept, item) for key, (kept, item) in reversed(self._items.items()) if accept is None or accept(item)
+        ]
+        i, shared = best_prefix((kept for _, kept, _ in candidates), messages)
+        if i < 0:
+            return None
+        key, kept, item = candidates[i]
+        return Found(key, kept, item, shared)
+
+    def newest(self) -> T | None:
+        last = next(reversed(self._items.values()), None)
+        return None if last is None else last[1]
+
+    def put(self, messages: Sequence[Any], item: T, base: Found[T] | None = None) -> None:
+        """Keep `item` under `messages` (a snapshot the caller will not change); `base`, what
+        `find` gave for them, leaves if this extends it by all or all but its last message."""
+        if base is not None and base.shared >= len(base.messages) - 1:
+            self._items.pop(base.key, None)
+        self._items[self._next] = (messages, item)
+        self._next += 1
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)

@@ -26,13 +26,12 @@ import re
 import secrets
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from clawbridge.prefix import best_prefix, snapshot
+from clawbridge.prefix import Recent, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -431,8 +430,7 @@ class _PromptCache:
     def __init__(self, tokenizer: Any, size: int) -> None:
         self._tok = tokenizer.backend_tokenizer
         self.size = size
-        self.entries: OrderedDict[int, _Entry] = OrderedDict()
-        self._next = 0
+        self.entries: Recent[_Entry] = Recent(size)
         # Tokens whose flags let them eat neighbouring whitespace are not safe boundaries.
         self._split_ids = frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if not (t.lstrip or t.rstrip)
@@ -440,28 +438,6 @@ class _PromptCache:
         self.hits = 0  # token ids reused
         self.text_hits = 0  # text rendered incrementally
         self.lock = threading.RLock()  # the proxy may render from a thread pool
-
-    def find(self, messages: Sequence[Mapping[str, Any]], sig: bytes) -> tuple[_Entry | None, int]:
-        """The entry sharing the longest message prefix with `messages` (the newest on a tie)."""
-        entries = [e for e in reversed(self.entries.values()) if e.sig == sig]
-        i, k = best_prefix((e.raw for e in entries), messages)
-        return (entries[i], k) if i >= 0 else (None, 0)
-
-    def newest(self) -> _Entry | None:
-        return next(reversed(self.entries.values()), None)
-
-    def put(self, entry: _Entry, base: _Entry | None = None, shared: int = 0) -> None:
-        """Keep `entry`; a base it extends by all or all but its last message (the agent rebuilt
-        it) is superseded and leaves, so one conversation holds one entry and `find` stays short."""
-        if base is not None and shared >= len(base.raw) - 1:
-            for key, e in self.entries.items():
-                if e is base:
-                    del self.entries[key]
-                    break
-        self.entries[self._next] = entry
-        self._next += 1
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
 
     def encode(self, entry: _Entry, base: _Entry | None) -> None:
         """Fill `entry.ids` (and its boundaries), reusing `base`'s ids where the texts agree."""
@@ -613,19 +589,21 @@ class Renderer:
         sig = _signature(tools, tool_choice) if self._cache is not None else None
         if self._cache is None or sig is None or not _is_message_list(messages):
             return self._encode(self.render_text(messages, tools, tool_choice))
-        with self._cache.lock:
-            base, k = self._cache.find(messages, sig)
+        cache = self._cache
+        with cache.lock:
+            found = cache.entries.find(messages, lambda e: e.sig == sig)
+            base = found.item if found is not None else None
             entry = None
-            if base is not None and self._gen_suffix is not None:
-                entry = self._extend(base, k, messages)
+            if found is not None and self._gen_suffix is not None:
+                entry = self._extend(found.item, found.shared, messages)
                 if entry is not None:
-                    self._cache.text_hits += 1
+                    cache.text_hits += 1
             if entry is None:
                 entry = self._render_entry(messages, tools, tool_choice, sig)
             # A new conversation still shares its opening (a system prompt, the template's
             # default one) with the last one rendered: its ids are reused up to a boundary.
-            self._cache.encode(entry, base or self._cache.newest())
-            self._cache.put(entry, base, k)
+            cache.encode(entry, base or cache.entries.newest())
+            cache.entries.put(entry.raw, entry, found)
             return list(entry.ids)
 
     def _render_entry(

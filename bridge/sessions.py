@@ -19,12 +19,11 @@ import hashlib
 import json
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from clawbridge.prefix import best_prefix, snapshot
+from clawbridge.prefix import Recent, snapshot
 from clawbridge.types import TurnType
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
@@ -188,29 +187,21 @@ class _Fingerprints:
     system message alone is ~36 K characters, hashed on every request otherwise."""
 
     def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._entries: OrderedDict[int, tuple[list[Any], list[bytes]]] = OrderedDict()
-        self._next = 0
+        self._recent: Recent[list[bytes]] = Recent(size)
 
     def of(self, hist: Sequence[Mapping[str, Any]]) -> list[bytes]:
-        entries = list(reversed(self._entries.items()))
-        i, k = best_prefix((snap for _, (snap, _) in entries), hist)
-        if i < 0:
+        found = self._recent.find(hist)
+        if found is None:
             snap, fps = [snapshot(m) for m in hist], fingerprints(hist)
         else:
-            key, (old, old_fps) = entries[i]
-            snap, fps = old[:k], old_fps[:k]
+            k = found.shared
+            snap, fps = list(found.messages[:k]), found.item[:k]
             prev = fps[-1]
             for m in hist[k:]:
                 snap.append(snapshot(m))
                 prev = extend(prev, m)
                 fps.append(prev)
-            if k >= len(old) - 1:  # superseded: one entry per conversation
-                del self._entries[key]
-        self._entries[self._next] = (snap, fps)
-        self._next += 1
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        self._recent.put(snap, fps, found)
         return list(fps)
 
 

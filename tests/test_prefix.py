@@ -40,3 +40,20 @@ def test_a_first_message_equal_only_in_python_is_no_match() -> None:
     # The quick `!=` on first messages lets such a candidate through; the exact check stops it.
     old = [{"role": "user", "content": "hi", "n": 1}, A]
     assert best_prefix([old], [{"role": "user", "content": "hi", "n": 1.0}, A]) == (-1, 0)
+
+
+def test_recent_finds_the_longest_prefix_supersedes_what_it_extends_and_keeps_the_newest() -> None:
+    from clawbridge.prefix import Recent
+
+    recent: Recent[str] = Recent(size=2)
+    assert recent.find([U]) is None and recent.newest() is None
+    recent.put([U], "first")
+    found = recent.find([U, A, U])
+    assert found is not None and (found.item, found.shared) == ("first", 1)
+    recent.put([U, A, U], "second", found)  # extends "first" by all its messages: it leaves
+    assert len(recent) == 1 and recent.newest() == "second"
+    other = [{"role": "user", "content": "another conversation"}]
+    recent.put(other, "third", recent.find(other))
+    recent.put([A], "fourth")  # size 2: the oldest goes
+    assert len(recent) == 2 and recent.find([U, A, U]) is None
+    assert recent.find(other, accept=lambda item: item != "third") is None
