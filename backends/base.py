@@ -1,7 +1,7 @@
 """The Backend protocol: the verbs every training platform implements, with identical semantics.
 
 Shaped after Tinker's primitives (DESIGN.md §3). A backend carries semantics, it never decides
-them: advantages are computed in `clawbridge.advantages`, the loss is `clawbridge.loss`.
+them: advantages are computed in `clawbridge.learning.advantages`, the loss is `clawbridge.loss`.
 
 Versions: version 0 is the base model. `publish()` makes the trained weights servable as the next
 version. A `sample` admitted on version K finishes on version K even if a publish happens

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from clawbridge.backends.base import BackendError, ScoreModel
+from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
 from clawbridge.backends.tinker import (
     KEEP_VERSIONS,
@@ -52,7 +53,6 @@ from clawbridge.backends.tinker import (
     stop_list,
     version_state,
 )
-from clawbridge.costs import CostMeter, Usage
 from clawbridge.types import (
     Completion,
     Datum,
@@ -419,6 +419,6 @@ def create_backend(settings: Settings) -> FireworksBackend:
 def from_settings(settings: Settings) -> Any:
     """What `clawbridge up --backend fireworks` calls (`clawbridge.server.build_backend`): the
     backend behind the redaction hook unless `--no-redact`."""
-    from clawbridge.redact import protect
+    from clawbridge.backends.redact import protect
 
     return protect(FireworksBackend.from_settings(settings), settings.redact)

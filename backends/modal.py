@@ -1,4 +1,4 @@
-"""The Modal backend: the local torch engine on a Modal GPU (`clawbridge.local_gpu.modal_app`).
+"""The Modal backend: the local torch engine on a Modal GPU (`clawbridge.backends.modal_app`).
 
 Every verb is one `.remote.aio` call on the deployed `Engine` class, whose methods are the
 Backend protocol itself running `LocalBackend` in the container, so the semantics are the local
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.base import ScoreModel
+from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call
-from clawbridge.costs import CostMeter, Usage
 from clawbridge.types import (
     Completion,
     Datum,
@@ -71,7 +71,7 @@ class ModalBackend:
         spec = models.resolve(settings.model, settings.cache_dir)
         if client is None:
             import modal
-            from clawbridge.local_gpu.modal_app import APP_NAME, CLASS_NAME, GPU
+            from clawbridge.backends.modal_app import APP_NAME, CLASS_NAME, GPU
 
             engine_cls = modal.Cls.from_name(settings.modal_app or APP_NAME, CLASS_NAME)
             if settings.modal_gpu != GPU:
@@ -169,6 +169,6 @@ def create_backend(settings: Settings) -> ModalBackend:
 def from_settings(settings: Settings) -> Any:
     """What `clawbridge up --backend modal` calls (`clawbridge.server.build_backend`): the
     backend behind the redaction hook unless `--no-redact`."""
-    from clawbridge.redact import protect
+    from clawbridge.backends.redact import protect
 
     return protect(ModalBackend.from_settings(settings), settings.redact)

@@ -43,8 +43,8 @@ from clawbridge.backends.base import (
     UnknownVersion,
     require_published,
 )
+from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import RetryPolicy, call
-from clawbridge.costs import CostMeter, Usage
 from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
 from clawbridge.types import (
     Completion,
@@ -185,7 +185,7 @@ def require_credentials(backend: str) -> None:
     """Fail at once, with the fix, when the platform's credentials are missing or malformed."""
     import os
 
-    from clawbridge import doctor
+    from clawbridge.backends import doctor
 
     checks = doctor.run_checks(os.environ, Path.home(), backend)
     if not doctor.ready(checks, backend):
@@ -458,6 +458,6 @@ def create_backend(settings: Settings) -> TinkerBackend:
 def from_settings(settings: Settings) -> Any:
     """What `clawbridge up --backend tinker` calls (`clawbridge.server.build_backend`): the
     backend behind the redaction hook unless `--no-redact`."""
-    from clawbridge.redact import protect
+    from clawbridge.backends.redact import protect
 
     return protect(TinkerBackend.from_settings(settings), settings.redact)

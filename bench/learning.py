@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from clawbridge import scenario as scenarios
-from clawbridge.demo import demo_settings, run_demo
+from clawbridge.demo import scenario as scenarios
+from clawbridge.demo.runner import demo_settings, run_demo
 
 
 async def one(sc: scenarios.Scenario, method: str, seed: int, model: str | None) -> dict[str, Any]:

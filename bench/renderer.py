@@ -13,8 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from clawbridge.chat.renderer import Renderer
 from clawbridge.local_gpu import models
-from clawbridge.renderer import Renderer
 from test_renderer import openclaw_sized_session
 
 

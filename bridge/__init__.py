@@ -1,6 +1,6 @@
 """clawbridge: serve your agent's model over the OpenAI API, learn from every conversation.
 
-The SDK for custom agents is `clawbridge.Client` (see `clawbridge.client`).
+The SDK for custom agents is `clawbridge.Client` (see `clawbridge.sdk.client`).
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["AsyncSession", "Client", "Session"]
 
 if TYPE_CHECKING:
-    from clawbridge.client import AsyncSession, Client, Session
+    from clawbridge.sdk.client import AsyncSession, Client, Session
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import clawbridge.<module>` must not pay for the openai SDK's import.
     if name in __all__:
-        from clawbridge import client
+        from clawbridge.sdk import client
 
         return getattr(client, name)
     raise AttributeError(f"module 'clawbridge' has no attribute {name!r}")

@@ -6,6 +6,7 @@ except the cloud SDKs' own credential variables, which `clawbridge doctor` check
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,10 +18,11 @@ BackendName = Literal["local", "tinker", "fireworks", "modal"]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def _default_cache() -> Path:
-    from clawbridge.local_gpu.models import default_cache_dir
-
-    return default_cache_dir()
+def default_cache_dir() -> Path:
+    """The cache the embedded model is materialised into (XDG layout). The settings object passes
+    its own `cache_dir`; this default is for library use without settings."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "clawbridge"
 
 
 class Settings(BaseSettings):
@@ -39,7 +41,7 @@ class Settings(BaseSettings):
     model: str = Field("smollm2-135m-instruct", description="Registry name (smollm2-135m-instruct, tiny-random), a local HF directory, or the platform's base model name.")
     served_model_name: str | None = Field(None, description="Name listed by /v1/models (default: the model's name).")
     data_dir: Path = Field(Path(".clawbridge"), description="Store, adapters, checkpoints, logs.")
-    cache_dir: Path = Field(default_factory=_default_cache, description="Where the embedded model is materialised.")
+    cache_dir: Path = Field(default_factory=default_cache_dir, description="Where the embedded model is materialised.")
     db: str | None = Field(None, description="SQLAlchemy URL; default SQLite (WAL) in the data directory.")
     max_request_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get HTTP 413.")
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request sets none.")

@@ -1,6 +1,9 @@
-"""Running the proxy: backend + store + app under uvicorn, background tasks, banner, status line,
-and a clean drain on Ctrl-C (uvicorn stops accepting, finishes in-flight requests, then the store
-flushes its writer and the backend closes)."""
+"""The composition root: backend + store + proxy (+ the learning loop) under uvicorn, background
+tasks, banner, status line, and a clean drain on Ctrl-C (uvicorn stops accepting, finishes
+in-flight requests, then the store flushes its writer and the backend closes).
+
+Serving and learning never import each other; this module wires them: the learner's routes,
+wake-up and status fields go to the proxy as `ProxyHooks`, its loop runs as a background task."""
 
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from clawbridge import openclaw
-from clawbridge.proxy import Proxy, ProxyHooks, create_app
+from clawbridge.learning.learner import Learner
+from clawbridge.openclaw import provider as openclaw
+from clawbridge.routes import feedback_route, rollback_route
+from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
@@ -54,23 +59,37 @@ class Running:
 BackgroundTask = Callable[[Running], Coroutine[Any, Any, None]]
 
 
+def learner_hooks(learner: Learner) -> ProxyHooks:
+    """How the proxy reaches the learner: its two routes, a wake-up on every next state, and the
+    fields of the status line and /metrics."""
+    return ProxyHooks(
+        routes=[feedback_route(learner.wake), rollback_route(learner)],
+        on_next_state=lambda _ns: learner.wake.set(),
+        status_extra=learner.status,
+        metrics_extra=learner.metrics,
+    )
+
+
+def learner_task(learner: Learner) -> BackgroundTask:
+    async def run(running: Running) -> None:
+        await learner.run(running.backend, running.store)
+
+    return run
+
+
 def serving_extras(settings: Settings) -> dict[str, Any]:
-    """What `clawbridge up` adds to the server: the learning loop, when training is on. The
-    learning engineer's module `clawbridge.learn` provides `serving_extras(settings)` returning
-    `{"hooks": ProxyHooks(...), "background": [task, ...]}`; without it `up` serves and captures."""
+    """What `clawbridge up` adds to the server: the learning loop, when training is on
+    (`{"hooks": ..., "background": [...]}` for `serve`); without it `up` serves and captures."""
     if not settings.train:
         return {}
-    try:
-        from clawbridge import learn  # type: ignore[attr-defined]
-    except ImportError:
-        return {}
-    return dict(learn.serving_extras(settings))
+    learner = Learner(settings)
+    return {"hooks": learner_hooks(learner), "background": [learner_task(learner)]}
 
 
 def build_backend(settings: Settings) -> Backend:
     """The backend the settings name. Imported lazily: each platform pulls its own SDK."""
     if settings.backend == "local":  # CPU, CUDA or the SGLang + FSDP2 stack, by the machine
-        from clawbridge.local_gpu.stack import build_local
+        from clawbridge.backends.local_stack import build_local
 
         return build_local(settings)
     import importlib

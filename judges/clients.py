@@ -16,8 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 from clawbridge.backends.base import Backend
+from clawbridge.chat.renderer import Renderer
 from clawbridge.judges.types import Message
-from clawbridge.renderer import Renderer
 from clawbridge.types import SamplingParams
 from tenacity import (
     AsyncRetrying,

@@ -9,10 +9,43 @@ an earlier valid box is never used instead. A hint sits between `HINT_START` and
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from clawbridge.advantages import VoteCount, majority
 from clawbridge.judges.types import HintVote, Vote
+
+
+@dataclass(frozen=True)
+class VoteCount:
+    """The result of a majority over votes, with the tally kept for the record."""
+
+    reward: int  # -1, 0 or +1
+    plus: int
+    zero: int
+    minus: int
+    failed: int  # votes that gave no valid value (unparseable, errors)
+
+    @property
+    def valid(self) -> int:
+        return self.plus + self.zero + self.minus
+
+
+def majority(votes: Sequence[int | None]) -> VoteCount:
+    """The most frequent valid vote; a tie for first place, or no valid vote, gives 0.
+    `None` is a failed vote: counted, never a value."""
+    tally = Counter(v for v in votes if v is not None)
+    unknown = set(tally) - {-1, 0, 1}
+    if unknown:
+        raise ValueError(f"votes must be -1, 0, +1 or None, got {sorted(unknown)}")
+    failed = sum(1 for v in votes if v is None)
+    ranked = tally.most_common()
+    if not ranked or (len(ranked) > 1 and ranked[0][1] == ranked[1][1]):
+        reward = 0
+    else:
+        reward = ranked[0][0]
+    return VoteCount(reward, plus=tally[1], zero=tally[0], minus=tally[-1], failed=failed)
+
 
 __all__ = [
     "HINT_END",

@@ -14,13 +14,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from clawbridge.config import default_cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -47,13 +48,6 @@ class ModelSpec:
     path: Path | None  # an HF folder; None for in-memory models (tiny-random)
     context_length: int
     cache_dir: Path | None = None  # where the embedded tokenizer is cached (registry models)
-
-
-def default_cache_dir() -> Path:
-    """The cache the embedded model is materialised into (XDG layout). The settings object passes
-    its own `cache_dir`; this default is for library use without settings."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "clawbridge"
 
 
 def available() -> list[str]:

@@ -72,7 +72,7 @@ def default_text(name: str) -> str:
 
 def up_flags() -> dict[str, str]:
     import typer
-    from clawbridge.cli import app
+    from clawbridge.cli.main import app
 
     cmd = typer.main.get_command(app).commands["up"]  # type: ignore[attr-defined]
     return {p.name: "/".join(o for o in (*p.opts, *p.secondary_opts) if o.startswith("--"))

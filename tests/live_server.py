@@ -8,8 +8,8 @@ import threading
 from typing import Any
 
 from clawbridge.config import Settings
-from clawbridge.proxy import Proxy, ProxyHooks
 from clawbridge.server import Running, serve
+from clawbridge.serving.proxy import Proxy, ProxyHooks
 
 
 class LiveServer:

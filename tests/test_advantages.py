@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from clawbridge.advantages import (
+from clawbridge.judges.votes import majority
+from clawbridge.learning.advantages import (
     binary_advantages,
     combine_advantages,
     group_normalise,
     integrated_reward,
-    majority,
     opd_advantages,
     overlong_penalty,
     sample_advantages,

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.backends.local import LocalBackend
 from clawbridge.backends.modal import ModalBackend
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
-from clawbridge.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.types import OptimSpec, SamplingParams
 from fakes.fake_modal import FakeEngine
 from fakes.reference import fixed_batch
@@ -85,7 +85,7 @@ async def test_budget_in_gpu_seconds_stops_training_not_serving(tokenizer, tmp_p
 
 
 def test_remote_calls_without_credentials_fail_fast_with_auth_error(monkeypatch) -> None:
-    from clawbridge.local_gpu import modal_app
+    from clawbridge.backends import modal_app
 
     for var in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
         monkeypatch.delenv(var, raising=False)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from clawbridge.backends.base import BackendError, ContextLengthExceeded
+from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
 from clawbridge.backends.tinker import TinkerBackend
-from clawbridge.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.loss import ppo_loss
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 from fakes.fake_tinker import FakeTinkerService, status_error, timeout_error

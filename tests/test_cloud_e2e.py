@@ -15,7 +15,8 @@ from clawbridge.backends.modal import ModalBackend
 from clawbridge.backends.remote import RetryPolicy
 from clawbridge.backends.tinker import TinkerBackend
 from clawbridge.config import Settings
-from clawbridge.learner import Learner
+from clawbridge.learning.learner import Learner
+from clawbridge.server import learner_hooks
 from fakes.fake_fireworks import FakeFiretitanService
 from fakes.fake_modal import FakeEngine
 from fakes.fake_tinker import FakeTinkerService
@@ -51,7 +52,7 @@ def test_cloud_backend_serves_judges_and_trains_through_the_proxy(make_backend, 
     (tmp_path / "data").mkdir()
     backend = make_backend(tokenizer, tmp_path)
     learner = Learner(settings)
-    live = LiveServer(settings, backend, hooks=learner.hooks()).start()
+    live = LiveServer(settings, backend, hooks=learner_hooks(learner)).start()
     try:
         assert live.running is not None
         learner.bind(backend, live.running.store)

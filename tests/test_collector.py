@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from clawbridge.backends.local import LocalBackend
-from clawbridge.collector import Collector, combine_signal, judge_kinds
+from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import build_judges
+from clawbridge.learning.collector import Collector, combine_signal, judge_kinds
+from clawbridge.learning.trainer import Trainer
 from clawbridge.local_gpu import models
-from clawbridge.renderer import Renderer
 from clawbridge.store import JudgeVote, Judgment, Store, TurnRecord
-from clawbridge.trainer import Trainer
 
 REPLIES = ["Thanks, that's perfect.", "Too long. Please answer in one short sentence.", "ok"]
 
@@ -97,7 +97,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_collector import settings_for
     from clawbridge.backends.local import LocalBackend
-    from clawbridge.collector import Collector
+    from clawbridge.learning.collector import Collector
     from clawbridge.judges import build_judges
     from clawbridge.store import Store
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from clawbridge.costs import BudgetExceeded, CostMeter, Prices, Usage, cost_usd, read_spend
+from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices, Usage, cost_usd, read_spend
 
 
 def test_cost_adds_each_kind_of_work_at_its_price() -> None:

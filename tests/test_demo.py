@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from clawbridge import scenario
-from clawbridge.demo import demo_settings, run_demo
+from clawbridge.demo import scenario
+from clawbridge.demo.runner import demo_settings, run_demo
 
 TINY = {
     "name": "tiny",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from clawbridge import doctor
-from clawbridge.cli import app
+from clawbridge.backends import doctor
+from clawbridge.cli.main import app
 from typer.testing import CliRunner
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from clawbridge import openclaw as oc
-from clawbridge.cli import app
+from clawbridge.cli.main import app
 from clawbridge.config import Settings
+from clawbridge.openclaw import provider as oc
 from clawbridge.server import build_backend
 from clawbridge.store import Store
 from clawbridge.types import Completion, SamplingParams

@@ -10,8 +10,8 @@ import clawbridge
 import httpx
 import pytest
 from clawbridge.config import Settings
-from clawbridge.learner import Learner
-from clawbridge.server import build_backend
+from clawbridge.learning.learner import Learner
+from clawbridge.server import build_backend, learner_hooks
 from clawbridge.store import Store
 from live_server import LiveServer
 
@@ -24,9 +24,9 @@ def live(tmp_path_factory: pytest.TempPathFactory):
     settings = Settings(model=MODEL, data_dir=data, default_max_tokens=6, batch_size=1000,
                         method="combine", judge="rules")
     learner = Learner(settings, poll_s=0.1)
-    server = LiveServer(settings, build_backend(settings), hooks=learner.hooks()).start()
+    server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
     assert server.loop is not None and server.running is not None
-    task = asyncio.run_coroutine_threadsafe(learner.run(server.running), server.loop)
+    task = asyncio.run_coroutine_threadsafe(learner.run(server.running.backend, server.running.store), server.loop)
     yield server
     server.loop.call_soon_threadsafe(task.cancel)  # as `serve` does: the loop stops before the store
     server.stop()

@@ -605,7 +605,7 @@ async def tiny_backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterato
 
 @pytest.fixture(scope="module")
 def renderer(tiny_backend: Any) -> Any:
-    from clawbridge.renderer import Renderer
+    from clawbridge.chat.renderer import Renderer
 
     return Renderer(tiny_backend.tokenizer())
 

@@ -89,7 +89,7 @@ def test_text_plan_names_each_process_gpus_and_memory():
 
 
 def test_plan_command_prints_json_roles_for_the_gpu_count_given():
-    from clawbridge.cli import app
+    from clawbridge.cli.main import app
     from typer.testing import CliRunner
 
     out = CliRunner().invoke(app, ["plan", "--gpus", "4", "--json"])

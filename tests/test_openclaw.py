@@ -13,9 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from clawbridge import openclaw as oc
-from clawbridge.cli import app
+from clawbridge.cli.main import app
 from clawbridge.config import Settings
+from clawbridge.openclaw import provider as oc
 from clawbridge.server import build_backend
 from live_server import LiveServer
 from typer.testing import CliRunner

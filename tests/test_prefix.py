@@ -1,9 +1,9 @@
-"""Exact message-prefix comparison (`clawbridge.prefix`): what the renderer's prompt cache, the
+"""Exact message-prefix comparison (`clawbridge.chat.prefix`): what the renderer's prompt cache, the
 session fingerprints and the store's message deltas reuse must be equal as JSON, not as Python."""
 
 from __future__ import annotations
 
-from clawbridge.prefix import best_prefix, same_message, shared_prefix, snapshot
+from clawbridge.chat.prefix import best_prefix, same_message, shared_prefix, snapshot
 
 U = {"role": "user", "content": "hi"}
 A = {"role": "assistant", "content": "hello"}
@@ -43,7 +43,7 @@ def test_a_first_message_equal_only_in_python_is_no_match() -> None:
 
 
 def test_recent_finds_the_longest_prefix_supersedes_what_it_extends_and_keeps_the_newest() -> None:
-    from clawbridge.prefix import Recent
+    from clawbridge.chat.prefix import Recent
 
     recent: Recent[str] = Recent(size=2)
     assert recent.find([U]) is None and recent.newest() is None

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 from clawbridge.config import Settings
-from clawbridge.proxy import ProxyHooks
 from clawbridge.server import build_backend
+from clawbridge.serving.proxy import ProxyHooks
 from clawbridge.store import Store, StoredTurn
 from live_server import LiveServer
 
@@ -279,7 +279,7 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI):
 
 
 def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
-    from clawbridge.proxy import create_app
+    from clawbridge.serving.proxy import create_app
     from starlette.testclient import TestClient
 
     settings = Settings(model=MODEL, port=0, data_dir=tmp_path, api_key="sk-secret-123", train=False)
@@ -295,7 +295,7 @@ def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
 def test_both_chat_routes_answer_errors_the_same_way(tmp_path: Path, live: LiveServer):
     """`/v1/chat/completions` skips Starlette's middleware stack (`proxy._App`); its errors must
     still get the handlers the session-prefixed route gets through the stack."""
-    from clawbridge.proxy import create_app
+    from clawbridge.serving.proxy import create_app
     from starlette.testclient import TestClient
 
     class Broken:  # a backend with a bug: sampling raises something that is no BackendError
@@ -446,7 +446,7 @@ def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_stat
 
 def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
     from clawbridge.backends.base import BackendError
-    from clawbridge.proxy import _Prefetch
+    from clawbridge.serving.proxy import _Prefetch
     from clawbridge.types import TokenChunk
 
     closed = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clawbridge.redact import DEFAULT, for_backend, redact
+from clawbridge.backends.redact import DEFAULT, for_backend, redact
 
 
 def test_emails_are_masked() -> None:
@@ -70,9 +70,9 @@ def test_local_backend_or_disabled_setting_gets_no_redactor() -> None:
 
 
 async def test_cloud_prompts_are_redacted_consistently_for_sampling_scoring_and_training(tokenizer) -> None:
+    from clawbridge.backends.redact import RedactingBackend, protect
     from clawbridge.backends.remote import RetryPolicy
     from clawbridge.backends.tinker import TinkerBackend
-    from clawbridge.redact import RedactingBackend, protect
     from clawbridge.types import Datum, SamplingParams
     from fakes.fake_tinker import FakeTinkerService
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from clawbridge.renderer import (
+from clawbridge.chat.renderer import (
     AssistantMessage,
     Delta,
     Renderer,

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
-from clawbridge.cli import app
-from clawbridge.learner import Learner
+from clawbridge.cli.main import app
+from clawbridge.learning.learner import Learner
+from clawbridge.server import learner_hooks
 from live_server import LiveServer
 from test_collector import settings_for
 from test_trainer import judged_samples
@@ -69,7 +70,7 @@ def test_rollback_under_streaming_load_serves_the_old_weights_as_a_new_version(t
     (tmp_path / "data").mkdir()
     learner = Learner(settings)
     backend = LocalBackend.from_settings(settings)
-    live = LiveServer(settings, backend, hooks=learner.hooks()).start()
+    live = LiveServer(settings, backend, hooks=learner_hooks(learner)).start()
     assert live.running is not None
     store = live.running.store
     try:
@@ -141,7 +142,7 @@ def test_rollback_under_streaming_load_serves_the_old_weights_as_a_new_version(t
 
         table = cli("versions", "--data-dir", str(settings.data_dir))
         assert table.exit_code == 0 and "rollback of v1" in table.output, table.output
-        from clawbridge.trainer import CHECKPOINT_KEY
+        from clawbridge.learning.trainer import CHECKPOINT_KEY
 
         assert store.get_meta(CHECKPOINT_KEY)["version"] == rollback_version  # --resume continues from it
     finally:
@@ -153,7 +154,7 @@ def quiet_live(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("rollback-errors")
     settings = settings_for(data, api_key=KEY, port=0)
     learner = Learner(settings)
-    live = LiveServer(settings, LocalBackend.from_settings(settings), hooks=learner.hooks()).start()
+    live = LiveServer(settings, LocalBackend.from_settings(settings), hooks=learner_hooks(learner)).start()
     yield live
     live.stop()
 

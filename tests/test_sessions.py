@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from clawbridge.sessions import (
+from clawbridge.serving.sessions import (
     INTERNAL_CONTEXT_MARKER,
     Sessions,
     TurnTag,
@@ -151,7 +151,7 @@ def test_fingerprints_ignore_whitespace_padding_but_not_text():
 
 
 def test_remembered_fingerprints_equal_a_fresh_hash_as_conversations_grow_branch_and_change():
-    from clawbridge.sessions import _Fingerprints, fingerprints
+    from clawbridge.serving.sessions import _Fingerprints, fingerprints
 
     memo = _Fingerprints(size=4)
     system = {"role": "system", "content": "S " * 1000}

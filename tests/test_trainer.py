@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
-from clawbridge.learner import Learner
+from clawbridge.learning.learner import Learner
+from clawbridge.learning.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum
+from clawbridge.server import learner_hooks
 from clawbridge.store import Store
-from clawbridge.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum
 from clawbridge.types import StepMetrics
 from live_server import LiveServer
 from test_collector import record_turns, settings_for
@@ -78,8 +79,8 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
 
 
 async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_continues_from_it(data_dir: Path):
-    from clawbridge.demo_cli import version_origin
-    from clawbridge.trainer import ROLLBACKS_KEY
+    from clawbridge.cli.status import version_origin
+    from clawbridge.learning.trainer import ROLLBACKS_KEY
 
     settings = settings_for(data_dir, batch_size=2, checkpoint_every=1)
     store = Store.open(settings.db_url)
@@ -187,7 +188,7 @@ def test_no_request_fails_while_versions_are_published_under_concurrent_load(tmp
     (tmp_path / "data").mkdir()
     learner = Learner(settings)
     backend = LocalBackend.from_settings(settings)
-    live = LiveServer(settings, backend, hooks=learner.hooks()).start()
+    live = LiveServer(settings, backend, hooks=learner_hooks(learner)).start()
     assert live.running is not None
     store = live.running.store
     judged_samples(store, 6)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
-from clawbridge.prefix import shared_prefix, snapshot
+from clawbridge.chat.prefix import shared_prefix, snapshot
 from clawbridge.store import codec
 from clawbridge.store import schema as t
 from clawbridge.store.fast import Prepared, existing_ids_sql

@@ -1,7 +1,7 @@
 """An offline Modal (modal 1.6.4) at its SDK boundary.
 
 `FakeEngine` answers `engine.<method>.remote.aio(*args)` like a deployed class handle, by running
-the REAL `clawbridge.local_gpu.modal_app.Engine` class in-process through Modal's own `.local()`
+the REAL `clawbridge.backends.modal_app.Engine` class in-process through Modal's own `.local()`
 (which needs no credentials), with arguments and results round-tripped through Modal's own
 serialiser (`modal._serialization`, pickle-based). Faults are Modal's exception classes (`modal.exception.AuthError`,
 `InternalFailure`), raised before the method runs, as a refused or lost call would be.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from clawbridge.local_gpu import modal_app
+from clawbridge.backends import modal_app
 from modal._serialization import deserialize, serialize
 
 from .torch_platform import Faults

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 from clawbridge.backends.local import LocalBackend
+from clawbridge.backends.local_stack import build_local
 from clawbridge.config import Settings
-from clawbridge.local_gpu.stack import build_local
 from clawbridge.types import Datum, OptimSpec
 from live_server import LiveServer
 

@@ -1,40 +1,28 @@
 """The learning loop beside the server: the collector and the trainer as two background tasks
 that never block serving (DESIGN.md §1).
 
-`serving_extras(settings)` is what `clawbridge up` asks for (see `clawbridge.server`): the proxy
-hooks (the `POST /v1/feedback` and `POST /v1/admin/rollback` routes, a wake-up on every next
-state, the status-line fields) and the background task. The learner binds to the live backend
-and store when that task starts. A rollback and a training step share one lock: neither runs
-while the other does.
+The composition root (`clawbridge.server`) wires it to the proxy: the `POST /v1/feedback` and
+`POST /v1/admin/rollback` routes (`clawbridge.routes`), a wake-up on every next state, and the
+status-line and metrics fields. The learner binds to the live backend and store when its
+background task starts. A rollback and a training step share one lock: neither runs while the
+other does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from clawbridge import wire
-from clawbridge.backends.base import BackendError, TransientBackendError, UnknownVersion
-from clawbridge.collector import Collector
+from clawbridge.backends.costs import BudgetExceeded
 from clawbridge.config import Settings
-from clawbridge.costs import BudgetExceeded
-from clawbridge.feedback import feedback_route
 from clawbridge.judges import build_judges, judge_kind
-from clawbridge.proxy import ProxyHooks
-from clawbridge.trainer import RollbackResult, StepResult, Trainer
-from clawbridge.wire import APIError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from clawbridge.learning.collector import Collector
+from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
 
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
-    from clawbridge.proxy import Proxy
-    from clawbridge.server import Running
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)
@@ -53,29 +41,21 @@ class Learner:
         self.lock = asyncio.Lock()  # a training step or a rollback, never both
         self.last_rollback: RollbackResult | None = None
 
-    def hooks(self) -> ProxyHooks:
-        return ProxyHooks(
-            routes=[feedback_route(self.wake), rollback_route(self)],
-            on_next_state=lambda _ns: self.wake.set(),
-            status_extra=self.status,
-            metrics_extra=self.metrics,
-        )
-
     def bind(self, backend: Backend, store: Store) -> None:
         judges = build_judges(self.settings, backend)
         self.collector = Collector(self.settings, backend, store, judges)
         self.trainer = Trainer(self.settings, backend, store, lock=self.lock)
 
-    async def rollback(self, proxy: Proxy, version: int) -> RollbackResult:
+    async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
         background task has bound the trainer, too: the lock is the learner's."""
-        trainer = self.trainer or Trainer(self.settings, proxy.backend, proxy.store, lock=self.lock)
+        trainer = self.trainer or Trainer(self.settings, backend, store, lock=self.lock)
         self.last_rollback = await trainer.rollback(version)
         return self.last_rollback
 
-    async def run(self, running: Running) -> None:
+    async def run(self, backend: Backend, store: Store) -> None:
         """The background task: collect and train until cancelled."""
-        self.bind(running.backend, running.store)
+        self.bind(backend, store)
         assert self.trainer is not None
         if self.settings.resume:
             await self.trainer.resume()
@@ -156,40 +136,3 @@ class Learner:
                 if isinstance(value, int | float):
                     out[f"train_{key}"] = float(value)
         return out
-
-
-class RollbackRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    version: int = Field(ge=0, description="The published version whose weights to serve again (0: the base model).")
-
-
-def rollback_route(learner: Learner) -> Route:
-    """`POST /v1/admin/rollback {"version": K}`: publish vK's weights as the next version."""
-
-    async def rollback(request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
-        try:
-            body = RollbackRequest.model_validate(wire.json_object(await request.body()))
-        except ValidationError as e:
-            raise wire.invalid(e, "rollback") from None
-        try:
-            rb = await learner.rollback(proxy, body.version)
-        except UnknownVersion as e:
-            raise APIError(404, str(e), param="version", code="version_not_found") from None
-        except TransientBackendError as e:
-            raise APIError(503, f"The backend is temporarily unavailable: {e}", type="server_error") from None
-        except BackendError as e:
-            log.error("rollback to v%d failed: %s", body.version, e)
-            raise APIError(500, f"The rollback failed: {e}", type="server_error") from None
-        out = {"object": "policy.rollback", "version": rb.version, "restored": rb.restored,
-               "previous": rb.previous, "path": rb.path, "checkpoint": rb.checkpoint}
-        return Response(json.dumps(out), media_type="application/json")
-
-    return Route("/v1/admin/rollback", rollback, methods=["POST"])
-
-
-def serving_extras(settings: Settings) -> dict[str, Any]:
-    learner = Learner(settings)
-    return {"hooks": learner.hooks(), "background": [learner.run]}

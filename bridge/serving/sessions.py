@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from clawbridge.prefix import Recent, snapshot
+from clawbridge.chat.prefix import Recent, snapshot
 from clawbridge.types import TurnType
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"

@@ -19,13 +19,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from clawbridge.advantages import sample_advantages
 from clawbridge.backends.base import Backend
+from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.judges import Judgment as JudgeReward
-from clawbridge.renderer import Renderer
+from clawbridge.learning.advantages import sample_advantages
 from clawbridge.store import JudgeVote, Judgment, Sample, Store, StoredTurn
 from clawbridge.types import Method
 

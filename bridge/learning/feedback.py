@@ -10,20 +10,14 @@ is trained from feedback alone). One feedback per turn: a second answers 409.
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import TYPE_CHECKING, Any
 
-from clawbridge import wire
 from clawbridge.store import JudgeVote, Judgment
-from clawbridge.wire import APIError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from clawbridge.proxy import Proxy
+    from clawbridge.store import Store
+    from clawbridge.types import Method
 
 USER_JUDGE = "user"
 
@@ -45,18 +39,16 @@ class FeedbackRequest(BaseModel):
         return self
 
 
-def parse(raw: bytes, header_session: str | None) -> FeedbackRequest:
-    body = wire.json_object(raw)
-    if header_session and "session_id" not in body:
-        body["session_id"] = header_session
-    try:
-        return FeedbackRequest.model_validate(body)
-    except ValidationError as e:
-        raise wire.invalid(e, "feedback") from None
+class FeedbackRejected(Exception):
+    """Feedback that cannot be recorded; `status`, `param` and `code` say how (the HTTP route
+    answers them as an OpenAI-style error)."""
+
+    def __init__(self, status: int, message: str, *, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
 
 
-async def record_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
-    store = proxy.store
+async def record_feedback(store: Store, method: Method, fb: FeedbackRequest) -> dict[str, Any]:
     if fb.turn_id is not None:
         turn = await store.run(store.get_turn, fb.turn_id)
         if turn is not None and fb.session_id is not None and turn.session_id != fb.session_id:
@@ -66,12 +58,12 @@ async def record_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
         turn = await store.run(store.last_turn, fb.session_id, "main")
     if turn is None:
         what = f"turn `{fb.turn_id}`" if fb.turn_id else f"main turn in session `{fb.session_id}`"
-        raise APIError(404, f"No {what}.", param="turn_id" if fb.turn_id else "session_id", code="not_found")
+        raise FeedbackRejected(404, f"No {what}.", param="turn_id" if fb.turn_id else "session_id", code="not_found")
     if not turn.train:
-        raise APIError(400, f"Turn `{turn.id}` opted out of training (X-Train: false).", param="turn_id")
+        raise FeedbackRejected(400, f"Turn `{turn.id}` opted out of training (X-Train: false).", param="turn_id")
     before = await store.run(store.judgments, turn.id)
     if any(j.kind == "feedback" and j.judge == USER_JUDGE for j in before):
-        raise APIError(409, f"Turn `{turn.id}` already has feedback.", param="turn_id", code="duplicate_feedback")
+        raise FeedbackRejected(409, f"Turn `{turn.id}` already has feedback.", param="turn_id", code="duplicate_feedback")
     raw = fb.model_dump_json(exclude_none=True)
     value: float | str | None = fb.reward if fb.reward is not None else fb.hint
     await store.run(
@@ -82,7 +74,6 @@ async def record_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
             reward=None if fb.reward is None else float(fb.reward), hint=fb.hint,
         ),
     )
-    method = proxy.settings.method
     sample_id, created = await store.run(store.create_sample, turn.id, method, state="pending")
     state = (await store.run(store.get_samples, [sample_id]))[0].state
     return {
@@ -93,16 +84,3 @@ async def record_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
         "hint": fb.hint,
         "sample": {"id": sample_id, "method": method, "state": state, "new": created},
     }
-
-
-def feedback_route(wake: asyncio.Event | None = None) -> Route:
-    async def feedback(request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
-        fb = parse(await request.body(), request.headers.get("x-session-id"))
-        out = await record_feedback(proxy, fb)
-        if wake is not None:
-            wake.set()
-        return Response(json.dumps(out), media_type="application/json")
-
-    return Route("/v1/feedback", feedback, methods=["POST"])

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clawbridge.collector import judge_kinds
 from clawbridge.config import Settings
-from clawbridge.scenario import Scenario, paired_interval
+from clawbridge.demo.scenario import Scenario, paired_interval
+from clawbridge.learning.collector import judge_kinds
 
 if TYPE_CHECKING:
     from clawbridge.server import Running
@@ -189,8 +189,8 @@ async def run_demo(
     step_timeout_s: float = 300.0,
 ) -> DemoResult:
     from clawbridge.backends.local import LocalBackend
-    from clawbridge.learner import Learner
-    from clawbridge.server import serve
+    from clawbridge.learning.learner import Learner
+    from clawbridge.server import learner_hooks, learner_task, serve
     from openai import AsyncOpenAI
 
     t0 = time.monotonic()
@@ -200,7 +200,7 @@ async def run_demo(
     learner = Learner(settings, poll_s=0.2)
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(
-        serve(settings, backend=backend, hooks=learner.hooks(), background=[learner.run],
+        serve(settings, backend=backend, hooks=learner_hooks(learner), background=[learner_task(learner)],
               quiet=True, started=ready.set_result)
     )
     racing: set[asyncio.Future[Any]] = {server, ready}

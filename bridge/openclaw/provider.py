@@ -4,7 +4,7 @@
     clawbridge openclaw install            # merge it into openclaw.json (backed up), install the plug-in
 
 OpenClaw reads `$OPENCLAW_HOME/.openclaw/openclaw.json` (OPENCLAW_HOME defaults to the home
-directory). The plug-in (package data under `openclaw_plugin/`) tags every request to the
+directory). The plug-in (package data under `plugin/`) tags every request to the
 clawbridge provider with `X-Session-Id` and `X-Turn-Type` and marks sessions done; it is copied to
 `.openclaw/extensions/clawbridge` and loaded through `plugins.load.paths`.
 
@@ -148,7 +148,7 @@ def dumps(config: dict[str, Any]) -> str:
 
 def plugin_source() -> Path:
     """The plug-in shipped as package data."""
-    return Path(str(resources.files("clawbridge") / "openclaw_plugin"))
+    return Path(str(resources.files("clawbridge.openclaw") / "plugin"))
 
 
 def install_plugin(dest: Path) -> bool:

@@ -4,7 +4,7 @@ A scenario file (YAML or JSON) holds training prompts, held-out prompts the trai
 the preference check (regexes that must / must not match, word limits, a finished answer) and the
 user's replies when satisfied and when not. The replies are what the offline rules judge reads:
 thanks are +1, a correction is -1 and becomes the hint. Built-in scenarios live in
-`clawbridge/scenarios/*.yaml`.
+`clawbridge/demo/scenarios/*.yaml`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Scenario(BaseModel):
 
 
 def builtin_names() -> list[str]:
-    root = resources.files("clawbridge.scenarios")
+    root = resources.files("clawbridge.demo.scenarios")
     return sorted(p.name.rsplit(".", 1)[0] for p in root.iterdir() if p.name.endswith((".yaml", ".json")))
 
 
@@ -117,7 +117,7 @@ def load(name_or_path: str | Path) -> Scenario:
     if path.suffix in {".yaml", ".yml", ".json"} and path.exists():
         text, suffix = path.read_text(), path.suffix
     else:
-        root = resources.files("clawbridge.scenarios")
+        root = resources.files("clawbridge.demo.scenarios")
         found = [root / f"{name_or_path}{ext}" for ext in (".yaml", ".json")]
         hit = next((f for f in found if f.is_file()), None)
         if hit is None:

@@ -161,7 +161,7 @@ def demo_cmd(
 ) -> None:
     """Watch the model learn: a simulated user with a hidden preference talks to clawbridge over
     the OpenAI API; clawbridge judges, trains and publishes; held-out prompts show the change."""
-    from clawbridge.demo_cli import run_demo_command
+    from clawbridge.cli.demo import run_demo_command
 
     run_demo_command(scenario, model=model, method=method, rounds=rounds, data_dir=data_dir,
                      out=out, as_json=as_json, seed=seed)
@@ -173,7 +173,7 @@ def status_cmd(
     db: str | None = typer.Option(None),
 ) -> None:
     """Captured turns, judged turns, samples by state, training steps and the newest version."""
-    from clawbridge.demo_cli import print_status
+    from clawbridge.cli.status import print_status
 
     print_status(data_dir, db)
 
@@ -184,7 +184,7 @@ def versions_cmd(
     db: str | None = typer.Option(None),
 ) -> None:
     """A table of policy versions: version, step, samples, mean reward, when."""
-    from clawbridge.demo_cli import print_versions
+    from clawbridge.cli.status import print_versions
 
     print_versions(data_dir, db)
 
@@ -197,7 +197,7 @@ def rollback_cmd(
 ) -> None:
     """Serve an earlier version again: the running server publishes its weights as a new version
     (versions only go up), and training continues from them."""
-    from clawbridge.demo_cli import request_rollback
+    from clawbridge.cli.status import request_rollback
 
     request_rollback(url, version, api_key)
 
@@ -210,8 +210,8 @@ app.add_typer(openclaw_app, name="openclaw")
 
 def _openclaw_provider(url: str, model: str | None, api_key: str | None, context_window: int,
                        max_tokens: int, keyed: bool | None) -> dict:
-    from clawbridge.client import Client
-    from clawbridge.openclaw import provider_entry
+    from clawbridge.openclaw.provider import provider_entry
+    from clawbridge.sdk.client import Client
 
     if model is None:
         try:
@@ -240,7 +240,7 @@ def openclaw_config_cmd(
     """Print the openclaw.json fragment that makes clawbridge a provider (and the default model)."""
     import json
 
-    from clawbridge.openclaw import fragment
+    from clawbridge.openclaw.provider import fragment
 
     provider = _openclaw_provider(url, model, api_key, context_window, max_tokens, keyed)
     typer.echo(json.dumps(fragment(provider, None), indent=2))
@@ -257,7 +257,7 @@ def openclaw_install_cmd(
     """Add clawbridge to openclaw.json (the old file is backed up) and install the plug-in."""
     from pathlib import Path
 
-    from clawbridge.openclaw import OpenClawConfigError, install
+    from clawbridge.openclaw.provider import OpenClawConfigError, install
 
     provider = _openclaw_provider(url, model, api_key, context_window, max_tokens, keyed)
     home = Path(openclaw_home).expanduser() if openclaw_home else Path.home()
@@ -287,7 +287,7 @@ def doctor_cmd(
     import os
     from pathlib import Path
 
-    from clawbridge import doctor
+    from clawbridge.backends import doctor
 
     checks = doctor.run_checks(os.environ, Path.home(), backend)
     typer.echo(doctor.report(checks))
@@ -305,11 +305,11 @@ def modal_deploy_cmd(
     gpu: str = typer.Option("H100", help="Modal GPU type of the engine class (H100, A100-80GB, L40S, ...)."),
     name: str = typer.Option("clawbridge", help="App name (`--modal-app` of `clawbridge up`)."),
 ) -> None:
-    """Deploy the engine class (`clawbridge.local_gpu.modal_app`) as a persistent Modal app."""
+    """Deploy the engine class (`clawbridge.backends.modal_app`) as a persistent Modal app."""
     import os
     from pathlib import Path
 
-    from clawbridge import doctor
+    from clawbridge.backends import doctor
 
     checks = doctor.run_checks(os.environ, Path.home(), "modal")
     if not doctor.ready(checks, "modal"):
@@ -317,7 +317,7 @@ def modal_deploy_cmd(
         raise typer.Exit(1)
     os.environ["CLAWBRIDGE_MODAL_GPU"] = gpu  # read once when the app module defines the class
     import modal
-    from clawbridge.local_gpu import modal_app
+    from clawbridge.backends import modal_app
 
     with modal.enable_output():
         modal_app.app.deploy(name=name)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
-from clawbridge.prefix import Recent, snapshot
+from clawbridge.chat.prefix import Recent, snapshot
 
 log = logging.getLogger(__name__)
 

@@ -22,18 +22,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from clawbridge import wire
 from clawbridge.backends.base import (
     Backend,
     BackendError,
     ContextLengthExceeded,
     TransientBackendError,
 )
-from clawbridge.renderer import AssistantMessage, Delta, Renderer, RenderError
-from clawbridge.sessions import Admission, NextState, Sessions, read_tag
+from clawbridge.chat.renderer import AssistantMessage, Delta, Renderer, RenderError
+from clawbridge.serving import wire
+from clawbridge.serving.sessions import Admission, NextState, Sessions, read_tag
+from clawbridge.serving.wire import APIError
 from clawbridge.store.records import TurnRecord, new_turn_id
 from clawbridge.types import Completion, SamplingParams, TokenChunk
-from clawbridge.wire import APIError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request

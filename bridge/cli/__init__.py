@@ -1,0 +1,1 @@
+"""The `clawbridge` command (`main`) and its read-outs of a data directory (`status`)."""

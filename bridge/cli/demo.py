@@ -1,0 +1,73 @@
+"""`clawbridge demo`: runs a scenario with a progress bar, then prints the held-out table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def run_demo_command(
+    scenario_name: str,
+    *,
+    model: str | None,
+    method: str | None,
+    rounds: int | None,
+    data_dir: str | None,
+    out: str,
+    as_json: bool,
+    seed: int,
+) -> None:
+    from clawbridge.demo import runner as demo
+    from clawbridge.demo import scenario
+
+    console = Console(stderr=as_json)
+    try:
+        sc = scenario.load(scenario_name)
+    except (FileNotFoundError, ValueError) as e:
+        typer.echo(f"clawbridge demo: {e}", err=True)
+        raise typer.Exit(2) from e
+    if method is not None or rounds is not None:
+        recipe = sc.recipe.model_copy(update={k: v for k, v in (("method", method), ("rounds", rounds)) if v is not None})
+        sc = sc.model_copy(update={"recipe": recipe})
+    folder = Path(data_dir) if data_dir else demo.default_data_dir()
+    settings = demo.demo_settings(sc, folder, model=model, seed=seed)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    console.print(
+        f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
+        f"  model {settings.model} · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
+        f"{sc.recipe.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
+        f"{sc.recipe.eval_samples} · data {folder}"
+    )
+    out_dir = Path(out)
+    with Progress(
+        TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as bar:
+        task = bar.add_task("starting the stack", total=2 * sc.recipe.rounds + 1)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        result = asyncio.run(demo.run_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"))
+        bar.update(task, completed=2 * sc.recipe.rounds + 1, description="done")
+    summary = result.summary()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{sc.name}.json").write_text(json.dumps(summary, indent=2))
+    table = Table("", "", title=f"held-out prompts the training never saw ({sc.name})")
+    for k, v in demo.result_table(result):
+        table.add_row(k, v)
+    console.print(table)
+    for ex in result.examples[:2]:
+        console.print(f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}")
+    verdict = "improved" if result.improved else "no significant change"
+    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (sc.name + '.json')}")
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")

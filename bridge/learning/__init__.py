@@ -1,0 +1,4 @@
+"""Learning: turns become judged samples (`collector`, with `feedback` from SDK users), samples
+become token advantages (`advantages`, pure), batches become training steps and published
+versions (`trainer`), and `learner` runs collection and training beside the server. Imports
+neither the proxy nor the faces."""
