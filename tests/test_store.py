@@ -35,7 +35,7 @@ from clawbridge.store import (
     codec,
     schema,
 )
-from clawbridge.store.core import alembic_config
+from clawbridge.store.base import alembic_config
 from clawbridge.store.schema import metadata
 from clawbridge.types import SamplingParams, TokenLogprob
 from pg import PgCluster, pg_cluster  # noqa: F401
@@ -698,9 +698,9 @@ async def test_a_growing_session_stores_only_the_messages_each_turn_adds(store: 
 
 
 def test_reading_a_turn_walks_a_bounded_chain_of_deltas(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    from clawbridge.store import core
+    from clawbridge.store import capture
 
-    monkeypatch.setattr(core, "MAX_MESSAGE_CHAIN", 3)
+    monkeypatch.setattr(capture, "MAX_MESSAGE_CHAIN", 3)
     recs = growing_session(9)
     for rec in recs:
         store.record_turn(rec)

@@ -2,7 +2,8 @@
 every vote, samples and their states, training steps and policy versions. SQLite (WAL) by
 default, PostgreSQL by URL; Alembic migrations run at open. See docs/store.md."""
 
-from clawbridge.store.core import TRANSITIONS, SampleStateError, Store, StoreError
+from clawbridge.store.base import SampleStateError, StoreError
+from clawbridge.store.core import Store
 from clawbridge.store.records import (
     JudgeVote,
     Judgment,
@@ -14,6 +15,7 @@ from clawbridge.store.records import (
     TrainingStep,
     TurnRecord,
 )
+from clawbridge.store.training import TRANSITIONS
 from clawbridge.store.writer import AsyncWriter, WriterClosed
 
 __all__ = [

@@ -15,7 +15,7 @@ from clawbridge.store.codec import dumps
 from clawbridge.store.records import JSONObject, StoredTurn
 
 if TYPE_CHECKING:
-    from clawbridge.store.core import Store
+    from clawbridge.store.capture import CaptureStore as Store
 
 PAGE = 200
 

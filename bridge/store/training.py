@@ -1,0 +1,321 @@
+"""The learning state: judgments with every vote, samples and their states (`TRANSITIONS`),
+training steps and policy versions. Written by the learning loop; the sample states make "no
+sample is trained twice" a property of the database."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import sqlalchemy as sa
+from clawbridge.store import codec
+from clawbridge.store import schema as t
+from clawbridge.store.base import SampleStateError, StoreBase, StoreError, check_len
+from clawbridge.store.records import (
+    Judgment,
+    PolicyVersionRow,
+    Sample,
+    TrainingStep,
+    pack_floats,
+    utcnow,
+)
+from clawbridge.types import SampleState
+
+log = logging.getLogger(__name__)
+
+
+# Which states a sample may move to, and from where. `trained` and `dropped` are final: that is
+# what makes "no sample is trained twice" a property of the database, not of the trainer.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset(),
+    "judged": frozenset({"pending"}),
+    "trained": frozenset({"judged"}),
+    "dropped": frozenset({"pending", "judged"}),
+}
+
+
+
+class TrainingStore(StoreBase):
+    # --- judgments ----------------------------------------------------------------------------
+    def add_judgment(self, judgment: Judgment) -> int:
+        """Store a judgment with every vote. Idempotent per (turn, kind, judge): a second call
+        returns the first judgment's id and changes nothing."""
+        with self._write() as conn:
+            ins = (
+                self._insert(t.judgments)
+                .values(
+                    turn_id=judgment.turn_id,
+                    judge=judgment.judge,
+                    kind=judgment.kind,
+                    votes=[asdict(v) for v in judgment.votes],
+                    reward=judgment.reward,
+                    hint=judgment.hint,
+                    created_at=judgment.created_at,
+                )
+                .on_conflict_do_nothing()
+                .returning(t.judgments.c.id)
+            )
+            new_id = conn.execute(ins).scalar()
+            if new_id is not None:
+                return int(new_id)
+            return int(
+                conn.execute(
+                    sa.select(t.judgments.c.id).where(
+                        t.judgments.c.turn_id == judgment.turn_id,
+                        t.judgments.c.kind == judgment.kind,
+                        t.judgments.c.judge == judgment.judge,
+                    )
+                ).scalar_one()
+            )
+
+    def judgments(self, turn_id: str) -> list[Judgment]:
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(t.judgments)
+                .where(t.judgments.c.turn_id == turn_id)
+                .order_by(t.judgments.c.id)
+            ).all()
+        return [codec.judgment_from_row(r) for r in rows]
+
+    # --- samples ------------------------------------------------------------------------------
+    def create_sample(
+        self,
+        turn_id: str,
+        method: str,
+        *,
+        state: SampleState = "judged",
+        reward: float | None = None,
+        hint: str | None = None,
+        teacher_logprobs: Sequence[float] | None = None,
+        advantages: Sequence[float] | None = None,
+        reason: str | None = None,
+    ) -> tuple[int, bool]:
+        """Create the turn's sample for `method`, or find the one that exists: returns
+        (id, created). The policy version is the turn's."""
+        if state not in ("pending", "judged", "dropped"):
+            raise SampleStateError(f"a sample starts pending, judged or dropped, not {state}")
+        with self._write() as conn:
+            turn = conn.execute(
+                sa.select(t.turns.c.version, t.turns.c.n_completion).where(t.turns.c.id == turn_id)
+            ).first()
+            if turn is None:
+                raise StoreError(f"no turn {turn_id}")
+            check_len(turn.n_completion, advantages, "advantages")
+            check_len(turn.n_completion, teacher_logprobs, "teacher logprobs")
+            now = utcnow()
+            new_id = conn.execute(
+                self._insert(t.samples)
+                .values(
+                    turn_id=turn_id, method=method, state=state, reason=reason, reward=reward,
+                    hint=hint,
+                    teacher_logprobs=codec.pack_opt(teacher_logprobs),
+                    advantages=codec.pack_opt(advantages),
+                    version=turn.version, created_at=now, updated_at=now,
+                )
+                .on_conflict_do_nothing()
+                .returning(t.samples.c.id)
+            ).scalar()
+            if new_id is not None:
+                return int(new_id), True
+            old = conn.execute(
+                sa.select(t.samples.c.id).where(
+                    t.samples.c.turn_id == turn_id, t.samples.c.method == method
+                )
+            ).scalar_one()
+            return int(old), False
+
+    def set_sample_advantages(
+        self,
+        sample_id: int,
+        advantages: Sequence[float],
+        *,
+        teacher_logprobs: Sequence[float] | None = None,
+        reward: float | None = None,
+        hint: str | None = None,
+    ) -> None:
+        """Complete a pending sample (e.g. once the teacher scored it): pending -> judged."""
+        with self._write() as conn:
+            n = conn.execute(
+                sa.select(t.turns.c.n_completion)
+                .join(t.samples, t.samples.c.turn_id == t.turns.c.id)
+                .where(t.samples.c.id == sample_id)
+            ).scalar()
+            if n is None:
+                raise StoreError(f"no sample {sample_id}")
+            check_len(n, advantages, "advantages")
+            check_len(n, teacher_logprobs, "teacher logprobs")
+            values: dict[str, Any] = {
+                "state": "judged", "advantages": pack_floats(advantages), "updated_at": utcnow()
+            }
+            if teacher_logprobs is not None:
+                values["teacher_logprobs"] = pack_floats(teacher_logprobs)
+            if reward is not None:
+                values["reward"] = reward
+            if hint is not None:
+                values["hint"] = hint
+            res = conn.execute(
+                sa.update(t.samples)
+                .where(t.samples.c.id == sample_id, t.samples.c.state == "pending")
+                .values(**values)
+            )
+            if res.rowcount != 1:
+                raise SampleStateError(f"sample {sample_id} is not pending")
+
+    def pending_samples(
+        self,
+        limit: int | None = None,
+        *,
+        method: str | None = None,
+        state: SampleState = "judged",
+    ) -> list[Sample]:
+        """Samples waiting for the trainer (state `judged`: advantages ready), oldest first.
+        `state="pending"` lists those still waiting for their advantages."""
+        s = t.samples
+        q = (
+            sa.select(
+                s,
+                t.turns.c.prompt_ids,
+                t.turns.c.completion_ids,
+                t.turns.c.logprobs,
+                t.turns.c.sampling,
+            )
+            .join(t.turns, t.turns.c.id == s.c.turn_id)
+            .where(s.c.state == state)
+            .order_by(s.c.id)
+        )
+        if method is not None:
+            q = q.where(s.c.method == method)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._read() as conn:
+            return [codec.sample_from_row(r) for r in conn.execute(q)]
+
+    def get_samples(self, ids: Sequence[int]) -> list[Sample]:
+        s = t.samples
+        q = (
+            sa.select(
+                s, t.turns.c.prompt_ids, t.turns.c.completion_ids, t.turns.c.logprobs,
+                t.turns.c.sampling,
+            )
+            .join(t.turns, t.turns.c.id == s.c.turn_id)
+            .where(s.c.id.in_(list(ids)))
+            .order_by(s.c.id)
+        )
+        with self._read() as conn:
+            return [codec.sample_from_row(r) for r in conn.execute(q)]
+
+    def mark_samples(
+        self,
+        ids: Sequence[int],
+        state: SampleState,
+        reason: str | None = None,
+        step: int | None = None,
+    ) -> int:
+        """Move every sample in `ids` to `state`, all or none: if any is not in a state that
+        `state` may follow (see TRANSITIONS), nothing changes and SampleStateError is raised."""
+        with self._write() as conn:
+            return self._mark(conn, ids, state, reason, step)
+
+    def _mark(
+        self,
+        conn: sa.Connection,
+        ids: Sequence[int],
+        state: str,
+        reason: str | None,
+        step: int | None,
+    ) -> int:
+        wanted = set(ids)
+        if not wanted:
+            return 0
+        sources = TRANSITIONS.get(state)
+        if not sources:
+            raise SampleStateError(f"no sample can move to {state!r}")
+        res = conn.execute(
+            sa.update(t.samples)
+            .where(t.samples.c.id.in_(sorted(wanted)), t.samples.c.state.in_(sorted(sources)))
+            .values(state=state, reason=reason, step=step, updated_at=utcnow())
+        )
+        if res.rowcount != len(wanted):
+            current = {
+                r.id: r.state
+                for r in conn.execute(
+                    sa.select(t.samples.c.id, t.samples.c.state).where(
+                        t.samples.c.id.in_(sorted(wanted))
+                    )
+                )
+            }
+            bad = {i: current.get(i, "missing") for i in wanted if current.get(i) not in sources}
+            raise SampleStateError(f"cannot move samples to {state}: {bad}")
+        return len(wanted)
+
+    def drop_stale_samples(self, current_version: int, max_staleness: int) -> int:
+        """Drop untrained samples produced more than `max_staleness` versions ago."""
+        with self._write() as conn:
+            res = conn.execute(
+                sa.update(t.samples)
+                .where(
+                    t.samples.c.state.in_(("pending", "judged")),
+                    t.samples.c.version < current_version - max_staleness,
+                )
+                .values(state="dropped", reason="stale", updated_at=utcnow())
+            )
+            return int(res.rowcount)
+
+    # --- training -----------------------------------------------------------------------------
+    def record_training_step(
+        self,
+        step: TrainingStep,
+        sample_ids: Sequence[int],
+        policy: PolicyVersionRow | None = None,
+    ) -> None:
+        """In ONE transaction: the step row, its samples judged -> trained, and (optionally) the
+        policy version it published. A crash before the commit leaves every sample judged (it
+        will be trained again, as the weights of that step were never recorded either); a
+        sample already trained makes the whole step fail. Either way none is trained twice."""
+        with self._write() as conn:
+            n = self._mark(conn, sample_ids, "trained", None, step.step)
+            conn.execute(
+                t.training_steps.insert().values(
+                    step=step.step,
+                    version_before=step.version_before,
+                    version_after=step.version_after,
+                    metrics=step.metrics,
+                    samples=n,
+                    created_at=step.created_at,
+                )
+            )
+            if policy is not None:
+                self._put_version(conn, policy)
+
+    def training_steps(self) -> list[TrainingStep]:
+        with self._read() as conn:
+            rows = conn.execute(sa.select(t.training_steps).order_by(t.training_steps.c.step))
+            return [TrainingStep(**r._asdict()) for r in rows]
+
+    def record_policy_version(self, row: PolicyVersionRow) -> None:
+        with self._write() as conn:
+            self._put_version(conn, row)
+
+    def _put_version(self, conn: sa.Connection, row: PolicyVersionRow) -> None:
+        values = asdict(row)
+        ins = self._insert(t.policy_versions).values(**values)
+        conn.execute(
+            ins.on_conflict_do_update(
+                index_elements=[t.policy_versions.c.version],
+                set_={k: ins.excluded[k] for k in values if k != "version"},
+            )
+        )
+
+    def latest_version(self) -> PolicyVersionRow | None:
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(t.policy_versions).order_by(t.policy_versions.c.version.desc()).limit(1)
+            ).first()
+        return None if row is None else PolicyVersionRow(**row._asdict())
+
+    def versions(self) -> list[PolicyVersionRow]:
+        with self._read() as conn:
+            rows = conn.execute(sa.select(t.policy_versions).order_by(t.policy_versions.c.version))
+            return [PolicyVersionRow(**r._asdict()) for r in rows]
