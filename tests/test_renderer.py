@@ -7,14 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from clawbridge.chat.renderer import (
-    AssistantMessage,
-    Delta,
-    Renderer,
-    RenderError,
-    merge_deltas,
-    token_bytes_table,
-)
+from clawbridge.chat.decode import token_bytes_table
+from clawbridge.chat.messages import AssistantMessage, Delta, RenderError, merge_deltas
+from clawbridge.chat.renderer import Renderer
 
 WEATHER = {
     "type": "function",

@@ -28,7 +28,8 @@ from clawbridge.backends.base import (
     ContextLengthExceeded,
     TransientBackendError,
 )
-from clawbridge.chat.renderer import AssistantMessage, Delta, Renderer, RenderError
+from clawbridge.chat.messages import AssistantMessage, Delta, RenderError
+from clawbridge.chat.renderer import Renderer
 from clawbridge.serving import wire
 from clawbridge.serving.sessions import Admission, NextState, Sessions, read_tag
 from clawbridge.serving.wire import APIError
