@@ -55,8 +55,10 @@ demo: $(STAMP) links
 
 test: $(STAMP) links lint typecheck pytest
 
-lint: $(STAMP)
+# ruff, then the house rules: the rooms' import directions and no cycles ([tool.importlinter]).
+lint: links
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 typecheck: links
 	$(VENV)/bin/mypy -p clawbridge
