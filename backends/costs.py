@@ -7,7 +7,7 @@ spend reaches it, *training* stops (`check_training` raises `BudgetExceeded`); s
 consults the budget, so the agent keeps its answers.
 
 Prices differ per model and change over time: the defaults are list-price estimates for small
-models, shown in `docs/backends.md`; override them with `Prices` (settings `price_*`).
+models, shown in `docs/backends.md`; code that builds a backend itself can pass its own `Prices`.
 """
 
 from __future__ import annotations

@@ -412,10 +412,6 @@ def _dedicated_parts(settings: Settings) -> dict[str, Any]:
     }
 
 
-def create_backend(settings: Settings) -> FireworksBackend:
-    return FireworksBackend.from_settings(settings)
-
-
 def from_settings(settings: Settings) -> Any:
     """What `clawbridge up --backend fireworks` calls (`clawbridge.server.build_backend`): the
     backend behind the redaction hook unless `--no-redact`."""

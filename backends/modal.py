@@ -162,10 +162,6 @@ class ModalBackend:
         return None  # the container scales down by itself after its idle window
 
 
-def create_backend(settings: Settings) -> ModalBackend:
-    return ModalBackend.from_settings(settings)
-
-
 def from_settings(settings: Settings) -> Any:
     """What `clawbridge up --backend modal` calls (`clawbridge.server.build_backend`): the
     backend behind the redaction hook unless `--no-redact`."""

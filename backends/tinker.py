@@ -451,10 +451,6 @@ def _completion(seq: Any, version: int, top_k: int) -> Completion:
     return Completion(tokens, tuple(float(x) for x in logprobs), reason, version, top)
 
 
-def create_backend(settings: Settings) -> TinkerBackend:
-    return TinkerBackend.from_settings(settings)
-
-
 def from_settings(settings: Settings) -> Any:
     """What `clawbridge up --backend tinker` calls (`clawbridge.server.build_backend`): the
     backend behind the redaction hook unless `--no-redact`."""

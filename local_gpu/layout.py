@@ -226,10 +226,6 @@ def render_plan(p: Plan, json: bool = False) -> str:
     return "\n".join(lines)
 
 
-def print_plan(p: Plan, json: bool = False) -> None:
-    print(render_plan(p, json=json))  # CLI output
-
-
 def visible_gpus() -> int:
     """GPUs this process can see (0 without CUDA)."""
     try:

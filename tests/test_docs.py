@@ -49,3 +49,40 @@ def test_relative_links_resolve(page: str):
         if anchor and dest.suffix == ".md":
             headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", dest.read_text(), re.M)}
             assert anchor in headings, f"{page}.md links to missing heading {target}"
+
+
+# Flags of other tools that the docs quote (alembic, SGLang, torchrun, checkov/terraform, OpenClaw,
+# and the scripts under bench/, which document their own flags in --help).
+OTHER_TOOLS_FLAGS = {
+    "--autogenerate", "--max-loras-per-batch", "--mem-fraction-static", "--nproc-per-node",
+    "--framework", "--target", "--local", "--chunk", "--compute-dtype", "--profile", "--repeats",
+    "--tokens", "--quick", "--turns", "--methods", "--seeds",
+}
+
+
+def _cli_flags() -> set[str]:
+    from clawbridge.cli.main import app
+    from typer.main import get_command
+
+    flags: set[str] = set()
+
+    def walk(cmd) -> None:  # type: ignore[no-untyped-def]
+        for p in getattr(cmd, "params", []):
+            flags.update(p.opts, p.secondary_opts)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(get_command(app))
+    return flags
+
+
+def test_every_flag_the_docs_name_exists():
+    """A flag in the docs that the CLI lacks sends a user to an error; settings without a flag
+    are named by their setting (configuration.md lists them all)."""
+    known = _cli_flags() | OTHER_TOOLS_FLAGS
+    pages = [*DOCS.glob("*.md"), ROOT / "README.md"]
+    missing = sorted(
+        {f"{page.name}: {flag}" for page in pages
+         for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", page.read_text()) if flag not in known}
+    )
+    assert not missing, missing

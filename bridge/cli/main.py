@@ -58,6 +58,7 @@ def up_cmd(
     gpus: int | None = typer.Option(None, "--gpus", help="With --plan: GPU count to plan for."),
     as_json: bool = typer.Option(False, "--json", help="With --plan: print the plan as JSON."),
     method: str | None = typer.Option(None, help="binary | opd | combine (default combine)."),
+    judge: str | None = typer.Option(None, "--judge", help="auto | rules | http | backend (default auto: http if --judge-url is set, else the offline rules judge)."),
     judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible judge endpoint (default: the offline rules judge)."),
     judge_model: str | None = typer.Option(None, "--judge-model", help="Judge model name at --judge-url."),
     judge_api_key: str | None = typer.Option(None, "--judge-api-key", help="Key for --judge-url (env CLAWBRIDGE_JUDGE_API_KEY)."),
@@ -82,7 +83,7 @@ def up_cmd(
         settings = Settings.load(
             Path(config) if config else None, backend=backend, model=model, host=host, port=port,
             api_key=api_key, data_dir=data_dir, db=db, served_model_name=served_model_name,
-            default_turn_type=default_turn_type, train=train, method=method, judge_url=judge_url,
+            default_turn_type=default_turn_type, train=train, method=method, judge=judge, judge_url=judge_url,
             judge_model=judge_model, judge_api_key=judge_api_key, batch_size=batch_size,
             max_staleness=max_staleness, learning_rate=learning_rate, resume=resume,
             budget_usd=budget_usd,
