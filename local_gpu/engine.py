@@ -251,6 +251,12 @@ class Engine:
     async def load_state(self, name: str) -> None:
         await self._call(self._load_state, name)
 
+    async def logits(self, token_ids: Sequence[int], *, version: int | None = None) -> torch.Tensor:
+        """The logits at every position of `token_ids` on a version (default: the newest),
+        computed as serving computes them: that version's adapter, unmerged, in the model's
+        dtype. float32, on the CPU. For tools that check a copy of a version (export)."""
+        return await self._call(self._logits, tuple(int(t) for t in token_ids), version)
+
     async def trainable_state(self) -> dict[str, torch.Tensor]:
         """A copy of the trainable LoRA weights (PEFT state-dict keys); for tests and tools."""
         return await self._call(self._trainable_state)
@@ -561,6 +567,17 @@ class Engine:
             targets = torch.tensor(completion, device=self.device)
             lp = token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
         return [float(x) for x in lp.tolist()]
+
+    def _logits(self, ids: tuple[int, ...], requested: int | None) -> torch.Tensor:
+        if not ids:
+            raise ValueError("logits needs at least one token")
+        version = self._acquire(requested)
+        try:
+            with torch.inference_mode():
+                x = torch.tensor([ids], device=self.device)
+                return self._forward([adapter_name(version)], input_ids=x).logits[0].float().cpu()
+        finally:
+            self._release(version)
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self._model.parameters() if p.requires_grad]

@@ -121,6 +121,27 @@ def export_cmd(
     typer.echo(f"{n} turns exported", err=True)
 
 
+@app.command("export-model")
+def export_model_cmd(
+    version: str | None = typer.Option(None, "--version", help="The version to export: 3 or v3; 0 is the base model (default: the newest)."),
+    out: str | None = typer.Option(None, "--out", "-o", help="Folder to create (default ./MODEL-vK): hf/ and gguf/ inside."),
+    fmt: str = typer.Option("both", "--format", help="hf | gguf | both."),
+    gguf_type: str = typer.Option("f16", "--gguf-type", help="GGUF tensor type: f32 | f16 | bf16."),
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL (default SQLite in the data directory)."),
+    model: str | None = typer.Option(None, help="The base model the versions were trained on (default: the settings' model)."),
+    adapter: str | None = typer.Option(None, "--adapter", help="Export this PEFT adapter folder instead of a version (e.g. one downloaded from Tinker or Modal)."),
+    seed: int | None = typer.Option(None, help="tiny-random only: the seed its weights were made from."),
+) -> None:
+    """Merge a version's LoRA into its base and write a model that runs without clawbridge: a
+    Hugging Face folder (transformers, vLLM) and a GGUF file with an Ollama Modelfile (llama.cpp,
+    Ollama). Cloud versions: downloaded where the platform allows it (docs/export.md)."""
+    from clawbridge.cli.export_model import run_export_model
+
+    run_export_model(data_dir=data_dir, db=db, version=version, out=out, fmt=fmt, model=model,
+                     gguf_type=gguf_type, adapter=adapter, seed=seed)
+
+
 @app.command("sessions")
 def sessions_cmd(
     limit: int = typer.Option(50, help="Most recent sessions to list."),
