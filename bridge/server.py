@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
 from clawbridge.openclaw import provider as openclaw
 from clawbridge.routes import feedback_route, rollback_route
+from clawbridge.serving import anthropic, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
+# The wire formats served beside chat completions, over the same admission and capture.
+SURFACES = (responses.routes, anthropic.routes)
 
 
 class _Server(uvicorn.Server):
@@ -188,10 +192,13 @@ async def serve(
     # (measured: ~6 ms per request at one client). A short interval keeps the loop responsive.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     backend = backend or build_backend(settings)
+    if settings.train and settings.gate != "off" and not isinstance(backend, PinnedBackend):
+        # the gate keeps serving the current version while it judges a published candidate
+        backend = PinnedBackend(backend)
     await backend.start()
     if store is None:
         store = await asyncio.to_thread(open_store, settings)
-    app = create_app(settings, backend, store, hooks)
+    app = create_app(settings, backend, store, hooks, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
     if freeze_gc:
         # Everything alive now (torch, transformers, the model, the tokenizer: millions of

@@ -52,6 +52,15 @@ _NEUTRAL = [
     r"\bthat should (do it|work)\b",
 ]
 
+# Verbs that tell the assistant how to answer, at the start of a sentence ("Keep it brief."),
+# after "please", or in a request ("Could you format that as a table?").
+_HOW = (r"(always|never|keep|make|end|start|begin|finish|reply|respond|answer|use|write|format|include|add|"
+        r"sign|say|stick|limit|avoid|cite|remember|give me (just|only|a|an|the)|put|list|shorten|simplify|"
+        r"rephrase|summari[sz]e|explain (it|that|this) (again|more|less|in|like|simply)|be (more|less|brief|concise|short|clear|specific|direct))")
+_INSTRUCTION = (rf"(^|[.!?;:]\s*)(please\s+|pls\s+|kindly\s+)?{_HOW}\b"
+                rf"|\bplease\s+{_HOW}\b"
+                rf"|\b(can|could|would|will) you( please)? {_HOW}\b")
+
 _CORRECTIONS: list[tuple[str, str]] = [
     ("no", r"^(no|nope|nah|wrong)\b"),
     ("wrong", r"\b(wrong|incorrect|inaccurate|mistaken)\b"),
@@ -69,6 +78,10 @@ _CORRECTIONS: list[tuple[str, str]] = [
     ("broken", r"\b(doesn't|does not|didn't|did not|won't|isn't|is not) work(ing)?\b|\bnot working\b|\bbroken\b|\bbroke\b|\bstill (fails|failing|wrong|broken|not)\b"),
     ("redo", r"\b(try again|start over|(fix|redo|re-do|rewrite) (it|that|your \w+)|please fix|mistake|typo)\b|^(please )?correct (it|this|that|the)\b"),
     ("why did you", r"\bwhy (did|would|do) you\b"),
+    ("off topic", r"\brambling\b|\b(get|come|stick) to the point\b|\boff[- ]topic\b|\birrelevant\b|\b(doesn't|does not|didn't|did not|don't|do not|never) (really )?answer\b|\bnot (an|the) answer\b|\banswer (the|my) (actual )?question\b|\bnot what i (asked|wanted|meant|need)"),
+    # A request about how to answer is a correction too: the user wants something the answer lacks.
+    ("instruction", _INSTRUCTION),
+    ("preference", r"\bi('d| would) (like|prefer|rather|want)\b|\b(answers?|replies|words?|sentences?) only\b|\bi (only )?(prefer|want|need) (it|that|this|the answer|answers|your answers?|a |an |you to|shorter|longer|simpler|just|only|less|more)\b|\b(next time|from now on|in (the )?future|going forward|every (time|answer|reply))\b"),
     ("thumbs down", r"👎|❌"),
 ]
 
@@ -78,7 +91,7 @@ _APPROVALS: list[tuple[str, str]] = [
     ("correct", r"\b(correct|that's right|that is right|spot on|nailed it|bingo|that's it|that is it)\b"),
     ("what i wanted", r"\b(exactly|just) what i (wanted|needed|asked for|meant)\b"),
     ("well done", r"\b(good job|well done|good work|great job|nice work|love it|love this)\b"),
-    ("works", r"\b(works|worked|working now|fixed|solved|helpful|that helps|that helped)\b"),
+    ("works", r"\b(works|worked|working now|fixed|solved|helpful|useful|that helps|that helped|good (stuff|answer|one))\b"),
     ("thumbs up", r"👍|🙏|✅|🎉|❤️|🙌|💯|😊"),
 ]
 

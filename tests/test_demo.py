@@ -17,7 +17,7 @@ TINY = {
     "check": {"max_words": 3, "must_finish": False},
     "replies": {"satisfied": ["Thanks, perfect."], "unsatisfied": ["Too long. Please answer in under 3 words."]},
     "recipe": {"method": "combine", "batch_size": 2, "rounds": 2, "learning_rate": 1e-3, "lora_rank": 4,
-               "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4},
+               "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4, "gate_probes": 4},
     "train_prompts": ["What is rain?", "Why is the sky blue?", "What is a cat?"],
     "heldout_prompts": ["What is snow?", "What is a dog?", "What is fog?"],
 }
@@ -78,11 +78,15 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
     result = await run_demo(sc, settings, plot_path=tmp_path / "tiny.png")
     summary = json.loads(json.dumps(result.summary()))
-    assert {"before", "after", "interval", "steps", "versions", "seconds"} <= set(summary)
+    assert {"before", "after", "interval", "steps", "versions", "seconds", "truly_before", "truly_after",
+            "truly_interval", "on_topic_before", "on_topic_after", "probe_before", "probe_after", "gate"} <= set(summary)
+    assert 0 <= summary["probe_before"] <= 1 and 0 <= summary["probe_after"] <= 1
+    assert [g["version"] for g in summary["gate"]] == [1, 2]  # every step was judged by the gate
+    assert all(g["decision"] in ("accepted", "rejected") and g["figures"] for g in summary["gate"])
     assert 0 <= summary["before"] <= 1 and 0 <= summary["after"] <= 1
     lo, hi = summary["interval"]
     assert -1 <= lo <= summary["delta"] <= hi <= 1
-    assert summary["steps"] == 2 and [v["version"] for v in summary["versions"]] == [0, 1, 2]
+    assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
 
 

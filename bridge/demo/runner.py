@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.config import Settings
-from clawbridge.demo.scenario import Scenario, paired_interval
+from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.learning.collector import judge_kinds
+from clawbridge.learning.gate import GateProbe
+from clawbridge.learning.probes import Probe, general_probes, rate
 
 if TYPE_CHECKING:
+    from clawbridge.learning.learner import Learner
     from clawbridge.server import Running
     from openai import AsyncOpenAI
 
@@ -39,11 +42,19 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 @dataclass(frozen=True)
 class VersionEval:
+    """One served version on the held-out prompts (per-prompt rates, each over eval_samples)."""
+
     version: int
-    rate: float
+    rate: float  # the preference met
     per_prompt: tuple[float, ...]
     samples: int
     seconds: float
+    on_topic: float = 0.0  # the answer answers the question
+    truly: float = 0.0  # both: what the user would call satisfied
+    truly_per_prompt: tuple[float, ...] = ()
+    on_topic_per_prompt: tuple[float, ...] = ()
+    probe: float | None = None  # the general probe set's on-topic rate (v0 and the last version)
+    conversations: int = 0  # training conversations before this version served
 
 
 @dataclass
@@ -62,30 +73,58 @@ class DemoResult:
     train_satisfied: int
     heldout_prompts: int
     eval_samples: int
+    truly_interval: tuple[float, float] = (0.0, 0.0)
+    gate: list[dict[str, Any]] = field(default_factory=list)
     plot: str | None = None
     examples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def improved(self) -> bool:
-        return self.interval[0] > 0
+        return self.truly_interval[0] > 0
+
+    @property
+    def first(self) -> VersionEval:
+        return self.versions[0]
+
+    @property
+    def last(self) -> VersionEval:
+        return self.versions[-1]
+
+    @property
+    def conversations_to_80(self) -> int | None:
+        """Training conversations until a served version was truly satisfying on >= 80 % of the
+        held-out prompts (None: never within the run)."""
+        return next((v.conversations for v in self.versions if v.truly >= 0.8), None)
 
     def summary(self) -> dict[str, Any]:
         """The `--json` document."""
+        r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
         return {
             "scenario": self.scenario,
             "model": self.model,
             "method": self.method,
-            "before": round(self.before, 4),
-            "after": round(self.after, 4),
-            "delta": round(self.delta, 4),
-            "interval": [round(self.interval[0], 4), round(self.interval[1], 4)],
+            "before": r4(self.before),
+            "after": r4(self.after),
+            "delta": r4(self.delta),
+            "interval": [r4(self.interval[0]), r4(self.interval[1])],
+            "truly_before": r4(self.first.truly),
+            "truly_after": r4(self.last.truly),
+            "truly_delta": r4(self.last.truly - self.first.truly),
+            "truly_interval": [r4(self.truly_interval[0]), r4(self.truly_interval[1])],
+            "on_topic_before": r4(self.first.on_topic),
+            "on_topic_after": r4(self.last.on_topic),
+            "probe_before": r4(self.first.probe),
+            "probe_after": r4(self.last.probe),
+            "conversations_to_80": self.conversations_to_80,
             "improved": self.improved,
             "steps": self.steps,
             "versions": [
-                {"version": v.version, "rate": round(v.rate, 4), "samples": v.samples,
+                {"version": v.version, "rate": r4(v.rate), "on_topic": r4(v.on_topic), "truly": r4(v.truly),
+                 "probe": r4(v.probe), "samples": v.samples, "conversations": v.conversations,
                  "seconds": round(v.seconds, 1)}
                 for v in self.versions
             ],
+            "gate": self.gate,
             "seconds": round(self.seconds, 1),
             "train_conversations": self.train_conversations,
             "train_satisfied": self.train_satisfied,
@@ -102,15 +141,26 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         host="127.0.0.1", port=0, data_dir=data_dir, judge="rules", method=r.method,
         batch_size=r.batch_size, learning_rate=r.learning_rate, lora_rank=r.lora_rank,
         lora_alpha=r.lora_rank, max_staleness=max(4, r.rounds), checkpoint_every=10_000,
-        default_max_tokens=r.max_tokens, session_idle_timeout_s=600.0,
+        default_max_tokens=r.max_tokens, session_idle_timeout_s=600.0, kl_anchor=r.kl_anchor,
+        gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
+        gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**values)
 
 
+def gate_probes(scenario: Scenario) -> list[GateProbe]:
+    """The demo's own gate probes: the scenario's truly-satisfied check on its validation split
+    (prompts never trained on, and not the held-out ones the figures are measured on)."""
+    def check(prompt: str) -> Any:
+        return lambda text, finish: 1.0 if scenario.rate(prompt, text, finish).truly else 0.0
+
+    return [GateProbe("validation", tuple(scenario.messages(p)), check(p)) for p in scenario.gate_prompts]
+
+
 class SimulatedUser:
-    """Talks to clawbridge through the OpenAI API and reacts to each answer by the scenario's
-    hidden preference."""
+    """Talks to clawbridge through the OpenAI API and reacts to each answer: thanks when it meets
+    the hidden preference AND answers the question, a correction or an objection otherwise."""
 
     def __init__(self, client: AsyncOpenAI, model: str, scenario: Scenario) -> None:
         self.client, self.model, self.scenario = client, model, scenario
@@ -131,9 +181,9 @@ class SimulatedUser:
             )
             choice = first.choices[0]
             answer = choice.message.content or ""
-            ok = sc.check.satisfied(answer, choice.finish_reason)
+            v = sc.rate(prompt, answer, choice.finish_reason)
             history = [*sc.messages(prompt), {"role": "assistant", "content": answer},
-                       {"role": "user", "content": sc.reply(ok, i)}]
+                       {"role": "user", "content": sc.reply(v.preferred, i, answered=v.answered, prompt=prompt)}]
             # The reply is the next state of the first turn. Its own answer is not needed: one
             # token, and the session is closed so that turn waits for nothing.
             await self.client.chat.completions.create(
@@ -142,31 +192,48 @@ class SimulatedUser:
                 extra_headers={**head, "X-Session-Done": "true"},
             )
         self.conversations += 1
-        self.satisfied += ok
-        return ok
+        self.satisfied += v.truly
+        return v.truly
 
-    async def evaluate(self, version: int) -> tuple[VersionEval, list[dict[str, Any]]]:
-        """Held-out satisfaction: `eval_samples` answers per prompt, never trained on."""
+    async def _answers(self, prompt: str, messages: list[dict[str, str]], n: int, max_tokens: int) -> list[tuple[str, str | None]]:
+        r = self.scenario.recipe
+        async with self.sem:
+            resp = await self.client.chat.completions.create(
+                model=self.model, messages=messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens, temperature=r.temperature, n=n,
+                extra_headers={"X-Session-Id": f"eval-{uuid.uuid4().hex[:12]}",
+                               "X-Train": "false", "X-Session-Done": "true"},
+            )
+        return [(c.message.content or "", c.finish_reason) for c in resp.choices]
+
+    async def evaluate(self, version: int, *, probe: bool = False) -> tuple[VersionEval, list[dict[str, Any]]]:
+        """Held-out rates: `eval_samples` answers per prompt, never trained on; with `probe`,
+        also the general probe set's on-topic rate (one answer per question)."""
         r, sc = self.scenario.recipe, self.scenario
         t0 = time.monotonic()
 
-        async def one(prompt: str) -> tuple[float, dict[str, Any]]:
-            async with self.sem:
-                resp = await self.client.chat.completions.create(
-                    model=self.model, messages=sc.messages(prompt),  # type: ignore[arg-type]
-                    max_tokens=r.max_tokens, temperature=r.temperature, n=r.eval_samples,
-                    extra_headers={"X-Session-Id": f"eval-{uuid.uuid4().hex[:12]}",
-                                   "X-Train": "false", "X-Session-Done": "true"},
-                )
-            oks = [sc.check.satisfied(c.message.content or "", c.finish_reason) for c in resp.choices]
-            first = resp.choices[0]
-            return sum(oks) / len(oks), {"prompt": prompt, "answer": first.message.content,
-                                          "satisfied": oks[0]}
+        async def one(prompt: str) -> tuple[list[Verdict], dict[str, Any]]:
+            answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens)
+            verdicts = [sc.rate(prompt, text, finish) for text, finish in answers]
+            v = verdicts[0]
+            return verdicts, {"prompt": prompt, "answer": answers[0][0], "preferred": v.preferred,
+                              "answered": v.answered, "satisfied": v.truly}
+
+        async def probe_one(p: Probe) -> bool:
+            (text, _), = await self._answers(p.question, [{"role": "user", "content": p.question}], 1, r.max_tokens)
+            return p.check.answered(text)
 
         rated = await asyncio.gather(*(one(p) for p in sc.heldout_prompts))
-        per_prompt = tuple(x for x, _ in rated)
-        ev = VersionEval(version, sum(per_prompt) / len(per_prompt), per_prompt,
-                         len(per_prompt) * r.eval_samples, time.monotonic() - t0)
+        probe_rate = rate(await asyncio.gather(*(probe_one(p) for p in general_probes()))) if probe else None
+
+        def per_prompt(field_: str) -> tuple[float, ...]:
+            return tuple(rate([getattr(v, field_) for v in vs]) for vs, _ in rated)
+
+        pref, topic, truly = per_prompt("preferred"), per_prompt("answered"), per_prompt("truly")
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        ev = VersionEval(version, mean(pref), pref, len(pref) * r.eval_samples, time.monotonic() - t0,
+                         on_topic=mean(topic), truly=mean(truly), truly_per_prompt=truly,
+                         on_topic_per_prompt=topic, probe=probe_rate, conversations=self.conversations)
         return ev, [ex for _, ex in rated]
 
 
@@ -180,6 +247,17 @@ async def _settled(running: Running) -> tuple[int, int]:
     return waiting, unsettled + awaiting
 
 
+def _client(base_url: str) -> AsyncOpenAI:
+    """The simulated user's client. uvicorn closes a keep-alive connection after 5 s idle (the
+    demo idles longer while a step trains): expire pooled connections sooner on this side, and
+    retry a request that still meets a closed one, so a wait never crashes the demo."""
+    import httpx2
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+
+    http = DefaultAsyncHttpxClient(timeout=1800, limits=httpx2.Limits(keepalive_expiry=2.0))
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="clawbridge", timeout=1800, max_retries=3, http_client=http)
+
+
 async def run_demo(
     scenario: Scenario,
     settings: Settings,
@@ -191,13 +269,12 @@ async def run_demo(
     from clawbridge.backends.local import LocalBackend
     from clawbridge.learning.learner import Learner
     from clawbridge.server import learner_hooks, learner_task, serve
-    from openai import AsyncOpenAI
 
     t0 = time.monotonic()
     report = progress or (lambda phase, done, total: None)
     r = scenario.recipe
     backend = LocalBackend.from_settings(settings)
-    learner = Learner(settings, poll_s=0.2)
+    learner = Learner(settings, poll_s=0.2, probes=gate_probes(scenario))
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(
         serve(settings, backend=backend, hooks=learner_hooks(learner), background=[learner_task(learner)],
@@ -208,7 +285,8 @@ async def run_demo(
     if server in done_first:
         await server  # raises why it could not start
     running = ready.result()
-    client = AsyncOpenAI(base_url=f"{running.base_url}/v1", api_key="clawbridge", timeout=1800, max_retries=0)
+    served = running.backend  # what the proxy serves (the gate may hold a newer candidate back)
+    client = _client(running.base_url)
     model = running.proxy.model_name
     user = SimulatedUser(client, model, scenario)
     total = r.rounds * 2 + 1
@@ -216,22 +294,25 @@ async def run_demo(
     examples: dict[int, list[dict[str, Any]]] = {}
     try:
         report("evaluating policy@v0", 0, total)
-        ev, ex = await user.evaluate(backend.version)
+        ev, ex = await user.evaluate(served.version, probe=True)
         versions.append(ev)
         examples[ev.version] = ex
-        order = list(scenario.train_prompts)
+        order = scenario.training_prompts
         asked = 0
         for rnd in range(r.rounds):
             report(f"round {rnd + 1}/{r.rounds}: conversations", 2 * rnd + 1, total)
-            target = backend.version + 1
+            steps_before = _step_of(learner)
             batch = [order[(asked + j) % len(order)] for j in range(r.batch_size)]
             await asyncio.gather(*(user.converse(p, asked + j) for j, p in enumerate(batch)))
             asked += len(batch)
-            report(f"round {rnd + 1}/{r.rounds}: judging and training", 2 * rnd + 2, total)
+            report(f"round {rnd + 1}/{r.rounds}: judging, training, gate", 2 * rnd + 2, total)
             deadline = time.monotonic() + step_timeout_s
-            while backend.version < target:
+            while _step_of(learner) <= steps_before:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"no new policy version within {step_timeout_s:.0f} s")
+                    raise TimeoutError(f"no training step within {step_timeout_s:.0f} s")
+                if learner.lock.locked():  # a step (and its gate) is under way
+                    await asyncio.sleep(0.2)
+                    continue
                 waiting, unsettled = await _settled(running)
                 if unsettled == 0 and waiting < r.batch_size:
                     # a reply the judge found neutral gave no sample: the user talks a bit more
@@ -240,31 +321,43 @@ async def run_demo(
                     asked += 1
                     continue
                 await asyncio.sleep(0.2)
-            ev, ex = await user.evaluate(backend.version)
-            versions.append(ev)
-            examples[ev.version] = ex
-            report(f"policy@v{ev.version}: held-out {ev.rate:.0%}", 2 * rnd + 3, total)
+            last = rnd == r.rounds - 1
+            if served.version != versions[-1].version or last:
+                ev, ex = await user.evaluate(served.version, probe=last)
+                versions.append(ev)
+                examples[ev.version] = ex
+                report(f"policy@v{ev.version}: truly satisfied {ev.truly:.0%}", 2 * rnd + 3, total)
+            else:
+                report(f"held back by the gate: still policy@v{served.version}", 2 * rnd + 3, total)
     finally:
         await client.close()
         running.server.should_exit = True
         await asyncio.wait_for(server, 120)
     before, after = versions[0], versions[-1]
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
+    _, tlo, thi = paired_interval(before.truly_per_prompt, after.truly_per_prompt)
     steps = len(await asyncio.to_thread(_steps, settings))
+    decisions = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
     shown = [
-        {"prompt": b["prompt"], "before": b["answer"], "after": a["answer"]}
-        for b, a in zip(examples[before.version][:3], examples[after.version][:3], strict=True)
+        {"prompt": b["prompt"], "before": b["answer"], "after": a["answer"],
+         "after_preferred": a["preferred"], "after_answered": a["answered"]}
+        for b, a in zip(examples[before.version][:5], examples[after.version][:5], strict=True)
     ]
     result = DemoResult(
         scenario=scenario.name, model=model, method=settings.method, before=before.rate,
         after=after.rate, delta=delta, interval=(lo, hi), steps=steps, versions=versions,
         seconds=time.monotonic() - t0, train_conversations=user.conversations,
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),
-        eval_samples=r.eval_samples, examples=shown,
+        eval_samples=r.eval_samples, truly_interval=(tlo, thi), gate=decisions, examples=shown,
     )
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))
     return result
+
+
+def _step_of(learner: Learner) -> int:
+    last = learner.last_step
+    return last.step if last is not None else 0
 
 
 def _steps(settings: Settings) -> list[Any]:
@@ -275,24 +368,39 @@ def _steps(settings: Settings) -> list[Any]:
 
 
 def save_plot(result: DemoResult, path: Path) -> Path:
-    """The held-out satisfaction rate per policy version (PNG, headless)."""
+    """Per served version: truly satisfied, the preference rate, the on-topic rate, the general
+    probe's on-topic rate where measured; candidates the gate held back as red crosses (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     xs = [v.version for v in result.versions]
-    ys = [100 * v.rate for v in result.versions]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    ax.plot(xs, ys, marker="o", color="#1f6feb")
-    ax.set_xlabel("policy version (one training step each)")
-    ax.set_ylabel("held-out satisfaction (%)")
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(xs, [100 * v.truly for v in result.versions], marker="o", color="#1f6feb", lw=2,
+            label="truly satisfied (preference AND answered)")
+    ax.plot(xs, [100 * v.rate for v in result.versions], marker=".", color="#8b949e", ls="--", label="preference met")
+    ax.plot(xs, [100 * v.on_topic for v in result.versions], marker=".", color="#2da44e", ls=":", label="answers the question")
+    probed = [(v.version, 100 * v.probe) for v in result.versions if v.probe is not None]
+    gate_probe = [(g["version"], 100 * g["figures"]["probe_candidate"]) for g in result.gate
+                  if "probe_candidate" in g.get("figures", {})]
+    if probed or gate_probe:
+        pts = sorted(probed + gate_probe)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="s", ls="", color="#bf8700",
+                label="general probe: answers the question")
+    rejected = [g["version"] for g in result.gate if g["decision"] == "rejected"]
+    for x in rejected:
+        ax.axvline(x, color="#cf222e", alpha=0.3, lw=1)
+    if rejected:
+        ax.plot([], [], color="#cf222e", alpha=0.3, label="held back by the gate")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("held-out rate (%)")
     ax.set_ylim(-5, 105)
-    ax.set_xticks(xs)
     ax.grid(alpha=0.3)
-    lo, hi = (100 * x for x in result.interval)
+    ax.legend(fontsize=7, loc="best")
+    lo, hi = (100 * x for x in result.truly_interval)
     ax.set_title(
-        f"{result.scenario}: {100 * result.before:.0f}% → {100 * result.after:.0f}% "
+        f"{result.scenario}: truly satisfied {100 * result.first.truly:.0f}% → {100 * result.last.truly:.0f}% "
         f"(Δ 95% CI [{lo:+.0f}, {hi:+.0f}] pts)", fontsize=10,
     )
     fig.tight_layout()
@@ -307,11 +415,19 @@ def default_data_dir() -> Path:
 
 
 def result_table(result: DemoResult) -> list[tuple[str, str]]:
-    lo, hi = result.interval
+    b, a = result.first, result.last
+    lo, hi = result.truly_interval
+    pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
+    rejected = sum(g["decision"] == "rejected" for g in result.gate)
+    c80 = result.conversations_to_80
     return [
-        ("held-out satisfaction, before (policy@v0)", f"{result.before:.0%}"),
-        (f"held-out satisfaction, after (policy@v{result.versions[-1].version})", f"{result.after:.0%}"),
-        ("difference (95% interval)", f"{100 * result.delta:+.0f} pts [{100 * lo:+.0f}, {100 * hi:+.0f}]"),
+        ("truly satisfied (preference met AND answered)", f"{pct(b.truly)} → {pct(a.truly)} (policy@v{a.version})"),
+        ("difference (95% interval)", f"{100 * (a.truly - b.truly):+.0f} pts [{100 * lo:+.0f}, {100 * hi:+.0f}]"),
+        ("preference met", f"{pct(b.rate)} → {pct(a.rate)}"),
+        ("answers the question (held-out)", f"{pct(b.on_topic)} → {pct(a.on_topic)}"),
+        ("general probe: answers the question", f"{pct(b.probe)} → {pct(a.probe)}"),
+        ("gate: accepted / held back", f"{len(result.gate) - rejected} / {rejected}"),
+        ("conversations until 80% truly satisfied", "not reached" if c80 is None else str(c80)),
         ("training steps / conversations", f"{result.steps} / {result.train_conversations}"),
         ("wall time", f"{result.seconds:.0f} s"),
     ]

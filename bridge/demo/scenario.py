@@ -9,14 +9,17 @@ thanks are +1, a correction is -1 and becomes the hint. Built-in scenarios live 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerCheck
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_SCENARIO = "concise"
@@ -53,11 +56,32 @@ class Check(BaseModel):
         return not any(re.search(p, text, re.MULTILINE) for p in self.must_not_match)
 
 
+DEFAULT_OFF_TOPIC = (
+    "That doesn't answer my question. Please answer what I asked: {prompt}",
+    "That's not an answer to my question. I asked: {prompt}",
+)
+
+
 class Replies(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     satisfied: list[str] = Field(min_length=1)
     unsatisfied: list[str] = Field(min_length=1)
+    off_topic: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_OFF_TOPIC), min_length=1,
+        description="The objection when the answer does not answer the question ({prompt} is the question).",
+    )
+
+
+class Answers(BaseModel):
+    """Whether an answer answers the question: reference keywords per prompt (never the
+    question's own words) and a minimum length. Prompts without keywords here fall back to the
+    built-in answer key (`clawbridge/demo/answer_key.yaml`), then to length and not-an-echo."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_words: int = Field(DEFAULT_MIN_WORDS, ge=1)
+    keywords: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class Recipe(BaseModel):
@@ -74,6 +98,10 @@ class Recipe(BaseModel):
     max_tokens: int = Field(48, ge=1)
     eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
     concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
+    kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
+    gate: bool = Field(True, description="Gate every candidate before it serves.")
+    gate_probes: int = Field(24, ge=0, le=50, description="General probe questions the gate asks.")
+    gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")
 
 
 class Scenario(BaseModel):
@@ -86,6 +114,11 @@ class Scenario(BaseModel):
     heldout_prompts: list[str] = Field(min_length=2)
     check: Check
     replies: Replies
+    answers: Answers = Field(default_factory=lambda: Answers.model_validate({}))
+    validation_prompts: list[str] = Field(
+        default_factory=list,
+        description="The gate's prompts (never trained on, not held out); default: the last fifth of train_prompts.",
+    )
     recipe: Recipe = Field(default_factory=lambda: Recipe.model_validate({}))
 
     @field_validator("heldout_prompts")
@@ -101,9 +134,59 @@ class Scenario(BaseModel):
         head = [{"role": "system", "content": self.system}] if self.system else []
         return [*head, {"role": "user", "content": prompt}]
 
-    def reply(self, satisfied: bool, i: int) -> str:
-        options = self.replies.satisfied if satisfied else self.replies.unsatisfied
-        return options[i % len(options)]
+    def reply(self, preferred: bool, i: int, *, answered: bool = True, prompt: str = "") -> str:
+        """The user's next message: thanks only when the preference is met AND the question is
+        answered; otherwise the preference's correction, the objection, or both."""
+        r = self.replies
+        if preferred and answered:
+            return r.satisfied[i % len(r.satisfied)]
+        objection = r.off_topic[i % len(r.off_topic)].replace("{prompt}", prompt)
+        if preferred:
+            return objection
+        correction = r.unsatisfied[i % len(r.unsatisfied)]
+        return correction if answered else f"{correction} {objection}"
+
+    def answer_check(self, prompt: str) -> AnswerCheck:
+        keywords = self.answers.keywords.get(prompt) or answer_key().get(prompt) or []
+        return AnswerCheck(prompt, tuple(str(k) for k in keywords), self.answers.min_words)
+
+    def rate(self, prompt: str, text: str, finish_reason: str | None) -> Verdict:
+        return Verdict(self.check.satisfied(text, finish_reason), self.answer_check(prompt).answered(text))
+
+    @property
+    def training_prompts(self) -> list[str]:
+        """The prompts the simulated user asks in training (the validation split taken out)."""
+        held = set(self.gate_prompts)
+        return [p for p in self.train_prompts if p not in held] or list(self.train_prompts)
+
+    @property
+    def gate_prompts(self) -> list[str]:
+        """The validation split the gate uses: never trained on, and not the held-out set."""
+        if self.validation_prompts:
+            return list(self.validation_prompts)
+        n = len(self.train_prompts) // 5
+        return list(self.train_prompts[-n:]) if n >= 2 else []
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The simulated user's view of one answer."""
+
+    preferred: bool  # the hidden preference is met
+    answered: bool  # the answer answers the question
+
+    @property
+    def truly(self) -> bool:
+        return self.preferred and self.answered
+
+
+@functools.cache
+def answer_key() -> dict[str, list[str]]:
+    """The built-in reference keywords of the built-in scenarios' prompts."""
+    import yaml
+
+    text = resources.files("clawbridge.demo").joinpath("answer_key.yaml").read_text()
+    return {str(k): [str(x) for x in v] for k, v in (yaml.safe_load(text) or {}).items()}
 
 
 def builtin_names() -> list[str]:

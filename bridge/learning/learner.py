@@ -13,13 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import BudgetExceeded
 from clawbridge.config import Settings
 from clawbridge.judges import build_judges, judge_kind
 from clawbridge.learning.collector import Collector
+from clawbridge.learning.gate import Gate, GateProbe, probe_check
+from clawbridge.learning.probes import general_probes
 from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
+from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
@@ -29,8 +33,9 @@ log = logging.getLogger(__name__)
 
 
 class Learner:
-    def __init__(self, settings: Settings, *, poll_s: float = 1.0) -> None:
+    def __init__(self, settings: Settings, *, poll_s: float = 1.0, probes: Sequence[GateProbe] = ()) -> None:
         self.settings = settings
+        self.extra_probes = list(probes)  # the caller's own gate probes (the demo: a validation split)
         self.poll_s = poll_s
         self.wake = asyncio.Event()  # a next state arrived, feedback came, or samples are ready
         self.collector: Collector | None = None
@@ -44,7 +49,27 @@ class Learner:
     def bind(self, backend: Backend, store: Store) -> None:
         judges = build_judges(self.settings, backend)
         self.collector = Collector(self.settings, backend, store, judges)
-        self.trainer = Trainer(self.settings, backend, store, lock=self.lock)
+        self.trainer = Trainer(self.settings, backend, store, lock=self.lock, gate=self.build_gate(backend))
+
+    def build_gate(self, backend: Backend) -> Gate | None:
+        """The gate the settings ask for: a spread of the general probe set plus the caller's
+        probes. (Recent prompts replayed for a pairwise judge are not wired yet: the offline
+        rules judge cannot compare two answers.)"""
+        s = self.settings
+        if s.gate == "off":
+            return None
+        from clawbridge.chat.renderer import Renderer
+
+        pool = general_probes()
+        k = min(s.gate_probes, len(pool))
+        chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
+        probes = [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
+                  for p in chosen] + self.extra_probes
+        if not probes:
+            return None
+        params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
+        return Gate(backend, Renderer(backend.tokenizer()), probes, params=params, samples=s.gate_samples,
+                    margin=s.gate_margin, alpha=s.gate_alpha)
 
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
@@ -113,6 +138,9 @@ class Learner:
                 out["mean reward"] = f"{st.mean_reward:+.2f}"
         if (last := self.last_step) is not None:
             out["step"] = last.step
+        if self.trainer is not None and self.trainer.decisions:
+            d = self.trainer.decisions[-1]
+            out["gate"] = f"v{d.candidate} {d.decision}"
         if (rb := self.last_rollback) is not None:
             out["rollback"] = f"v{rb.version} = v{rb.restored}"
         if self.errors:
@@ -129,6 +157,13 @@ class Learner:
             out.update(learner_judged=st.judged, learner_samples=st.samples, learner_dropped=st.dropped)
             if st.mean_reward is not None:
                 out["learner_mean_reward"] = st.mean_reward
+        if self.trainer is not None:
+            decisions = self.trainer.decisions
+            out["gate_accepted"] = float(sum(d.decision == "accepted" for d in decisions))
+            out["gate_rejected"] = float(sum(d.decision == "rejected" for d in decisions))
+            if decisions:
+                out["gate_last_candidate"] = float(decisions[-1].candidate)
+                out["gate_last_accepted"] = 1.0 if decisions[-1].decision == "accepted" else 0.0
         if (last := self.last_step) is not None:
             out["train_step"] = last.step
             out["train_samples"] = last.samples

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clawbridge.backends.base import Backend
+from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.config import Settings
+from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
 from clawbridge.types import Datum, StepMetrics
 
@@ -71,6 +73,7 @@ class StepResult:
     version: int
     samples: int
     metrics: dict[str, float]
+    served: int | None = None  # the version serving after the step (the gate may hold `version` back)
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,17 @@ class RollbackResult:
 
 
 class Trainer:
-    def __init__(self, settings: Settings, backend: Backend, store: Store, *, lock: asyncio.Lock | None = None) -> None:
+    def __init__(
+        self, settings: Settings, backend: Backend, store: Store, *,
+        lock: asyncio.Lock | None = None, gate: Gate | None = None,
+    ) -> None:
         self.settings = settings
         self.backend = backend
         self.store = store
+        # The gate needs a pinnable view to keep serving the current version while it judges
+        # the candidate; without one (a bare backend) every publish serves at once.
+        self.gate = gate if isinstance(backend, PinnedBackend) else None
+        self.decisions: list[GateDecision] = []
         self.lock = lock or asyncio.Lock()  # one of: a step (train_step + publish + record), a rollback
         self.dropped_stale = 0
         self.last: StepResult | None = None  # the newest step this process trained
@@ -117,26 +127,68 @@ class Trainer:
             return None
         step = await self.next_step_number()
         before = self.backend.version
-        metrics = await self.backend.train_step([to_datum(x) for x in batch], s.loss, s.optim)
-        policy = await self.backend.publish()
-        record = step_record(metrics, batch)
-        await store.run(
-            store.record_training_step,
-            TrainingStep(step=step, version_before=before, version_after=policy.version, metrics=record),
-            [x.id for x in batch],
-            PolicyVersionRow(
-                version=policy.version, path=policy.path, step=step,
-                mean_reward=record["mean_reward"], samples=len(batch),
-            ),
-        )
+        pinned = self.backend if self.gate is not None and isinstance(self.backend, PinnedBackend) else None
+        if pinned is not None:
+            pinned.pin(before)  # the candidate is published but not served until it passes
+        try:
+            metrics = await self.backend.train_step([to_datum(x) for x in batch], s.loss, s.optim)
+            policy = await self.backend.publish()
+            record = step_record(metrics, batch)
+            await store.run(
+                store.record_training_step,
+                TrainingStep(step=step, version_before=before, version_after=policy.version, metrics=record),
+                [x.id for x in batch],
+                PolicyVersionRow(
+                    version=policy.version, path=policy.path, step=step,
+                    mean_reward=record["mean_reward"], samples=len(batch),
+                ),
+            )
+            served = policy.version
+            if self.gate is not None:
+                served = await self._gate(policy.version, before)
+        finally:
+            if pinned is not None:
+                pinned.pin(None)  # between steps the newest version serves: accepted, or the restored copy
         log.info(
-            "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d",
+            "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d%s",
             step, len(batch), metrics.loss, record["mean_reward"], policy.version,
+            "" if served == policy.version else f" (held back by the gate; v{served} serves v{before}'s weights)",
         )
         if step % s.checkpoint_every == 0:
-            await self.checkpoint(step, policy.version)
-        self.last = StepResult(step, policy.version, len(batch), record)
+            await self.checkpoint(step, served)
+        self.last = StepResult(step, policy.version, len(batch), record, served)
         return self.last
+
+    async def _gate(self, candidate: int, serving: int) -> int:
+        """Judge the candidate against the serving version; returns the version that serves next.
+        A rejected candidate (or a gate that failed: no evidence is no pass) is replaced by a
+        copy of the serving weights, so training continues from what was served."""
+        assert self.gate is not None
+        try:
+            decision = await self.gate.evaluate(candidate, serving)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("the gate failed on policy@v%d; holding it back", candidate)
+            decision = GateDecision(candidate, serving, "rejected", f"gate failed: {type(e).__name__}: {e}")
+        self.decisions.append(decision)
+        store = self.store
+        records = list(await store.run(store.get_meta, GATE_KEY) or [])
+        records.append(decision.record())
+        await store.run(store.set_meta, GATE_KEY, records[-500:])
+        if decision.decision == "accepted":
+            log.info("gate: policy@v%d accepted (%s)", candidate, decision.reason)
+            return candidate
+        restored = await self.backend.rollback(serving)
+        await store.run(store.record_policy_version,
+                        PolicyVersionRow(version=restored.version, path=restored.path, samples=0))
+        rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
+        rollbacks[str(restored.version)] = serving
+        await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
+        self.gate.alias(restored.version, serving)
+        log.warning("gate: policy@v%d rejected (%s); v%d serves v%d's weights", candidate, decision.reason,
+                    restored.version, serving)
+        return restored.version
 
     async def rollback(self, version: int) -> RollbackResult:
         """Serve `version`'s weights again, as a new version; the next step trains from them.

@@ -90,6 +90,9 @@ class Draft:
     logprobs: bool
     t0: float
     next_state: NextState | None = None  # for the session's previous turn, not yet written
+    # the ids its turns are written under, one per choice; empty: fresh ones. A surface that
+    # names its answer after its turn (a Responses API `resp_...`) chooses them at admission.
+    turn_ids: Sequence[str] = ()
 
 
 class Proxy:
@@ -257,9 +260,9 @@ class Proxy:
                 session_source=d.adm.source,
                 ttft_ms=ttft_ms,
                 total_ms=total_ms,
-                id=new_turn_id(),
+                id=d.turn_ids[i] if i < len(d.turn_ids) else new_turn_id(),
             )
-            for c, reply, fin in zip(comps, replies, finishes, strict=True)
+            for i, (c, reply, fin) in enumerate(zip(comps, replies, finishes, strict=True))
         ]
         self.attach_next_state(d)
         try:
@@ -613,8 +616,11 @@ def create_app(
     store: Store,
     hooks: ProxyHooks | None = None,
     renderer: Renderer | None = None,
+    surfaces: Sequence[Callable[[Proxy, Metrics], Sequence[BaseRoute]]] = (),
 ) -> Starlette:
-    """The ASGI app. `hooks.routes` are mounted beside the OpenAI routes."""
+    """The ASGI app. `hooks.routes` are mounted beside the OpenAI routes; each of `surfaces`
+    gives the routes of another wire format over the same admission and capture
+    (`clawbridge.server.SURFACES`: /v1/responses, /v1/messages, /v1/completions)."""
     if renderer is None:
         renderer = Renderer(backend.tokenizer())
     proxy = Proxy(settings, backend, store, renderer, hooks)
@@ -714,6 +720,7 @@ def create_app(
         Route("/v1/sessions/{sid}/done", session_done, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        *(route for surface in surfaces for route in surface(proxy, metrics)),
         *(hooks.routes if hooks else []),
     ]
     app = _App(

@@ -1,0 +1,219 @@
+"""The gate before every publish (DESIGN.md §6, "Keeping the model good").
+
+    train_step ─► publish candidate v(K+1) while the proxy keeps serving vK (the pin)
+              ─► sample both on the probes ─► paired comparison per probe group
+              ─► accepted: serve v(K+1)
+              ─► rejected: backend.rollback(K) (a copy of vK's weights, fresh optimizer) serves,
+                 the candidate is recorded "rejected by the gate" with its figures
+
+Probes are prompts with a check that scores an answer in [0, 1]: the general probe set (does the
+version still answer everyday questions), and whatever the caller adds (the demo: the scenario's
+truly-satisfied check on a validation split; an agent's recent prompts with a judge model).
+
+The decision is pure (`decide`): for each group, the per-probe difference candidate − reference is
+tested with a one-sided paired t-test. A candidate is held back when, in some group, the mean
+difference is below −margin AND the test says it is worse (p < alpha). It is compared with the
+serving version and with v0, the base, so small losses cannot add up step after step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from clawbridge.types import SamplingParams
+
+if TYPE_CHECKING:
+    from clawbridge.backends.base import Backend
+    from clawbridge.chat.renderer import Renderer
+
+Decision = Literal["accepted", "rejected"]
+GATE_KEY = "gate.decisions"  # store meta: every decision, oldest first
+Check = Callable[[str, "str | None"], float]  # (answer text, finish reason) -> score in [0, 1]
+
+
+@dataclass(frozen=True)
+class GateProbe:
+    group: str  # "probe" (the general set), "validation", "recent", ...
+    messages: tuple[dict[str, Any], ...]
+    check: Check
+
+
+@dataclass(frozen=True)
+class GroupFigures:
+    candidate: float
+    reference: float
+    delta: float
+    p_worse: float  # one-sided p-value of "the candidate is no worse"
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    candidate: int
+    serving: int
+    decision: Decision
+    reason: str
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return {"version": self.candidate, "serving": self.serving, "decision": self.decision,
+                "reason": self.reason, "figures": {k: round(v, 4) for k, v in self.figures.items()}}
+
+
+# --- statistics (pure) -------------------------------------------------------------------------
+
+
+def _t_sf(t: float, df: int) -> float:
+    """P(T > t) for Student's t with df degrees of freedom (regularised incomplete beta)."""
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2.0, 0.5, x)
+    return tail if t > 0 else 1.0 - tail
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """I_x(a, b) by the continued fraction (Numerical Recipes' betacf)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    ln = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1 - x)
+    front = math.exp(ln)
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > 1e-30 else 1e-30)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > 1e-30 else 1e-30)
+            c = 1.0 + num / c
+            c = c if abs(c) > 1e-30 else 1e-30
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-12:
+            break
+    return front * h / a
+
+
+def paired_worse(candidate: Sequence[float], reference: Sequence[float]) -> GroupFigures:
+    """Mean candidate − reference over paired probes, and the one-sided p-value of the t-test of
+    "the mean difference is >= 0". Identical scores give p = 1 (no evidence of harm); a constant
+    non-zero difference gives p = 0 or 1 by its sign."""
+    if len(candidate) != len(reference) or not candidate:
+        raise ValueError("need the same, non-empty probes for both versions")
+    d = [c - r for c, r in zip(candidate, reference, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    c_rate, r_rate = sum(candidate) / n, sum(reference) / n
+    if n < 2:
+        return GroupFigures(c_rate, r_rate, mean, 1.0 if mean >= 0 else 0.0)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    if sd == 0.0:
+        return GroupFigures(c_rate, r_rate, mean, 1.0 if mean >= 0 else 0.0)
+    t = mean / (sd / math.sqrt(n))
+    return GroupFigures(c_rate, r_rate, mean, 1.0 - _t_sf(t, n - 1))
+
+
+def decide(
+    comparisons: dict[str, GroupFigures], margin: float, alpha: float
+) -> tuple[Decision, str]:
+    """Held back when some comparison is worse by more than `margin` with p < `alpha`."""
+    for name, g in comparisons.items():
+        if g.delta < -margin and g.p_worse < alpha:
+            return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
+                                f"({100 * g.delta:+.0f} pts, p={g.p_worse:.3f})")
+    return "accepted", "no probe group is worse beyond the margin"
+
+
+# --- evaluation (I/O: the backend) ---------------------------------------------------------------
+
+
+class Gate:
+    """Scores versions on the probes; remembers each version's scores (a version's weights never
+    change, so the serving version and v0 are sampled once)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        renderer: Renderer,
+        probes: Sequence[GateProbe],
+        *,
+        params: SamplingParams,
+        samples: int = 1,
+        margin: float = 0.05,
+        alpha: float = 0.1,
+    ) -> None:
+        if not probes:
+            raise ValueError("the gate needs at least one probe")
+        self.backend = backend
+        self.renderer = renderer
+        self.probes = list(probes)
+        self.params = params
+        self.samples = samples
+        self.margin = margin
+        self.alpha = alpha
+        self._scores: dict[int, list[float]] = {}
+        self.answers: dict[int, list[str]] = {}  # the first answer per probe (for reading)
+
+    async def scores(self, version: int) -> list[float]:
+        """One score per probe in [0, 1]: the mean check over `samples` answers."""
+        if version not in self._scores:
+            rated = await asyncio.gather(*(self._score(p, version) for p in self.probes))
+            self._scores[version] = [s for s, _ in rated]
+            self.answers[version] = [a for _, a in rated]
+        return self._scores[version]
+
+    async def _score(self, probe: GateProbe, version: int) -> tuple[float, str]:
+        prompt = self.renderer.render(list(probe.messages))
+        comps = await self.backend.sample(prompt, self.params, n=self.samples, version=version)
+        texts = [(self.renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
+        return sum(probe.check(t, f) for t, f in texts) / len(texts), texts[0][0]
+
+    def alias(self, version: int, same_as: int) -> None:
+        """`version` holds `same_as`'s weights (a restored copy): reuse its scores."""
+        if same_as in self._scores:
+            self._scores[version] = self._scores[same_as]
+            self.answers[version] = self.answers[same_as]
+
+    def forget(self, version: int) -> None:
+        self._scores.pop(version, None)
+        self.answers.pop(version, None)
+
+    async def evaluate(self, candidate: int, serving: int, base: int = 0) -> GateDecision:
+        t0 = time.monotonic()
+        cand = await self.scores(candidate)
+        refs = {"serving": await self.scores(serving)}
+        if base != serving:
+            refs["v0"] = await self.scores(base)
+        groups = sorted({p.group for p in self.probes})
+        comparisons: dict[str, GroupFigures] = {}
+        figures: dict[str, float] = {}
+        for g in groups:
+            idx = [i for i, p in enumerate(self.probes) if p.group == g]
+            c = [cand[i] for i in idx]
+            figures[f"{g}_candidate"] = sum(c) / len(c)
+            for ref_name, ref in refs.items():
+                r = [ref[i] for i in idx]
+                fig = paired_worse(c, r)
+                comparisons[f"{g} vs {ref_name}"] = fig
+                figures[f"{g}_{ref_name}"] = fig.reference
+                figures[f"{g}_p_vs_{ref_name}"] = fig.p_worse
+        decision, reason = decide(comparisons, self.margin, self.alpha)
+        figures["seconds"] = time.monotonic() - t0
+        return GateDecision(candidate, serving, decision, reason, figures)
+
+
+def probe_check(answered: Callable[[str], bool]) -> Check:
+    """A general-probe check: 1 when the answer answers the question (a cut-off answer counts:
+    the probe asks whether the model still answers, not how long it talks)."""
+    return lambda text, _finish: 1.0 if answered(text) else 0.0
+
+
+__all__ = ["GATE_KEY", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "paired_worse", "probe_check"]
