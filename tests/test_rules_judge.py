@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 from clawbridge.judges.rules import classify
-
 from rules_replies import (
     CORRECTIONS,
     HELDOUT_CORRECTIONS,

@@ -95,6 +95,29 @@ def sample_advantages(
     return advantages
 
 
+def anchored(
+    advantages: Sequence[float], student_lp: Sequence[float], base_lp: Sequence[float], coef: float
+) -> Advantages:
+    """The anchor to the base model, carried in the advantages (docs/methods.md):
+
+        A_t <- A_t - coef * (log pi_old(a_t) - log pi_base(a_t))
+
+    log pi_old − log pi_base is the per-token sample of KL(pi_old || pi_base) along the sampled
+    answer, so this is the KL-regularised RL objective's reward shaping (the "KL in the reward"
+    of RLHF), applied token by token. A token the trained policy made likelier than the base did
+    is pushed back in proportion to how far it moved; one the base preferred is pulled up. It
+    needs only `score(model="base")`, which every backend has, and rides in the advantages every
+    backend already carries, so it is identical everywhere (the loss-side KL term of the spec
+    needs the base model's logprobs inside the platform's loss, which Tinker and Fireworks'
+    built-in losses cannot take)."""
+    _same_length(base_lp, student_lp)
+    if len(advantages) != len(student_lp):
+        raise ValueError("one advantage per completion token")
+    if coef == 0:
+        return tuple(advantages)
+    return tuple(a - coef * (s - b) for a, s, b in zip(advantages, student_lp, base_lp, strict=True))
+
+
 def group_normalise(rewards: Sequence[float], eps: float = 1e-6) -> tuple[float, ...]:
     """GRPO: (r - mean) / (std + eps) over samples that share a prompt.
 

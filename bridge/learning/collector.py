@@ -25,7 +25,7 @@ from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.judges import Judgment as JudgeReward
-from clawbridge.learning.advantages import sample_advantages
+from clawbridge.learning.advantages import anchored, sample_advantages
 from clawbridge.store import JudgeVote, Judgment, Sample, Store, StoredTurn
 from clawbridge.types import Method
 
@@ -149,6 +149,11 @@ class Collector:
             self.method, signal.reward, signal.hint is not None, teacher_lp, turn.logprobs,
             w_opd=self.settings.w_opd, w_rl=self.settings.w_rl, clip=self.settings.opd_clip,
         )
+        if advantages is not None and self.settings.kl_anchor > 0:
+            base_lp = await self.backend.score(
+                turn.prompt_ids, turn.completion_ids, model="base", temperature=turn.sampling.temperature,
+            )
+            advantages = anchored(advantages, turn.logprobs, base_lp, self.settings.kl_anchor)
         if advantages is None:
             reason = f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)"
             await store.run(store.mark_samples, [sample_id], "dropped", reason)

@@ -1,0 +1,44 @@
+"""The gate's statistics and decision (pure), and the anchor's advantages (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from clawbridge.learning.advantages import anchored
+from clawbridge.learning.gate import GroupFigures, _t_sf, decide, paired_worse
+
+
+def test_the_t_tail_matches_the_tables():
+    assert _t_sf(2.262, 9) == pytest.approx(0.025, abs=5e-4)
+    assert _t_sf(1.96, 10_000) == pytest.approx(0.025, abs=5e-4)
+    assert _t_sf(0.0, 5) == pytest.approx(0.5)
+    assert _t_sf(-1.833, 9) == pytest.approx(0.95, abs=5e-4)
+
+
+def test_paired_worse_by_hand():
+    # d = [-1, -1, 0, -1]: mean -0.75, sd 0.5, t = -3.0 with 3 df -> P(T < -3) = 0.0288
+    g = paired_worse([0, 0, 1, 0], [1, 1, 1, 1])
+    assert (g.candidate, g.reference, g.delta) == (0.25, 1.0, -0.75)
+    assert g.p_worse == pytest.approx(0.0288, abs=5e-4)
+    same = paired_worse([1, 0, 1], [1, 0, 1])
+    assert same.delta == 0 and same.p_worse == 1.0  # no difference is no evidence of harm
+    assert paired_worse([0, 0], [1, 1]).p_worse == 0.0  # worse on every probe
+    with pytest.raises(ValueError):
+        paired_worse([1.0], [1.0, 0.0])
+
+
+def test_a_candidate_is_held_back_only_when_worse_beyond_the_margin_and_significant():
+    bad = GroupFigures(0.5, 0.9, -0.4, 0.01)
+    noisy = GroupFigures(0.5, 0.9, -0.4, 0.3)  # a big drop on too few probes to tell
+    small = GroupFigures(0.87, 0.9, -0.03, 0.01)  # significant but within the margin
+    assert decide({"probe vs serving": bad}, 0.05, 0.1)[0] == "rejected"
+    assert "probe vs serving" in decide({"probe vs serving": bad}, 0.05, 0.1)[1]
+    assert decide({"a": noisy, "b": small}, 0.05, 0.1)[0] == "accepted"
+
+
+def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():
+    # old - base = [0.5, -1.0, 0.0]; coef 0.1 -> A - [0.05, -0.1, 0]
+    out = anchored([1.0, 1.0, -1.0], [-0.5, -2.0, -1.0], [-1.0, -1.0, -1.0], 0.1)
+    assert out == pytest.approx((0.95, 1.1, -1.0))
+    assert anchored([1.0], [-3.0], [-1.0], 0.0) == (1.0,)
+    with pytest.raises(ValueError):
+        anchored([1.0, 1.0], [-1.0], [-1.0], 0.1)
