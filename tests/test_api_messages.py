@@ -130,3 +130,13 @@ def test_a_bearer_key_works_too(live: LiveServer, tmp_path: Path):
     r = httpx.post(f"{live.url}/v1/messages", headers={"authorization": "Bearer sk-ant-test"},
                    json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def test_count_tokens_is_the_length_of_the_rendered_prompt(live: LiveServer, client: anthropic.Anthropic):
+    msgs: Any = [{"role": "user", "content": "What is in a.txt?"}]
+    n = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=msgs, tools=TOOLS)
+    renderer = live.proxy.renderer
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                               "parameters": READ_FILE}}]
+    want = renderer.render([{"role": "system", "content": "Be brief."}, *msgs], tools)
+    assert n.input_tokens == len(want)

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from clawbridge.chat.messages import Delta
+from clawbridge.chat.messages import Delta, RenderError
 from clawbridge.serving import surface, wire
 from clawbridge.serving.proxy import Draft, Metrics, Proxy
 from clawbridge.serving.surface import Answer
@@ -336,5 +336,24 @@ class _Events:
 def routes(proxy: Proxy, metrics: Metrics) -> list[BaseRoute]:
     run = surface.endpoint(proxy, metrics, _admit, error=error_response,
                            auth=lambda request: check_auth(proxy, request))
+
+    async def count_tokens(request: Request) -> Response:
+        """The prompt's length in tokens, rendered as /v1/messages would render it; nothing is
+        sampled or recorded."""
+        try:
+            check_auth(proxy, request)
+            body = surface.parse_body(await proxy.read_body(request))
+            if body.get("model") != proxy.model_name:
+                raise APIError(404, f"model: {body.get('model')!r} is not served here ({proxy.model_name})")
+            try:
+                ids = proxy.renderer.render(to_messages(body), to_tools(body.get("tools")),
+                                            to_tool_choice(body.get("tool_choice")))
+            except RenderError as e:
+                raise _bad(str(e)) from None
+        except APIError as e:
+            return error_response(e)
+        return Response(wire.dumps({"input_tokens": len(ids)}), media_type="application/json")
+
     return [Route("/v1/messages", run, methods=["POST"]),
-            Route("/s/{session_id}/v1/messages", run, methods=["POST"])]
+            Route("/s/{session_id}/v1/messages", run, methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"])]
