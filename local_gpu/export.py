@@ -51,11 +51,6 @@ class Exported:
     seconds: float
 
 
-def adapter_dir(data_dir: Path, version: int) -> Path | None:
-    """Where the local engines publish version K (None for v0, the base model)."""
-    return None if version == 0 else Path(data_dir) / "adapters" / f"v{version}"
-
-
 def merged_model(
     spec: models.ModelSpec, adapter: Path | None, *, seed: int = 0
 ) -> PreTrainedModel:
@@ -76,25 +71,28 @@ def merged_model(
         raise ExportError(f"{adapter} is not a PEFT adapter folder (no adapter_config.json)")
     from peft import PeftModel
 
-    peft_model = PeftModel.from_pretrained(base, str(adapter), is_trainable=False)
+    try:
+        peft_model = PeftModel.from_pretrained(base, str(adapter), is_trainable=False)
+    except (RuntimeError, ValueError, KeyError) as e:  # a size mismatch, an unknown module
+        raise ExportError(
+            f"{adapter} does not fit {spec.name} ({str(e).splitlines()[0][:300]}): pass --model "
+            "with the base it was trained on"
+        ) from e
     merged = peft_model.merge_and_unload()
     merged.eval()
     return merged
 
 
-def check_base(spec: models.ModelSpec, adapter: Path | None) -> None:
-    """Refuse an adapter trained on another base, when its config says which: PEFT itself only
-    notices a shape mismatch. (tiny-random is rebuilt from the seed: the seed must match.)"""
+def base_mismatch(spec: models.ModelSpec, adapter: Path | None) -> str | None:
+    """A warning when the adapter's config names another base than `spec` (by folder name: the
+    same model may sit in different folders, so this warns rather than refuses; a base of
+    another shape is refused by `merged_model`)."""
     if adapter is None or not (adapter / "adapter_config.json").exists():
-        return
+        return None
     base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base or spec.path is None:
-        return
-    if Path(base).name != spec.path.name:
-        raise ExportError(
-            f"{adapter} was trained on {base}, not on {spec.name}: pass --model with that base "
-            "(a registry name or a local Hugging Face folder)"
-        )
+    if not base or spec.path is None or Path(base).name == spec.path.name:
+        return None
+    return f"{adapter} names {base} as its base; merging it into {spec.name} ({spec.path})"
 
 
 # --- the Hugging Face folder -------------------------------------------------------------------
@@ -344,8 +342,7 @@ __all__ = [
     "GGUF_TYPES",
     "ExportError",
     "Exported",
-    "adapter_dir",
-    "check_base",
+    "base_mismatch",
     "gguf_tensors",
     "gguf_tokenizer",
     "llama_permute",

@@ -232,10 +232,14 @@ def test_modelfile_spells_out_chatml_and_its_stop_token(tokenizer) -> None:  # t
     assert "<|im_start|>assistant" in text and 'PARAMETER stop "<|im_end|>"' in text
 
 
-def test_an_adapter_trained_on_another_base_is_refused(tmp_path: Path, embedded_spec: models.ModelSpec) -> None:
+def test_an_adapter_of_another_base_is_named_and_one_of_another_shape_refused(
+    tmp_path: Path, tiny_export: SimpleNamespace, embedded_spec: models.ModelSpec
+) -> None:
     (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/Qwen3-4B"}))
-    with pytest.raises(export.ExportError, match="trained on /models/Qwen3-4B"):
-        export.check_base(embedded_spec, tmp_path)
+    assert "names /models/Qwen3-4B as its base" in str(export.base_mismatch(embedded_spec, tmp_path))
+    tiny_adapter = tiny_export.out.parent / "data" / "adapters" / f"v{tiny_export.version}"
+    with pytest.raises(export.ExportError, match=r"does not fit smollm2-135m-instruct.*pass --model"):
+        export.merged_model(embedded_spec, tiny_adapter)
 
 
 # --- which version, and where it lives -----------------------------------------------------------
@@ -287,3 +291,12 @@ def test_tinker_sampler_weights_and_fireworks_versions_say_why_not(tmp_path: Pat
         {"policy-v1": {"path": "gs://bucket/dcp/policy-v1", "version": 1}}))
     with pytest.raises(cli_export.CannotExport, match="cannot download Fireworks weights"):
         cli_export.export_cloud(cli_export.locate(tmp_path, {1: "snap-1"}, 1), tmp_path / "out", settings)
+
+
+def test_a_modal_version_names_the_volume_and_the_two_steps(tmp_path: Path) -> None:
+    where = cli_export.locate(tmp_path, {2: "/state/engine/adapters/v2"}, 2)
+    assert where == cli_export.Where(2, "modal", "/state/engine/adapters/v2")
+    with pytest.raises(cli_export.CannotExport) as e:
+        cli_export.export_cloud(where, tmp_path / "out", Settings.load(data_dir=str(tmp_path)))
+    assert f"modal volume get clawbridge-state engine/adapters/v2 {tmp_path / 'out'}" in str(e.value)
+    assert f"--adapter {tmp_path / 'out'}/v2" in str(e.value)

@@ -207,7 +207,9 @@ def _export_local(settings: Settings, where: Where, target: Path, fmt: str, gguf
     started = time.monotonic()
     adapter = Path(where.path) if where.path else None
     spec = models.resolve(settings.model, settings.cache_dir)
-    export.check_base(spec, adapter)
+    warning = export.base_mismatch(spec, adapter)
+    if warning:
+        _progress(f"warning: {warning}")
     what = f"{spec.name} + {adapter}" if adapter else f"{spec.name} (v0: the base model)"
     _progress(f"merging {what}")
     merged = export.merged_model(spec, adapter, seed=settings.seed)
