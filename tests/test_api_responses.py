@@ -151,14 +151,10 @@ def test_errors_are_openai_shaped(live: LiveServer, client: openai.OpenAI):
     assert e.value.body["param"] == "tools[0].type"  # type: ignore[index]
 
 
-def test_the_agents_sdk_runs_a_tool_using_agent(live: LiveServer):
-    """The OpenAI Agents SDK's own loop: the model calls the tool, the SDK runs it and sends its
-    output back; each model call is a captured turn of one session, the tool output the first
-    turn's next state."""
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+def _agent(live: LiveServer, calls: list[str]) -> Any:
+    from agents import Agent, OpenAIResponsesModel, function_tool, set_tracing_disabled
 
-    set_tracing_disabled(True)
-    calls: list[str] = []
+    set_tracing_disabled(True)  # no trace export: nothing leaves the machine
 
     @function_tool
     def read_file(path: str) -> str:
@@ -167,9 +163,18 @@ def test_the_agents_sdk_runs_a_tool_using_agent(live: LiveServer):
         return "hello"
 
     model = OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0))
-    agent = Agent(name="reader", instructions="Answer with the tools.", tools=[read_file], model=model)
+    return Agent(name="reader", instructions="Answer with the tools.", tools=[read_file], model=model)
+
+
+def test_the_agents_sdk_runs_a_tool_using_agent(live: LiveServer):
+    """The OpenAI Agents SDK's own loop: the model calls the tool, the SDK runs it and sends its
+    output back; each model call is a captured turn of one session, the tool output the first
+    turn's next state."""
+    from agents import Runner
+
+    calls: list[str] = []
     before = len(live.backend.sampled)
-    result = Runner.run_sync(agent, "What is in a.txt?")
+    result = Runner.run_sync(_agent(live, calls), "What is in a.txt?")
     assert calls == ["a.txt"] and result.final_output == AFTER_TOOL
     assert len(live.backend.sampled) == before + 2
     ids = [r.response_id for r in result.raw_responses]
@@ -178,3 +183,18 @@ def test_the_agents_sdk_runs_a_tool_using_agent(live: LiveServer):
     assert first.next_state is not None and first.next_state[0]["role"] == "tool"
     assert first.next_state[0]["content"] == "hello"
     assert_captured(second, live.backend.sampled[-1])
+
+
+async def test_the_agents_sdk_streams_and_chains_by_response_id(live: LiveServer):
+    """The same agent streamed, each call chained to the last by previous_response_id: the SDK
+    reads our events into its items, and the chain is one session."""
+    from agents import Runner
+
+    calls: list[str] = []
+    result = Runner.run_streamed(_agent(live, calls), "What is in a.txt?", auto_previous_response_id=True)
+    kinds = [e.type async for e in result.stream_events()]
+    assert "raw_response_event" in kinds and calls == ["a.txt"] and result.final_output == AFTER_TOOL
+    first, second = (turn_of(live, r.response_id) for r in result.raw_responses)  # type: ignore[arg-type]
+    assert second.request_params["previous_response_id"] == result.raw_responses[0].response_id
+    assert first.session_id == second.session_id
+    assert first.next_state is not None and first.next_state[0]["content"] == "hello"

@@ -210,7 +210,9 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     if session is not None and "session_id" not in chat:
         chat["session_id"] = session  # the chain is one session (a header still wins)
     req, d = await surface.admit(proxy, request, chat)
-    d.request_params = {**d.request_params, "api": "responses", **({"instructions": True} if instructions else {})}
+    d.request_params = {**d.request_params, "api": "responses",
+                        **({"instructions": True} if instructions else {}),
+                        **({"previous_response_id": prev_id} if prev_id else {})}
     call = _Call(d, req.stream, logprobs, instructions, prev_id, body)
     call.id = "resp_" + surface.turn_hex(d)
     return call
