@@ -82,6 +82,11 @@ class Answers(BaseModel):
 
     min_words: int = Field(DEFAULT_MIN_WORDS, ge=1)
     keywords: dict[str, list[str]] = Field(default_factory=dict)
+    object: bool = Field(
+        True, description="The user objects to an answer that does not answer the question. False "
+        "makes a careless user who thanks whatever meets the preference (echoes and dodges too): a "
+        "harmful run the gate must catch. Truly satisfied is measured either way.",
+    )
 
 
 class Recipe(BaseModel):
@@ -100,7 +105,7 @@ class Recipe(BaseModel):
     concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
     gate: bool = Field(True, description="Gate every candidate before it serves.")
-    gate_probes: int = Field(24, ge=0, le=50, description="General probe questions the gate asks.")
+    gate_probes: int = Field(16, ge=0, le=50, description="General probe questions the gate asks.")
     gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")
 
 
@@ -138,6 +143,8 @@ class Scenario(BaseModel):
         """The user's next message: thanks only when the preference is met AND the question is
         answered; otherwise the preference's correction, the objection, or both."""
         r = self.replies
+        if not self.answers.object:
+            answered = True  # the careless user never looks
         if preferred and answered:
             return r.satisfied[i % len(r.satisfied)]
         objection = r.off_topic[i % len(r.off_topic)].replace("{prompt}", prompt)

@@ -165,9 +165,19 @@ class Collector:
         )
         self.stats.samples += 1
 
+    @staticmethod
+    def context(turn: StoredTurn) -> TurnContext:
+        """What the judges see of a turn; the completion's ids, logprobs and temperature are
+        what the teacher needs to rank hints (`hint_selection = overlap`)."""
+        return TurnContext(
+            messages=turn.messages, response=turn.response, next_state=turn.next_state or [],
+            tools=turn.tools, completion_ids=tuple(turn.completion_ids), logprobs=tuple(turn.logprobs),
+            temperature=turn.sampling.temperature,
+        )
+
     async def _judge_missing(self, turn: StoredTurn, have: set[str]) -> list[Judgment]:
         """Run only the judges whose judgment this turn lacks, and store every vote."""
-        ctx = TurnContext(messages=turn.messages, response=turn.response, next_state=turn.next_state or [])
+        ctx = self.context(turn)
         want = [k for k in judge_kinds(self.method) if k not in have]
         if not want:
             return []

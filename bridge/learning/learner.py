@@ -47,7 +47,16 @@ class Learner:
         self.last_rollback: RollbackResult | None = None
 
     def bind(self, backend: Backend, store: Store) -> None:
-        judges = build_judges(self.settings, backend)
+        teacher = None
+        if self.settings.hint_selection == "overlap":
+            # the hint judge ranks its candidates by the hinted teacher's agreement with the
+            # student's own tokens (judges/teacher.py), scored on this backend
+            from clawbridge.chat.renderer import Renderer
+            from clawbridge.judges.teacher import Teacher
+
+            teacher = Teacher(backend, Renderer(backend.tokenizer()), model=self.settings.teacher,
+                              clip=self.settings.opd_clip)
+        judges = build_judges(self.settings, backend, teacher=teacher)
         self.collector = Collector(self.settings, backend, store, judges)
         self.trainer = Trainer(self.settings, backend, store, lock=self.lock, gate=self.build_gate(backend))
 
