@@ -5,12 +5,18 @@ AdamW + grad clipping. The two alternate, repeat by repeat, so a busy shared mac
 alike; medians are reported with their ratio (engine / plain: above 1 means the engine is faster).
 
     .venv/bin/python bench/train_step.py --model smollm2-135m-instruct --tokens 512 --repeats 5
+    .venv/bin/python bench/train_step.py --mixed --samples 8 --tokens 2048 --json   # mixed lengths
+
+With `--mixed` the samples' lengths grow 1 : 2 : ... : n (what a batch of real turns looks like),
+so a padded batch computes `n × longest` tokens for `Σ lengths`: the engine packs them instead.
+`--json` prints one object with the medians and `ratio` (engine / plain).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import statistics
 import tempfile
@@ -24,14 +30,18 @@ from clawbridge.loss import ppo_loss, token_logprobs
 from clawbridge.types import Datum, LossSpec, OptimSpec
 
 
-def make_batch(tokens: int, samples: int, completion_frac: float, seed: int = 0) -> list[Datum]:
-    """`samples` sequences of `tokens // samples` tokens, the last `completion_frac` of each the
-    completion, with recorded logprobs near the policy's and advantages of both signs."""
+def make_batch(
+    tokens: int, samples: int, completion_frac: float, seed: int = 0, mixed: bool = False
+) -> list[Datum]:
+    """`samples` sequences of about `tokens` tokens in all (equal lengths, or growing 1 : 2 : ... :
+    n with `mixed`), the last `completion_frac` of each the completion, with recorded logprobs
+    near the policy's and advantages of both signs."""
     g = torch.Generator().manual_seed(seed)
-    per = tokens // samples
-    n_completion = max(1, int(per * completion_frac))
+    weights = [i + 1 if mixed else 1 for i in range(samples)]
     batch = []
     for i in range(samples):
+        per = max(2, tokens * weights[i] // sum(weights))
+        n_completion = max(1, int(per * completion_frac))
         ids = torch.randint(100, 40000, (per,), generator=g).tolist()
         old = (-10.8 + 0.1 * torch.randn(n_completion, generator=g)).tolist()
         batch.append(
@@ -94,13 +104,15 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--alpha", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--mixed", action="store_true", help="lengths 1 : 2 : ... : n instead of equal")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (key `ratio`)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     spec = models.resolve(args.model)
-    batch = make_batch(args.tokens, args.samples, args.completion_frac)
+    batch = make_batch(args.tokens, args.samples, args.completion_frac, mixed=args.mixed)
     loss, optim = LossSpec(), OptimSpec()
     total = sum(len(d.prompt_ids) + len(d.completion_ids) for d in batch)
     plain = PlainLoop(spec, args.rank, args.alpha)
@@ -118,6 +130,15 @@ def main() -> None:
         finally:
             engine.close()
     ours_tps, theirs_tps = total / statistics.median(ours), total / statistics.median(theirs)
+    if args.json:
+        longest = max(len(d.prompt_ids) + len(d.completion_ids) for d in batch)
+        print(json.dumps({
+            "model": spec.name, "samples": len(batch), "tokens": total,
+            "padded_tokens": longest * len(batch), "mixed": args.mixed, "threads": torch.get_num_threads(),
+            "repeats": args.repeats, "engine_s": statistics.median(ours), "plain_s": statistics.median(theirs),
+            "engine_tokens_per_s": ours_tps, "plain_tokens_per_s": theirs_tps, "ratio": ours_tps / theirs_tps,
+        }))
+        return
     print(f"model {spec.name}, {args.samples} x {total // args.samples} tokens "
           f"({sum(len(d.completion_ids) for d in batch)} completion), LoRA r={args.rank} "
           f"alpha={args.alpha}, {torch.get_num_threads()} threads, median of {args.repeats}")

@@ -41,8 +41,9 @@ import torch
 from clawbridge.backends.base import BackendError, UnknownVersion, require_published
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.packing import pack, packed_micro_batches
 from clawbridge.local_gpu.sampling import draw_token, needs_uniform
-from clawbridge.loss import batch_tokens, micro_batches, ppo_token_losses, token_logprobs
+from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
 from clawbridge.types import (
     Completion,
     Datum,
@@ -587,32 +588,27 @@ class Engine:
             self._optimizer = torch.optim.AdamW(self._params(), lr=1e-4)
         return self._optimizer
 
-    def _batch_logprobs(
-        self, group: list[Datum], names: list[str] | None = None
-    ) -> torch.Tensor:
+    def _batch_logprobs(self, group: list[Datum], name: str | None = None) -> torch.Tensor:
         """New logprobs of every completion token of `group`, concatenated, each datum at its
-        own temperature. Only the completion positions' logits are materialised."""
-        lengths = [len(d.prompt_ids) + len(d.completion_ids) for d in group]
-        width = max(lengths)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((len(group), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for i, d in enumerate(group):
-            ids[i, : lengths[i]] = torch.tensor(d.prompt_ids + d.completion_ids)
-            mask[i, : lengths[i]] = 1
-        first = min(len(d.prompt_ids) for d in group) - 1  # first position whose logits we need
+        own temperature, under adapter `name` (None: the trainable one). The group is packed
+        into one row without padding (`packing.py`); only completion positions' logits are
+        materialised."""
+        packed = pack(group)
+        device = self.device
         logits = self._forward(
-            names,
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            logits_to_keep=width - first,
-        ).logits
-        parts = []
-        for i, d in enumerate(group):
-            start = len(d.prompt_ids) - 1 - first
-            rows = logits[i, start : start + len(d.completion_ids)]
-            targets = torch.tensor(d.completion_ids, device=self.device)
-            parts.append(token_logprobs(rows, targets, d.temperature if d.temperature > 0 else 1.0))
+            None if name is None else [name],
+            input_ids=torch.tensor([packed.ids], device=device),
+            position_ids=torch.tensor([packed.positions], device=device),
+            logits_to_keep=torch.tensor(packed.keep, device=device),
+            use_cache=False,  # with a cache transformers would not read the packed positions
+        ).logits[0]
+        targets = torch.tensor(packed.targets, device=device)
+        parts, at = [], 0
+        for d in group:
+            n = len(d.completion_ids)
+            temperature = d.temperature if d.temperature > 0 else 1.0
+            parts.append(token_logprobs(logits[at : at + n], targets[at : at + n], temperature))
+            at += n
         return torch.cat(parts)
 
     def _train_step(self, batch: tuple[Datum, ...], loss: LossSpec, optim: OptimSpec) -> StepMetrics:
@@ -630,11 +626,11 @@ class Engine:
             )
         optimizer.zero_grad(set_to_none=True)
         loss_sum = clipped = kl = 0.0
-        for group in micro_batches(batch, self.train_token_budget):
+        for group in packed_micro_batches(batch, self.train_token_budget):
             base = None
             if loss.kl_coef:
                 with torch.no_grad():
-                    base = self._batch_logprobs(group, names=[BASE] * len(group))
+                    base = self._batch_logprobs(group, BASE)
             new = self._batch_logprobs(group)
             old = torch.tensor([x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype)
             adv = torch.tensor([x for d in group for x in d.advantages], device=new.device, dtype=new.dtype)

@@ -1,0 +1,57 @@
+"""Sequence packing for the trainer: samples laid end to end in one row, positions restarting per
+sample, and transformers' packed-sequence mask keeping them apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from clawbridge.local_gpu import models
+from clawbridge.local_gpu.engine import Engine
+from clawbridge.local_gpu.packing import pack, packed_micro_batches
+from clawbridge.types import Datum
+
+
+def datum(prompt: list[int], completion: list[int], temperature: float = 1.0) -> Datum:
+    n = len(completion)
+    return Datum(tuple(prompt), tuple(completion), (-1.0,) * n, (1.0,) * n, temperature=temperature)
+
+
+def test_pack_lays_samples_end_to_end_and_keeps_the_positions_that_predict_completions():
+    p = pack([datum([5, 6], [7, 8]), datum([9], [10, 11, 12])])
+    assert p.ids == [5, 6, 7, 8, 9, 10, 11, 12]
+    assert p.positions == [0, 1, 2, 3, 0, 1, 2, 3]
+    # position t predicts token t + 1: the first sample's completion is predicted from 1 and 2
+    assert p.keep == [1, 2, 4, 5, 6]
+    assert p.targets == [7, 8, 10, 11, 12]
+
+
+def test_micro_batches_count_tokens_not_padding():
+    batch = [datum([1] * 10, [2] * 10), datum([1] * 2, [2] * 2), datum([1] * 3, [2] * 3), datum([1] * 30, [2] * 30)]
+    assert [len(g) for g in packed_micro_batches(batch, 30)] == [3, 1]  # 20 + 4 + 6, then 60 alone
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    e = Engine(models.resolve(models.TINY), data_dir=Path(tmp_path_factory.mktemp("pack")), lora_rank=8)
+    e.start()
+    yield e
+    e.close()
+
+
+async def test_packed_logprobs_equal_each_sample_scored_alone(engine: Engine):
+    """No token attends across samples: a packed forward gives every sample the logprobs it gets
+    alone (the engine's `score` runs one unpadded sequence), at each sample's temperature."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(100, 4000, (n,), generator=g).tolist()
+
+    group = [datum(ids(7), ids(5)), datum(ids(31), ids(2), temperature=0.7), datum(ids(1), ids(12))]
+    packed = await engine._call(engine._batch_logprobs, group)
+    alone = []
+    for d in group:
+        alone += await engine.score(d.prompt_ids, d.completion_ids, model="base", temperature=d.temperature)
+    assert packed.shape == (19,)
+    assert torch.allclose(packed.detach(), torch.tensor(alone), atol=1e-5)
