@@ -7,7 +7,8 @@ only to earlier tokens of its own sample, exactly as in a forward of that sample
 logits of completion positions are computed (`keep`), which is where the loss lives.
 
 Padding a batch of mixed lengths to its longest sample wastes `rows × longest − Σ lengths` tokens
-of compute in every linear layer; packing wastes none.
+of compute in every linear layer; packing wastes none. Rows are kept short (`packed_micro_batches`)
+because attention costs each token as many keys as its row holds.
 """
 
 from __future__ import annotations
@@ -47,20 +48,33 @@ def pack(group: Sequence[Datum]) -> Packed:
     return Packed(ids, positions, keep, targets)
 
 
+# Rows are filled up to the longest sample (at least MIN_ROW tokens): attention costs each token
+# as many keys as its row holds, so a row no longer than the longest sample costs no more attention
+# than the padded batch did, while short samples share rows instead of being padded.
+MIN_ROW = 256
+
+
 def packed_micro_batches(batch: Sequence[Datum], token_budget: int) -> list[list[Datum]]:
-    """Consecutive groups of the batch of at most `token_budget` tokens each (a longer single
-    sample forms its own group), so one packed row bounds activation memory as the padded
-    micro-batches did, without counting padding."""
-    groups: list[list[Datum]] = []
-    current: list[Datum] = []
-    size = 0
-    for d in batch:
-        n = len(d.prompt_ids) + len(d.completion_ids)
-        if current and size + n > token_budget:
-            groups.append(current)
-            current, size = [], 0
-        current.append(d)
-        size += n
-    if current:
-        groups.append(current)
-    return groups
+    """The samples grouped into rows, first fit by decreasing length, each row at most
+    max(longest sample, MIN_ROW) tokens and at most `token_budget` (a longer sample forms its own
+    row). Each row is one packed forward; the loss is a token mean over the whole batch, so the
+    order does not matter."""
+    def size(d: Datum) -> int:
+        return len(d.prompt_ids) + len(d.completion_ids)
+
+    if not batch:
+        return []
+    capacity = min(token_budget, max(MIN_ROW, max(size(d) for d in batch)))
+    rows: list[list[Datum]] = []
+    room: list[int] = []
+    for d in sorted(batch, key=size, reverse=True):
+        n = size(d)
+        for i, free in enumerate(room):
+            if n <= free:
+                rows[i].append(d)
+                room[i] -= n
+                break
+        else:
+            rows.append([d])
+            room.append(capacity - n)
+    return rows

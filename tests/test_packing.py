@@ -27,9 +27,20 @@ def test_pack_lays_samples_end_to_end_and_keeps_the_positions_that_predict_compl
     assert p.targets == [7, 8, 10, 11, 12]
 
 
-def test_micro_batches_count_tokens_not_padding():
-    batch = [datum([1] * 10, [2] * 10), datum([1] * 2, [2] * 2), datum([1] * 3, [2] * 3), datum([1] * 30, [2] * 30)]
-    assert [len(g) for g in packed_micro_batches(batch, 30)] == [3, 1]  # 20 + 4 + 6, then 60 alone
+def test_rows_fill_up_to_the_longest_sample_first_fit_by_decreasing_length(monkeypatch: pytest.MonkeyPatch):
+    from clawbridge.local_gpu import packing
+
+    monkeypatch.setattr(packing, "MIN_ROW", 1)
+    lengths = [57, 113, 170, 227, 284, 341, 398, 455]  # 1 : 2 : ... : 8
+    batch = [datum([1] * (n - n // 2), [2] * (n // 2)) for n in lengths]
+    rows = [[len(d.prompt_ids) + len(d.completion_ids) for d in row] for row in packed_micro_batches(batch, 4096)]
+    assert rows == [[455], [398, 57], [341, 113], [284, 170], [227]]
+    assert packed_micro_batches(batch, 300)[0] == [batch[-1]]  # longer than the budget: alone
+
+
+def test_short_samples_share_a_row_of_at_least_min_row_tokens():
+    batch = [datum([1] * 10, [2] * 10) for _ in range(30)]  # 600 tokens of 20-token samples
+    assert [len(r) for r in packed_micro_batches(batch, 4096)] == [12, 12, 6]  # 256 // 20 = 12
 
 
 @pytest.fixture(scope="module")
