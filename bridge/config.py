@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from clawbridge.types import LossSpec, OptimSpec
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BackendName = Literal["local", "tinker", "fireworks", "modal"]
@@ -44,6 +44,13 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(default_factory=default_cache_dir, description="Where the embedded model is materialised.")
     db: str | None = Field(None, description="SQLAlchemy URL; default SQLite (WAL) in the data directory.")
     max_request_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get HTTP 413.")
+    body_timeout_s: float = Field(30.0, gt=0, description="A request body not fully received in this time gets HTTP 408.")
+    keep_alive_s: float = Field(
+        75.0, gt=0,
+        description="Idle keep-alive connections are closed after this long; above common client pools' idle "
+        "expiry (httpx and the openai SDK 5 s, aiohttp 15 s, Node 4-5 s), so a pooled connection is never "
+        "closed under a client's next request.",
+    )
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request sets none.")
     default_turn_type: Literal["main", "side"] = Field("main", description="Turn type of untagged requests.")
     session_idle_timeout_s: float = Field(1800.0, gt=0, description="A session with no request for this long is closed.")
@@ -104,12 +111,18 @@ class Settings(BaseSettings):
     rollout_gpus: int | None = Field(None, ge=0, description="GPUs for the policy SGLang server(s).")
     prm_gpus: int | None = Field(None, ge=0, description="GPUs for the judge SGLang server.")
 
+    @field_validator("api_key", "judge_api_key", mode="after")
+    @classmethod
+    def _empty_key_is_none(cls, v: SecretStr | None) -> SecretStr | None:
+        # `CLAWBRIDGE_API_KEY=` (a compose file leaving it blank) is no key, never a key "".
+        return v if v is not None and v.get_secret_value().strip() else None
+
     @model_validator(mode="after")
     def _key_off_loopback(self) -> Settings:
         if self.host not in LOOPBACK and self.api_key is None:
             raise ValueError(
                 f"binding {self.host} exposes the model beyond this machine: set --api-key "
-                "(or CLAWBRIDGE_API_KEY) so every request must carry it"
+                "(or CLAWBRIDGE_API_KEY, not empty) so every request must carry it"
             )
         return self
 

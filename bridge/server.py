@@ -104,8 +104,9 @@ def build_backend(settings: Settings) -> Backend:
 
 def open_store(settings: Settings) -> Store:
     from clawbridge.store import Store
+    from clawbridge.store.base import private_dir
 
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.data_dir)  # 0700: every conversation is in it (docs/privacy.md)
     return Store.open(settings.db_url)
 
 
@@ -217,6 +218,13 @@ async def serve(
         http="httptools",
         loop="uvloop",
         proxy_headers=False,  # nothing reads the client address; the middleware costs every request
+        # uvicorn closes an idle keep-alive connection after 5 s by default, the same idle time
+        # after which httpx (the openai SDK) drops a pooled one: a request sent on a connection
+        # the server is closing fails with a connection error when the client does not retry.
+        # Outlasting every common pool makes the client, never the server, close idle ones; the
+        # Keep-Alive header tells the clients that read it (undici, urllib3) when we would.
+        timeout_keep_alive=int(settings.keep_alive_s),
+        headers=[("keep-alive", f"timeout={int(settings.keep_alive_s)}")],
     )
     server = _Server(config)
     serving = asyncio.create_task(server.serve())

@@ -42,3 +42,27 @@ def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():
     assert anchored([1.0], [-3.0], [-1.0], 0.0) == (1.0,)
     with pytest.raises(ValueError):
         anchored([1.0, 1.0], [-1.0], [-1.0], 0.1)
+
+
+def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys):
+    from clawbridge.cli.status import print_status, print_versions
+    from clawbridge.config import Settings
+    from clawbridge.learning.gate import GATE_KEY, GateDecision
+    from clawbridge.learning.trainer import ROLLBACKS_KEY
+    from clawbridge.store import PolicyVersionRow, Store
+
+    settings = Settings(data_dir=tmp_path)
+    tmp_path.mkdir(exist_ok=True)
+    with Store.open(settings.db_url) as store:
+        for v in (1, 2, 3):
+            store.record_policy_version(PolicyVersionRow(version=v, step=v if v < 3 else None))
+        decisions = [GateDecision(1, 0, "accepted", "ok", {"probe_candidate": 0.8}),
+                     GateDecision(2, 1, "rejected", "probe vs serving: 20% vs 80% (-60 pts, p=0.001)",
+                                  {"probe_candidate": 0.2})]
+        store.set_meta(GATE_KEY, [d.record() for d in decisions])
+        store.set_meta(ROLLBACKS_KEY, {"3": 1})
+    print_versions(str(tmp_path), None)
+    out = capsys.readouterr().out
+    assert "accepted (probe 80%)" in out and "rejected by the gate" in out and "rollback of v1" in out
+    print_status(str(tmp_path), None)
+    assert "1 accepted, 1 held back" in capsys.readouterr().out

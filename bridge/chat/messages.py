@@ -33,6 +33,15 @@ class RenderError(ValueError):
     """A request the renderer cannot turn into a prompt (the API edge answers HTTP 400)."""
 
 
+class PromptTooLong(RenderError):
+    """The prompt has at least `tokens` tokens, at least the limit asked for: it was not
+    turned into ids (a list of millions of ints costs the interpreter, and nobody needs it)."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt has {tokens} tokens; the limit is {limit}")
+        self.tokens, self.limit = tokens, limit
+
+
 # --- records ------------------------------------------------------------------------------------
 
 

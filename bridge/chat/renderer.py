@@ -32,6 +32,7 @@ from clawbridge.chat.messages import (
     TOOL_CLOSE,
     TOOL_OPEN,
     AssistantMessage,
+    PromptTooLong,
     RenderError,
     new_tool_call_id,
 )
@@ -45,6 +46,7 @@ from clawbridge.chat.tools import (
 )
 
 log = logging.getLogger(__name__)
+LONG_TEXT = 64 * 1024  # characters from which a prompt is tokenised without holding the GIL
 
 
 def _is_message_list(messages: Any) -> bool:
@@ -123,6 +125,7 @@ class Renderer:
         self.supports_tools = "tools" in variables
         self._passes_reasoning = "reasoning_content" in self.chat_template
         self._table = token_bytes_table(tokenizer)
+        self._longest_token = max(1, *(len(b) for b in self._table))
         backend = tokenizer.backend_tokenizer
         ids = [tokenizer.eos_token_id] + [backend.token_to_id(t) for t in END_TOKENS]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in ids if i is not None))
@@ -144,13 +147,18 @@ class Renderer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
+        *,
+        use_cache: bool = True,
+        limit: int | None = None,
     ) -> list[int]:
         """Prompt token ids, generation prompt included. A request that extends one rendered
         recently renders and tokenises only what is new (`PromptCache`); the ids are exactly
-        those of a full render."""
-        sig = request_signature(tools, tool_choice) if self._cache is not None else None
+        those of a full render. `use_cache=False` neither reads nor holds the cache (its lock
+        included): for a huge prompt rendered off the event loop while others render on it.
+        `limit`: a prompt of at least this many tokens raises PromptTooLong (uncached renders)."""
+        sig = request_signature(tools, tool_choice) if self._cache is not None and use_cache else None
         if self._cache is None or sig is None or not _is_message_list(messages):
-            return self._encode(self.render_text(messages, tools, tool_choice))
+            return self._encode(self.render_text(messages, tools, tool_choice), limit)
         cache = self._cache
         with cache.lock:
             found = cache.entries.find(messages, lambda e: e.sig == sig)
@@ -351,8 +359,20 @@ class Renderer:
                         return None
         return render
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+    def _encode(self, text: str, limit: int | None = None) -> list[int]:
+        backend = self.tokenizer.backend_tokenizer
+        if len(text) < LONG_TEXT:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        # `encode` holds the interpreter lock for the whole call (seconds for megabytes: every
+        # other thread, the event loop included, stops); `encode_batch` releases it while the
+        # tokenizer works. The count is known before the ids become Python ints.
+        if limit is not None and len(text) >= limit * self._longest_token:
+            # no token covers more than `_longest_token` bytes (so characters): too long for sure
+            raise PromptTooLong(len(text) // self._longest_token, limit)
+        enc = backend.encode_batch([text], add_special_tokens=False)[0]
+        if limit is not None and len(enc) >= limit:
+            raise PromptTooLong(len(enc), limit)
+        return list(enc.ids)
 
     def _probe_tool_role(self) -> bool:
         try:

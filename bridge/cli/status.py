@@ -36,10 +36,23 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         t.add_row("spend (estimate)", f"${spend['spent_usd']} on {spend['platform']}"
                   + (f" of ${budget} budget" if budget is not None else "")
                   + ("" if spend.get("training_allowed", True) else " — training stopped"))
+    decisions = _gate_decisions(data_dir, db)
+    if decisions:
+        held = sum(d.get("decision") == "rejected" for d in decisions)
+        last = decisions[-1]
+        t.add_row("gate", f"{len(decisions) - held} accepted, {held} held back; last: v{last['version']} "
+                  f"{gate_label(last)}")
     if steps:
         m = steps[-1].metrics
         t.add_row("last step", f"#{steps[-1].step}: loss {m.get('loss', 0):.4f}, mean reward {m.get('mean_reward', 0):+.2f}")
     Console().print(t)
+
+
+def _gate_decisions(data_dir: str | None, db: str | None) -> list[dict]:  # type: ignore[type-arg]
+    from clawbridge.learning.gate import GATE_KEY
+
+    with _store(data_dir, db) as store:
+        return list(store.get_meta(GATE_KEY) or [])
 
 
 def version_origin(step: int | None, version: int, rollbacks: dict[str, int]) -> str:
@@ -52,18 +65,32 @@ def version_origin(step: int | None, version: int, rollbacks: dict[str, int]) ->
     return "-"
 
 
+def gate_label(record: dict | None) -> str:  # type: ignore[type-arg]
+    """The gate's decision on a version, with the figure that decided it."""
+    if not record:
+        return "-"
+    figures = record.get("figures", {})
+    probe = figures.get("probe_candidate")
+    shown = f" (probe {probe:.0%})" if isinstance(probe, int | float) else ""
+    if record.get("decision") == "rejected":
+        return f"rejected by the gate: {record.get('reason', '')}"
+    return f"accepted{shown}"
+
+
 def print_versions(data_dir: str | None, db: str | None) -> None:
+    from clawbridge.learning.gate import GATE_KEY
     from clawbridge.learning.trainer import ROLLBACKS_KEY
 
     with _store(data_dir, db) as store:
         rows = store.versions()
         rollbacks = store.get_meta(ROLLBACKS_KEY) or {}
-    t = Table("version", "step", "samples", "mean reward", "when (UTC)", "weights")
-    t.add_row("v0", "-", "-", "-", "-", "base model")
+        gate = {int(g["version"]): g for g in store.get_meta(GATE_KEY) or []}
+    t = Table("version", "step", "samples", "mean reward", "gate", "when (UTC)", "weights")
+    t.add_row("v0", "-", "-", "-", "-", "-", "base model")
     for r in rows:
         reward = "-" if r.mean_reward is None else f"{r.mean_reward:+.2f}"
         t.add_row(f"v{r.version}", version_origin(r.step, r.version, rollbacks), str(r.samples), reward,
-                  r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
+                  gate_label(gate.get(r.version)), r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
     Console().print(t)
 
 

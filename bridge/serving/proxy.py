@@ -28,10 +28,10 @@ from clawbridge.backends.base import (
     ContextLengthExceeded,
     TransientBackendError,
 )
-from clawbridge.chat.messages import AssistantMessage, Delta, RenderError
+from clawbridge.chat.messages import AssistantMessage, Delta, PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
 from clawbridge.serving import wire
-from clawbridge.serving.sessions import Admission, NextState, Sessions, read_tag
+from clawbridge.serving.sessions import TAG_HEADERS, Admission, NextState, Sessions, read_tag
 from clawbridge.serving.wire import APIError
 from clawbridge.store.records import TurnRecord, new_turn_id
 from clawbridge.types import Completion, SamplingParams, TokenChunk
@@ -47,6 +47,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies larger than this are parsed and tokenised off the event loop (an agent's usual request,
+# tens of KB, renders in well under a millisecond from the prompt cache: a thread hop would cost
+# more than it saves).
+OFF_LOOP_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Prepared:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    request_params: dict[str, Any]
+    prompt: list[int]
 
 
 @dataclass
@@ -132,18 +144,51 @@ class Proxy:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
-            chunks.append(chunk)
+        try:
+            # a client that opens a body and never finishes it holds a connection: not for long
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(
+                408, f"The request body was not received within {self.settings.body_timeout_s:g} s.",
+                code="request_timeout",
+            ) from None
         return b"".join(chunks)
 
     # --- admission --------------------------------------------------------------------------
 
-    def admit(self, request: Request, raw: bytes) -> tuple[wire.ChatRequest, Draft]:
-        """Everything that can reject a request happens here, before any state changes."""
+    def prepare(self, raw: bytes, *, cache: bool = True) -> tuple[wire.ChatRequest, dict[str, Any], Prepared]:
+        """Parse, validate and render: the CPU-heavy part of admission, which touches no state
+        but the renderer's cache (`cache=False`: not even that, so it may run off the loop)."""
         req, ours = wire.parse_chat_request(raw)
+        messages, tools, request_params = req.dicts()
+        ctx = self.backend.context_length
+        try:
+            prompt = self.renderer.render(messages, tools, req.tool_choice, use_cache=cache, limit=ctx)
+        except PromptTooLong as e:
+            raise context_length_exceeded(ctx, e.tokens) from None
+        except RenderError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except RecursionError:  # bounded at the door (wire.MAX_DEPTH); never a 500
+            raise APIError(400, "The request is nested too deeply.", code="invalid_value") from None
+        return req, ours, Prepared(messages, tools, request_params, prompt)
+
+    async def admit(
+        self, request: Request, raw: bytes, prepare: Callable[..., tuple[wire.ChatRequest, dict[str, Any], Prepared]] | None = None
+    ) -> tuple[wire.ChatRequest, Draft]:
+        """Everything that can reject a request happens here, before any state changes. A large
+        body is parsed and rendered on a worker thread: tokenising megabytes takes seconds, and
+        on the event loop it would stall every other client (and /healthz) for as long.
+        `prepare` replaces `self.prepare` where the prompt is not a chat (/v1/completions)."""
+        prepare = prepare or self.prepare
+        if len(raw) > OFF_LOOP_BYTES:
+            req, ours, prep = await asyncio.to_thread(prepare, raw, cache=False)
+        else:
+            req, ours, prep = prepare(raw)
         if req.model != self.model_name:
             raise APIError(
                 404,
@@ -153,25 +198,30 @@ class Proxy:
             )
         if req.stream and req.n > 1:
             raise APIError(400, "n > 1 is supported without streaming only.", param="n")
+        headers = {k: v for k in TAG_HEADERS if (v := request.headers.get(k)) is not None}
+        if "x-session-id" in headers:
+            headers["x-session-id"] = wire.session_id(headers["x-session-id"], "X-Session-Id") or ""
+        path_sid = request.path_params.get("session_id")
+        if path_sid is not None:
+            path_sid = wire.session_id(path_sid, "session_id")
         try:
-            tag = read_tag(request.headers, ours, request.path_params.get("session_id"))
+            tag = read_tag(headers, ours, path_sid)
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
-        messages, tools, request_params = req.dicts()
-        try:
-            prompt = self.renderer.render(messages, tools, req.tool_choice)
-        except RenderError as e:
-            raise APIError(400, str(e), param="messages") from None
+        messages, tools, prompt = prep.messages, prep.tools, prep.prompt
         ctx = self.backend.context_length
         if len(prompt) >= ctx:
+            raise context_length_exceeded(ctx, len(prompt))
+        which = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        wanted = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens
+        if wanted > ctx:  # impossible for any prompt: refused as OpenAI refuses it
             raise APIError(
                 400,
-                f"This model's maximum context length is {ctx} tokens. However, your messages "
-                f"resulted in {len(prompt)} tokens. Please reduce the length of the messages.",
-                param="messages",
-                code="context_length_exceeded",
+                f"{which} is too large: {wanted}. This model supports at most {ctx} completion "
+                f"tokens, whereas you provided {wanted}.",
+                param=which,
+                code="invalid_value",
             )
-        wanted = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens
         # Agents ask for generous budgets; the answer is cut at the context, not refused.
         max_tokens = min(wanted, ctx - len(prompt))
         params = SamplingParams(
@@ -194,7 +244,7 @@ class Proxy:
             params=params,
             version=self.backend.version,  # pinned at admission; the backend keeps it
             adm=adm,
-            request_params=request_params,
+            request_params=prep.request_params,
             logprobs=req.logprobs,
             t0=time.perf_counter(),
             next_state=adm.next_state,
@@ -308,8 +358,20 @@ class Proxy:
             alts = [[(dec([a.token_id]), a.logprob) for a in row] for row in top]
         return wire.logprobs_content(texts, list(lps), alts)
 
-    async def complete(self, d: Draft, n: int) -> Response:
-        comps = await self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version)
+    async def complete(self, d: Draft, n: int, request: Request | None = None) -> Response:
+        sampling = asyncio.ensure_future(self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version))
+        if request is not None:
+            # The client may leave while the answer is generated: then stop generating for
+            # nobody (as a stream does), and record nothing (no answer was delivered).
+            gone = asyncio.ensure_future(_disconnected(request))
+            await asyncio.wait((sampling, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not sampling.done():
+                sampling.cancel()
+                with contextlib.suppress(BaseException):
+                    await sampling
+                raise ClientDisconnect()
+            gone.cancel()
+        comps = await sampling
         choices, replies, finishes = [], [], []
         for i, c in enumerate(comps):
             ch, reply, fin = self.choice(d, c, i)
@@ -525,6 +587,22 @@ class _EventStream(StreamingResponse):
             await self._on_close()
 
 
+def context_length_exceeded(ctx: int, tokens: int) -> APIError:
+    return APIError(
+        400,
+        f"This model's maximum context length is {ctx} tokens. However, your messages "
+        f"resulted in {tokens} tokens. Please reduce the length of the messages.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (its body was read: the next message is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _tool_calls(msg: AssistantMessage) -> list[dict[str, Any]] | None:
     return [c.to_openai() for c in msg.tool_calls] if msg.tool_calls else None
 
@@ -635,13 +713,13 @@ def create_app(
         d: Draft | None = None
         try:
             proxy.check_auth(request)
-            req, d = proxy.admit(request, await proxy.read_body(request))
+            req, d = await proxy.admit(request, await proxy.read_body(request))
             if req.stream:
                 include_usage = bool(req.stream_options and req.stream_options.include_usage)
                 resp = await proxy.stream(d, include_usage)
                 streaming = True  # the response counts itself out when it ends (_stream_closed)
                 return resp
-            return await proxy.complete(d, req.n)
+            return await proxy.complete(d, req.n, request)
         except APIError as e:
             status = e.status
             raise
@@ -728,6 +806,9 @@ def create_app(
         routes=routes,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
     )
+    # `/v1/chat/completions/` is a 404 like any unknown path, not a 307 to the route: a redirect
+    # of a POST sends the body twice and most clients do not follow it anyway.
+    app.router.redirect_slashes = False
     app.state.proxy = proxy
     return app
 

@@ -10,6 +10,7 @@ other non-standard key are dropped before the request reaches the renderer or th
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -17,6 +18,12 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 SESSION_BODY_KEYS = ("session_id", "turn_type", "session_done")
+# Bounds at the door: a body nested deeper than this (tool schemas, content parts, tool_choice,
+# the JSON inside tool-call arguments) is refused before anything recursive (json, deepcopy,
+# the store's codec) sees it; a session id is a key, not a payload.
+MAX_DEPTH = 64
+MAX_SESSION_ID = 256
+INT64 = 2**63
 
 
 class APIError(Exception):
@@ -69,8 +76,58 @@ def invalid(e: ValidationError, what: str) -> APIError:
     return APIError(400, f"Invalid {what}: {err['msg']}", param=param)
 
 
+def nesting_depth(obj: Any) -> int:
+    """The depth of parsed JSON (a scalar is 0, `[]` is 1), without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_DEPTH:
+                return deepest
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.S)
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def text_depth(text: str) -> int:
+    """The bracket depth of JSON text, valid or not (strings skipped), without parsing it."""
+    if text.count("{") + text.count("[") <= MAX_DEPTH:  # the usual case: one C pass each
+        return 0
+    depth = deepest = 0
+    for b in _BRACKETS.findall(_JSON_STRING.sub("", text)):
+        depth = depth + 1 if b in "[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def check_depth(data: dict[str, Any]) -> None:
+    if nesting_depth(data) > MAX_DEPTH:
+        raise APIError(400, f"The request is nested more than {MAX_DEPTH} levels deep.", code="invalid_value")
+    for i, m in enumerate(data.get("messages") or ()):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        for j, c in enumerate(calls if isinstance(calls, list) else ()):
+            fn = c.get("function") if isinstance(c, dict) else None
+            args = fn.get("arguments") if isinstance(fn, dict) else None
+            if isinstance(args, str) and text_depth(args) > MAX_DEPTH:
+                raise APIError(
+                    400, f"Tool-call arguments are nested more than {MAX_DEPTH} levels deep.",
+                    param=f"messages.{i}.tool_calls.{j}.function.arguments", code="invalid_value",
+                )
+
+
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: `stream: "yes"` or `n: "2"` is a 400, as at OpenAI, never a guess
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class FunctionCall(_Lenient):
@@ -132,7 +189,7 @@ class ChatRequest(_Lenient):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)  # int64, as at OpenAI
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     user: str | None = None
@@ -167,13 +224,44 @@ def parse_chat_request(raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
-    ours = {k: data.pop(k) for k in SESSION_BODY_KEYS if k in data}
+    check_depth(data)
+    ours = session_keys({k: data.pop(k) for k in SESSION_BODY_KEYS if k in data})
     try:
         return ChatRequest.model_validate(data), ours
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise APIError(400, f"Invalid value for '{param}': {err['msg']}", param=param) from None
+
+
+def session_id(value: Any, param: str) -> str | None:
+    """A session id as sent (header, path or body): a string of printable characters, at most
+    MAX_SESSION_ID long; empty means none. Anything else is a 400, never coerced into a key."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise APIError(400, f"Invalid type for '{param}': expected a string.", param=param, code="invalid_type")
+    if len(value) > MAX_SESSION_ID or not value.isprintable():
+        raise APIError(
+            400, f"Invalid '{param}': at most {MAX_SESSION_ID} printable characters.", param=param,
+            code="invalid_value",
+        )
+    return value or None
+
+
+def session_keys(ours: dict[str, Any]) -> dict[str, Any]:
+    """clawbridge's body keys, type-checked: session_id a string, turn_type a string,
+    session_done a boolean (or the strings a header would carry)."""
+    out: dict[str, Any] = {}
+    if "session_id" in ours:
+        out["session_id"] = session_id(ours["session_id"], "session_id")
+    for key, types in (("turn_type", (str,)), ("session_done", (bool, str))):
+        if key in ours and ours[key] is not None:
+            v = ours[key]
+            if not isinstance(v, types) or (isinstance(v, str) and len(v) > 16):
+                raise APIError(400, f"Invalid value for '{key}'.", param=key, code="invalid_type")
+            out[key] = v
+    return out
 
 
 # --- responses ----------------------------------------------------------------------------------

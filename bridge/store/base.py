@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -44,6 +45,25 @@ class SampleStateError(StoreError):
 
 
 
+def private_dir(path: Path) -> Path:
+    """Create `path` (and its parents) readable by this user only (0700): it holds every captured
+    conversation. A directory that already exists is left as it is (it may be the user's own,
+    e.g. `--data-dir .`); the database file in it is made private either way."""
+    path = path.expanduser()
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.chmod(0o700)  # mkdir's mode is filtered by the umask
+    return path
+
+
+def private_file(path: Path) -> None:
+    """Create `path` empty with mode 0600 if it does not exist, and make it 0600 if it does.
+    SQLite creates its -wal and -shm files with the database file's mode."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    path.chmod(0o600)
+
+
 class StoreBase:
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
@@ -68,7 +88,9 @@ class StoreBase:
         if sa_url.get_backend_name() == "sqlite":
             if not sa_url.database or sa_url.database == ":memory:":
                 raise StoreError("the store needs a SQLite file (sqlite:///path/clawbridge.db)")
-            Path(sa_url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            db_file = Path(sa_url.database).expanduser()
+            private_dir(db_file.parent)
+            private_file(db_file)
             engine = sa.create_engine(
                 sa_url,
                 json_serializer=codec.dumps,
