@@ -322,7 +322,9 @@ async def run_demo(
                     continue
                 await asyncio.sleep(0.2)
             last = rnd == r.rounds - 1
-            if served.version != versions[-1].version or last:
+            decisions = learner.trainer.decisions if learner.trainer is not None else []
+            held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
+            if (served.version != versions[-1].version and not held_back) or last:
                 ev, ex = await user.evaluate(served.version, probe=last)
                 versions.append(ev)
                 examples[ev.version] = ex

@@ -1,0 +1,70 @@
+"""The gate on the real engine path (tiny random model): a trained candidate that answers the
+probes worse than the serving version is published, judged, held back and replaced by a copy of
+the serving weights, and what serves afterwards answers as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clawbridge.backends.local import LocalBackend
+from clawbridge.backends.pinned import PinnedBackend
+from clawbridge.chat.renderer import Renderer
+from clawbridge.judges import build_judges
+from clawbridge.learning.collector import Collector
+from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe
+from clawbridge.learning.trainer import ROLLBACKS_KEY, Trainer
+from clawbridge.store import Store
+from clawbridge.types import SamplingParams
+from test_collector import record_turns, settings_for
+
+PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is Peru?", "What is snow?",
+           "How do birds fly?"]
+
+
+async def _answers(backend: PinnedBackend, renderer: Renderer, params: SamplingParams, version: int) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        [c] = await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=version)
+        out.append(renderer.decode(c.tokens))
+    return out
+
+
+async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
+    # a learning rate that wrecks the model in one step: the "harmful run"
+    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
+    store = Store.open(settings.db_url)
+    backend = PinnedBackend(LocalBackend.from_settings(settings))
+    await backend.start()
+    try:
+        renderer = Renderer(backend.tokenizer())
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+        before = await _answers(backend, renderer, params, 0)
+
+        # each probe's check: the answer is exactly v0's (same seed), so any change counts as worse
+        plain = [renderer.parse(
+            (await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=0))[0].tokens,
+            "length").content or "" for p in PROMPTS]
+
+        def same_as_v0(i: int):
+            return lambda text, _finish: 1.0 if text == plain[i] else 0.0
+
+        probes = [GateProbe("validation", ({"role": "user", "content": p},), same_as_v0(i))
+                  for i, p in enumerate(PROMPTS)]
+        gate = Gate(backend, renderer, probes, params=params, margin=0.05, alpha=0.1)
+        record_turns(store, 2)
+        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        trainer = Trainer(settings, backend, store, gate=gate)
+        step = await trainer.step_once()
+        assert step is not None and step.version == 1
+        [decision] = trainer.decisions
+        assert decision.decision == "rejected", decision
+        assert decision.figures["validation_candidate"] < decision.figures["validation_serving"] == 1.0
+        # v2 is a copy of v0's weights and serves; nothing is pinned between steps
+        assert step.served == 2 and backend.version == 2 and backend.pinned is None
+        assert store.get_meta(ROLLBACKS_KEY) == {"2": 0}
+        assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
+        assert await _answers(backend, renderer, params, 2) == before
+        assert await _answers(backend, renderer, params, 1) != before
+    finally:
+        await backend.close()
+        store.close()
