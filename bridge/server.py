@@ -22,7 +22,7 @@ from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
 from clawbridge.openclaw import provider as openclaw
 from clawbridge.routes import feedback_route, rollback_route
-from clawbridge.serving import anthropic, responses
+from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
 # The wire formats served beside chat completions, over the same admission and capture.
-SURFACES = (responses.routes, anthropic.routes)
+SURFACES = (responses.routes, anthropic.routes, completions.routes)
 
 
 class _Server(uvicorn.Server):

@@ -4,6 +4,7 @@ ids and logprobs sampled, the session, the next state, main/side and the opt-out
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,29 @@ def test_count_tokens_is_the_length_of_the_rendered_prompt(live: LiveServer, cli
                                                "parameters": READ_FILE}}]
     want = renderer.render([{"role": "system", "content": "Be brief."}, *msgs], tools)
     assert n.input_tokens == len(want)
+
+
+HI: Any = [{"role": "user", "content": "hi"}]
+BAD: Any = [
+    b"[]", {"model": MODEL, "messages": HI}, {"model": MODEL, "max_tokens": 4, "messages": []},
+    {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [5]}]},
+    {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+    {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": 5}]}, *HI]},
+    {"model": MODEL, "max_tokens": 4, "messages": [*HI, {"role": "assistant", "content": "Sure,"}]},
+    {"model": MODEL, "max_tokens": 4, "system": 5, "messages": HI},
+    {"model": MODEL, "max_tokens": 4, "tools": [{"type": "web_search_20250305", "name": "web_search"}], "messages": HI},
+    {"model": MODEL, "max_tokens": 4, "tool_choice": {"type": "maybe"}, "messages": HI},
+    {"model": MODEL, "max_tokens": 4, "stop_sequences": "x", "messages": HI},
+    {"model": MODEL, "max_tokens": 0, "messages": HI}, {"model": MODEL, "max_tokens": 4, "messages": HI, "stream": "yes"},
+]
+
+
+@pytest.mark.parametrize("body", BAD, ids=range(len(BAD)))
+def test_malformed_requests_get_an_anthropic_shaped_400_and_write_nothing(live: LiveServer, body: Any):
+    before = live.proxy.counters.turns_recorded
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{live.url}/v1/messages", content=content, headers={"x-api-key": "sk-ant-test"})
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert live.proxy.counters.turns_recorded == before

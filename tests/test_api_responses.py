@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from api_backend import AFTER_TOOL, READ_FILE, RecordingBackend, assert_captured
@@ -198,3 +199,27 @@ async def test_the_agents_sdk_streams_and_chains_by_response_id(live: LiveServer
     assert second.request_params["previous_response_id"] == result.raw_responses[0].response_id
     assert first.session_id == second.session_id
     assert first.next_state is not None and first.next_state[0]["content"] == "hello"
+
+
+BAD: Any = [
+    b"[]", b"{", {"model": MODEL}, {"model": MODEL, "input": 5}, {"model": MODEL, "input": [5]},
+    {"model": MODEL, "input": [{"role": "bot", "content": "x"}]},
+    {"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+    {"model": MODEL, "input": [{"type": "function_call", "name": "f"}]},
+    {"model": MODEL, "input": [{"type": "reasoning", "content": 5}]},
+    {"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]},
+    {"model": MODEL, "input": "x", "tools": [{"type": "function", "name": 5}]},
+    {"model": MODEL, "input": "x", "tool_choice": 5}, {"model": MODEL, "input": "x", "include": "x"},
+    {"model": MODEL, "input": "x", "max_output_tokens": "5"}, {"model": MODEL, "input": "x", "instructions": 5},
+    {"model": MODEL, "input": "x", "stream": "yes"}, {"model": MODEL, "input": "x", "conversation": "c"},
+]
+
+
+@pytest.mark.parametrize("body", BAD, ids=range(len(BAD)))
+def test_malformed_requests_get_an_openai_shaped_400_and_write_nothing(live: LiveServer, body: Any):
+    before = live.proxy.counters.turns_recorded
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{live.url}/v1/responses", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert live.proxy.counters.turns_recorded == before

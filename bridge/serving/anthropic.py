@@ -129,7 +129,8 @@ def to_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 thoughts.append(b["thinking"])
             elif kind == "redacted_thinking":
                 continue
-            elif kind == "tool_use" and isinstance(b.get("id"), str) and isinstance(b.get("name"), str):
+            elif (kind == "tool_use" and isinstance(b.get("id"), str) and isinstance(b.get("name"), str)
+                  and isinstance(b.get("input", {}), dict)):
                 calls.append({"id": b["id"], "type": "function",
                               "function": {"name": b["name"], "arguments": json.dumps(b.get("input") or {})}})
             else:
@@ -201,7 +202,7 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     for key in ("session_id", "turn_type", "session_done"):  # clawbridge's own body keys
         if key in body:
             chat[key] = body[key]
-    req, d = await surface.admit(proxy, request, chat)
+    req, d = await surface.admit(proxy, request, chat, {"stop": "stop_sequences"})
     d.request_params = {**d.request_params, "api": "messages"}
     return _Call(d, req.stream, "msg_" + surface.turn_hex(d))
 
@@ -343,7 +344,9 @@ def routes(proxy: Proxy, metrics: Metrics) -> list[BaseRoute]:
         try:
             check_auth(proxy, request)
             body = surface.parse_body(await proxy.read_body(request))
-            if body.get("model") != proxy.model_name:
+            if not isinstance(body.get("model"), str):
+                raise _bad("model: Field required")
+            if body["model"] != proxy.model_name:
                 raise APIError(404, f"model: {body.get('model')!r} is not served here ({proxy.model_name})")
             try:
                 ids = proxy.renderer.render(to_messages(body), to_tools(body.get("tools")),

@@ -40,6 +40,8 @@ from starlette.routing import BaseRoute, Route
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _RESPONSE_ID = re.compile(r"^resp_([0-9a-f]{32})$")
+# chat request fields named in an admission error → this API's names for them
+RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -105,7 +107,9 @@ def to_messages(items: Any) -> list[dict[str, Any]]:
             out.append({"role": role, "content": text})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            text = "\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                raise _bad(f"Invalid '{where}.content': expected a list of reasoning_text parts.", f"{where}.content")
+            text = "\n".join(p["text"] for p in parts if isinstance(p.get("text"), str))
             if turn is not None and (turn["content"] or turn.get("tool_calls")):
                 turn = None
             if text:
@@ -191,7 +195,9 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     include = body.get("include") or []
-    logprobs = isinstance(include, list) and LOGPROBS_INCLUDE in include
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise _bad("Invalid 'include': expected a list of strings.", "include")
+    logprobs = LOGPROBS_INCLUDE in include
     chat: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -209,7 +215,7 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
             chat[key] = body[key]
     if session is not None and "session_id" not in chat:
         chat["session_id"] = session  # the chain is one session (a header still wins)
-    req, d = await surface.admit(proxy, request, chat)
+    req, d = await surface.admit(proxy, request, chat, RENAMED)
     d.request_params = {**d.request_params, "api": "responses",
                         **({"instructions": True} if instructions else {}),
                         **({"previous_response_id": prev_id} if prev_id else {})}

@@ -124,10 +124,19 @@ def endpoint(
     return run
 
 
-async def admit(proxy: Proxy, request: Request, chat: dict[str, Any]) -> tuple[wire.ChatRequest, Draft]:
+async def admit(
+    proxy: Proxy, request: Request, chat: dict[str, Any], renamed: dict[str, str] | None = None
+) -> tuple[wire.ChatRequest, Draft]:
     """A translated request through the chat route's own admission (validation, the session,
-    rendering, the context check, the policy version): the body is the chat request it became."""
-    return await proxy.admit(request, wire.dumps({k: v for k, v in chat.items() if v is not None}))
+    rendering, the context check, the policy version): the body is the chat request it became.
+    `renamed`: the surface's names for chat fields, so an error names the field the client sent."""
+    try:
+        return await proxy.admit(request, wire.dumps({k: v for k, v in chat.items() if v is not None}))
+    except APIError as e:
+        if renamed and e.param in renamed:
+            old, e.param = e.param, renamed[e.param]
+            e.message = e.message.replace(f"'{old}'", f"'{e.param}'").replace(f"{old} is", f"{e.param} is")
+        raise
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
