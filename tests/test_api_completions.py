@@ -4,6 +4,11 @@ logprobs, sessions, next states, main/side, opt-out)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from typing import Any
+
+import httpx
 import openai
 import pytest
 from api_backend import RecordingBackend, assert_captured
@@ -95,3 +100,30 @@ def test_errors_are_openai_shaped(client: openai.OpenAI):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, **kw)  # type: ignore[call-overload]
         assert e.value.body["param"] == param  # type: ignore[index]
+
+
+LEAVING: Any = [("/v1/completions", {"model": MODEL, "prompt": "hi"}),
+                ("/v1/responses", {"model": MODEL, "input": "hi"}),
+                ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})]
+
+
+@pytest.mark.parametrize(("path", "body"), LEAVING, ids=[p for p, _ in LEAVING])
+def test_a_client_leaving_a_non_streaming_request_stops_generation_and_records_nothing(
+    live: LiveServer, monkeypatch: pytest.MonkeyPatch, path: str, body: Any
+):
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def slow_sample(*a: Any, **kw: Any) -> Any:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    monkeypatch.setattr(live.backend, "sample", slow_sample)
+    before = live.proxy.counters.turns_recorded
+    with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=live.url, timeout=1.0) as c:
+        c.post(path, json=body)
+    assert started.is_set() and cancelled.wait(5), "generation went on after the client left"
+    assert live.proxy.counters.turns_recorded == before

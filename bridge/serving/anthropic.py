@@ -258,7 +258,7 @@ class _Call:
         proxy: Proxy = request.app.state.proxy
         if self.streaming:
             return await surface.stream(proxy, self.draft, _Events(self, proxy))
-        [a] = await surface.complete(proxy, self.draft)
+        [a] = await surface.complete(proxy, self.draft, request)
         reason, seq = stop_reason(a, proxy, self.draft.params.stop)
         body = {**self.message([], None, None), "content": content_blocks(a), "stop_reason": reason,
                 "stop_sequence": seq, "usage": _usage(a.prompt_tokens, len(a.completion.tokens))}

@@ -184,7 +184,7 @@ class _Call:
         d = self.draft
         if self.streaming:
             return await surface.stream(proxy, d, _Events(self, proxy), _decoder(proxy, d))
-        answers = await surface.complete(proxy, d, self.n, lambda: _decoder(proxy, d))
+        answers = await surface.complete(proxy, d, request, self.n, lambda: _decoder(proxy, d))
         choices = [self.choice(proxy, i, a.message.content or "", a.completion.tokens, a.completion.logprobs,
                                a.completion.top_logprobs, _finish(a.message.finish_reason))
                    for i, a in enumerate(answers)]

@@ -239,7 +239,7 @@ class _Call:
         proxy: Proxy = request.app.state.proxy
         if self.streaming:
             return await surface.stream(proxy, self.draft, _Events(self, proxy))
-        [a] = await surface.complete(proxy, self.draft)
+        [a] = await surface.complete(proxy, self.draft, request)
         items = output_items(a, self.logprobs, proxy)
         return Response(wire.dumps(self.response(items, a)), media_type="application/json")
 
