@@ -7,10 +7,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["AsyncSession", "Client", "Session"]
+__all__ = ["AsyncEpisode", "AsyncGroup", "AsyncSession", "Client", "Episode", "Group", "Session"]
 
 if TYPE_CHECKING:
-    from clawbridge.sdk.client import AsyncSession, Client, Session
+    from clawbridge.sdk.client import (
+        AsyncEpisode,
+        AsyncGroup,
+        AsyncSession,
+        Client,
+        Episode,
+        Group,
+        Session,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -3,6 +3,8 @@ format and errors are serving's, the work is learning's, and neither room import
 
     POST /v1/feedback         {"session_id", "turn_id", "reward", "hint"}   (learning.feedback)
     POST /v1/admin/rollback   {"version": K}                                (learning.learner)
+    POST /v1/groups, GET /v1/groups/{id}, POST /v1/groups/{id}/close,
+    POST /v1/episodes/{id}/outcome                                          (learning.episodes)
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.base import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.serving import wire
 from clawbridge.serving.wire import APIError
+from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -84,3 +88,107 @@ def rollback_route(learner: Learner) -> Route:
         return Response(json.dumps(out), media_type="application/json")
 
     return Route("/v1/admin/rollback", rollback, methods=["POST"])
+
+
+# --- groups and episodes (issue 15; learning.episodes trains them) ------------------------------
+class GroupRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(ge=1, le=256, description="Episodes (attempts at the task) in the group.")
+    task: Any = Field(None, description="What the episodes attempt, kept with the group (any JSON).")
+    id: str | None = Field(None, min_length=1, max_length=128, description="The group's id; default: a new one.")
+
+
+class OutcomeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    outcome: float = Field(allow_inf_nan=False, description="The episode's outcome reward (e.g. tests passed / total).")
+
+
+def _episode_json(e: EpisodeRow) -> dict[str, Any]:
+    return {"object": "episode", "id": e.id, "group_id": e.group_id, "index": e.idx, "session_id": e.session_id,
+            "turn_id": e.turn_id, "state": e.state, "outcome": e.outcome, "reason": e.reason}
+
+
+def group_json(g: GroupRow) -> dict[str, Any]:
+    return {"object": "group", "id": g.id, "task": g.task, "n": g.size, "state": g.state, "reason": g.reason,
+            "episodes": [_episode_json(e) for e in g.episodes]}
+
+
+def _json(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+def _episode_error(e: EpisodeError) -> APIError:
+    return APIError(e.status, str(e), code="not_found" if e.status == 404 else "episode_conflict")
+
+
+def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
+    """    POST /v1/groups                      {"n": 4, "task": ...}  -> the group and its episodes
+    GET  /v1/groups/{id}                 the group, every episode's state, outcome and reason
+    POST /v1/groups/{id}/close           no more outcomes: open episodes expire (with the reason)
+    POST /v1/episodes/{id}/outcome       {"outcome": 0.75}; `id` may be a choice's turn id
+
+    An episode's requests carry its id as their session (`X-Session-Id`, or `/s/{id}/v1/...`)."""
+
+    async def open_group(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        proxy.check_auth(request)
+        try:
+            body = GroupRequest.model_validate(wire.json_object(await request.body()))
+        except ValidationError as e:
+            raise wire.invalid(e, "group") from None
+        gid = body.id or f"grp-{os.urandom(8).hex()}"
+        wire.session_id(gid, "id")
+        eps = [NewEpisode(id=(eid := f"ep-{os.urandom(8).hex()}"), session_id=eid) for _ in range(body.n)]
+        try:
+            g = await proxy.store.run(proxy.store.open_group, gid, eps, body.task)
+        except EpisodeError as e:
+            raise _episode_error(e) from None
+        return _json(group_json(g), 201)
+
+    async def get_group(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        proxy.check_auth(request)
+        g = await proxy.store.run(proxy.store.get_group, request.path_params["gid"])
+        if g is None:
+            raise APIError(404, f"No group `{request.path_params['gid']}`.", code="not_found")
+        return _json(group_json(g))
+
+    async def close_group(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        proxy.check_auth(request)
+        try:
+            g = await proxy.store.run(proxy.store.close_group, request.path_params["gid"])
+        except EpisodeError as e:
+            raise _episode_error(e) from None
+        for ep in g.episodes:
+            if ep.turn_id is None:
+                await proxy.close_session(ep.session_id, "group closed")
+        if wake is not None:
+            wake.set()
+        return _json(group_json(g))
+
+    async def outcome(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        proxy.check_auth(request)
+        try:
+            body = OutcomeRequest.model_validate(wire.json_object(await request.body()))
+        except ValidationError as e:
+            raise wire.invalid(e, "outcome") from None
+        try:
+            ep = await proxy.store.run(proxy.store.set_outcome, request.path_params["eid"], body.outcome)
+        except EpisodeError as e:
+            raise _episode_error(e) from None
+        if ep.turn_id is None:  # the episode's conversation is over: its last turn has no next state
+            await proxy.close_session(ep.session_id, "episode outcome")
+        if wake is not None:
+            wake.set()
+        return _json(_episode_json(ep))
+
+    return [
+        Route("/v1/groups", open_group, methods=["POST"]),
+        Route("/v1/groups/{gid}", get_group, methods=["GET"]),
+        Route("/v1/groups/{gid}/close", close_group, methods=["POST"]),
+        Route("/v1/episodes/{eid}/outcome", outcome, methods=["POST"]),
+    ]

@@ -21,7 +21,7 @@ import uvicorn
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
 from clawbridge.openclaw import provider as openclaw
-from clawbridge.routes import feedback_route, rollback_route
+from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
 
@@ -67,7 +67,7 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
     """How the proxy reaches the learner: its two routes, a wake-up on every next state, and the
     fields of the status line and /metrics."""
     return ProxyHooks(
-        routes=[feedback_route(learner.wake), rollback_route(learner)],
+        routes=[feedback_route(learner.wake), rollback_route(learner), *episode_routes(learner.wake)],
         on_next_state=lambda _ns: learner.wake.set(),
         status_extra=learner.status,
         metrics_extra=learner.metrics,

@@ -2,9 +2,9 @@
 
     {"session_id": "...", "turn_id": null, "reward": 1, "hint": null}
 
-A reward (-1, 0 or +1) and/or a hint for one turn: `turn_id`, or else the session's last main
-turn. Stored as a judgment of kind `feedback` (judge `user`) with the request as its raw vote; the
-collector lets it outrank the judges, used alongside them or instead (a turn with no next state
+A reward in [-1, +1] (-1, 0, +1 or a graded value between) and/or a hint for one turn:
+`turn_id`, or else the session's last main turn. Stored as a judgment of kind `feedback` (judge
+`user`) with the request as its raw vote; the collector lets it outrank the judges, used alongside them or instead (a turn with no next state
 is trained from feedback alone). One feedback per turn: a second answers 409.
 """
 
@@ -27,7 +27,7 @@ class FeedbackRequest(BaseModel):
 
     session_id: str | None = Field(None, description="The session (or header X-Session-Id).")
     turn_id: str | None = Field(None, description="The turn; default: the session's last main turn.")
-    reward: int | None = Field(None, ge=-1, le=1, description="-1, 0 or +1.")
+    reward: float | None = Field(None, ge=-1, le=1, allow_inf_nan=False, description="In [-1, +1]: -1, 0 or +1, or any value between (a graded score).")
     hint: str | None = Field(None, min_length=1, max_length=4000, description="What the answer should have done.")
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from clawbridge.backends.costs import BudgetExceeded
 from clawbridge.config import Settings
 from clawbridge.judges import build_judges, judge_kind
 from clawbridge.learning.collector import Collector
+from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import Gate, GateProbe, probe_check
 from clawbridge.learning.probes import general_probes
 from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
@@ -39,6 +40,7 @@ class Learner:
         self.poll_s = poll_s
         self.wake = asyncio.Event()  # a next state arrived, feedback came, or samples are ready
         self.collector: Collector | None = None
+        self.episodes: EpisodeLearner | None = None  # SDK groups: outcome rewards (learning.episodes)
         self.trainer: Trainer | None = None
         self.judge_name = judge_kind(settings)
         self.errors = 0
@@ -58,6 +60,7 @@ class Learner:
                               clip=self.settings.opd_clip)
         judges = build_judges(self.settings, backend, teacher=teacher)
         self.collector = Collector(self.settings, backend, store, judges)
+        self.episodes = EpisodeLearner(self.settings, backend, store, judges)
         self.trainer = Trainer(self.settings, backend, store, lock=self.lock, gate=self.build_gate(backend))
 
     def build_gate(self, backend: Backend) -> Gate | None:
@@ -96,10 +99,10 @@ class Learner:
         await asyncio.gather(self._collect_loop(), self._train_loop())
 
     async def _collect_loop(self) -> None:
-        assert self.collector is not None
+        assert self.collector is not None and self.episodes is not None
         while True:
             try:
-                if await self.collector.run_once():
+                if await self.collector.run_once() + await self.episodes.run_once():
                     self.wake.set()
                     continue
             except asyncio.CancelledError:
@@ -145,6 +148,8 @@ class Learner:
             out.update(judged=st.judged, samples=st.samples, dropped=st.dropped)
             if st.mean_reward is not None:
                 out["mean reward"] = f"{st.mean_reward:+.2f}"
+        if self.episodes is not None and (ep := self.episodes.stats).groups_trained + ep.groups_dropped:
+            out["groups"] = f"{ep.groups_trained} trained, {ep.groups_dropped} dropped"
         if (last := self.last_step) is not None:
             out["step"] = last.step
         if self.trainer is not None and self.trainer.decisions:

@@ -33,6 +33,7 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.serving import wire
 from clawbridge.serving.sessions import TAG_HEADERS, Admission, NextState, Sessions, read_tag
 from clawbridge.serving.wire import APIError
+from clawbridge.store.episodes import NewEpisode
 from clawbridge.store.records import TurnRecord, new_turn_id
 from clawbridge.types import Completion, SamplingParams, TokenChunk
 from starlette.applications import Starlette
@@ -324,9 +325,21 @@ class Proxy:
         except Exception:
             self.counters.record_failures += len(recs)
             log.exception("could not record turn(s) of %s", d.id)
+        if len(recs) > 1 and d.adm.turn_type == "main" and d.adm.train:
+            await self._open_choice_group(d, [r.id for r in recs])
         self.sessions.complete(d.adm, [r.id for r in recs], replies)
         if d.adm.done:
             await self.close_session(d.adm.session_id, "client")
+
+    async def _open_choice_group(self, d: Draft, turn_ids: list[str]) -> None:
+        """The n choices of one request are a group (its id is the completion's id): each is an
+        episode of one turn, addressed by its turn id, trained once the client reports outcomes
+        (`POST /v1/episodes/{turn_id}/outcome`) and closes the group or they time out."""
+        eps = [NewEpisode(id=tid, session_id=d.adm.session_id, turn_id=tid) for tid in turn_ids]
+        try:
+            await self.store.run(self.store.open_group, d.id, eps, {"choices_of": d.id})
+        except Exception:
+            log.exception("could not open the group of %s", d.id)
 
     async def close_session(self, session_id: str, reason: str) -> bool:
         known = self.sessions.close(session_id)
@@ -359,6 +372,8 @@ class Proxy:
         return wire.logprobs_content(texts, list(lps), alts)
 
     async def complete(self, d: Draft, n: int, request: Request | None = None) -> Response:
+        if not d.turn_ids:  # chosen now so every choice can name the turn it is stored as
+            d.turn_ids = [new_turn_id() for _ in range(n)]
         sampling = asyncio.ensure_future(self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version))
         if request is not None:
             # The client may leave while the answer is generated: then stop generating for
@@ -375,6 +390,7 @@ class Proxy:
         choices, replies, finishes = [], [], []
         for i, c in enumerate(comps):
             ch, reply, fin = self.choice(d, c, i)
+            ch["turn_id"] = d.turn_ids[i]  # for feedback, or an outcome when n > 1 (a group)
             choices.append(ch)
             replies.append(reply)
             finishes.append(fin)

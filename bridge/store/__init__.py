@@ -4,6 +4,7 @@ default, PostgreSQL by URL; Alembic migrations run at open. See docs/store.md.""
 
 from clawbridge.store.base import SampleStateError, StoreError
 from clawbridge.store.core import Store
+from clawbridge.store.episodes import EpisodeError, EpisodeRow, GroupRow, NewEpisode
 from clawbridge.store.records import (
     JudgeVote,
     Judgment,
@@ -21,8 +22,12 @@ from clawbridge.store.writer import AsyncWriter, WriterClosed
 __all__ = [
     "TRANSITIONS",
     "AsyncWriter",
+    "EpisodeError",
+    "EpisodeRow",
+    "GroupRow",
     "JudgeVote",
     "Judgment",
+    "NewEpisode",
     "PolicyVersionRow",
     "Sample",
     "SampleStateError",

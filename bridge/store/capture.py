@@ -252,8 +252,9 @@ class CaptureStore(StoreBase):
     ) -> list[StoredTurn]:
         """Main, trainable turns that have a next state but lack a judgment of one of `kinds`
         (oldest first). `StoredTurn.judged_kinds` says which kinds they already have, so a
-        judge loop that crashed half-way resumes with the missing ones."""
-        j = t.judgments
+        judge loop that crashed half-way resumes with the missing ones. Turns of an episode are
+        left out: their group's outcomes train them (`learning.episodes`)."""
+        j, ep = t.judgments, t.episodes.c
         missing = sa.or_(
             *(~sa.exists().where(j.c.turn_id == t.turns.c.id, j.c.kind == k) for k in kinds)
         )
@@ -265,6 +266,8 @@ class CaptureStore(StoreBase):
                     t.turns.c.train == sa.true(),
                     t.next_states.c.turn_id.is_not(None),
                     missing,
+                    ~sa.exists().where(ep.session_id == t.turns.c.session_id, ep.turn_id.is_(None)),
+                    ~sa.exists().where(ep.turn_id == t.turns.c.id),
                 ),
                 limit=limit,
             )
@@ -366,4 +369,3 @@ def _best_base(bases: Sequence[_Recent], messages: Sequence[Any]) -> tuple[_Rece
         if k and k >= len(c.messages) - 1:  # extends it (its rebuilt last message aside): done
             break
     return best, keep
-

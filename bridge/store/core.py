@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from clawbridge.store import schema as t
 from clawbridge.store.base import StoreError
 from clawbridge.store.capture import CaptureStore
+from clawbridge.store.episodes import EpisodeStore
 from clawbridge.store.export import export_jsonl
 from clawbridge.store.records import (
     StoreStats,
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Store(CaptureStore, TrainingStore):
+class Store(CaptureStore, TrainingStore, EpisodeStore):
     """Everything the loops keep, in one database."""
 
     # --- status and export --------------------------------------------------------------------

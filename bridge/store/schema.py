@@ -174,3 +174,38 @@ meta = sa.Table(
     sa.Column("value", sa.JSON(none_as_null=True)),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
 )
+
+# Episodes of general agents (DESIGN.md §6, docs/agents.md): a group is n attempts at one task;
+# an episode is one attempt, the main turns of its session (or, for a choice of an `n > 1`
+# request, that one turn), ending in an outcome reward. No foreign key to sessions: the session
+# row appears with the episode's first request.
+groups = sa.Table(
+    "groups",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("task", sa.JSON(none_as_null=True)),
+    sa.Column("size", sa.Integer, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),  # open | closed | trained | dropped
+    sa.Column("reason", sa.Text),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Index(None, "state"),
+)
+
+episodes = sa.Table(
+    "episodes",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("group_id", sa.Text, sa.ForeignKey("groups.id"), nullable=False),
+    sa.Column("idx", sa.Integer, nullable=False),
+    sa.Column("session_id", sa.Text, nullable=False),
+    sa.Column("turn_id", sa.Text),
+    sa.Column("state", sa.String(16), nullable=False),  # open | scored | expired
+    sa.Column("outcome", sa.Float),
+    sa.Column("reason", sa.Text),
+    sa.Column("created_at", UTCDateTime(), nullable=False),
+    sa.Column("ended_at", UTCDateTime()),
+    sa.Index(None, "group_id"),
+    sa.Index(None, "session_id"),
+    sa.Index(None, "turn_id"),
+)
