@@ -82,6 +82,7 @@ class Settings(BaseSettings):
     gate: Literal["on", "off"] = Field("on", description="Compare every trained candidate with the serving version on probes before it serves (off: publish at once).")
     gate_probes: int = Field(24, ge=0, le=50, description="Questions of the general probe set the gate asks each version (0: only the caller's probes).")
     gate_samples: int = Field(1, ge=1, description="Answers per probe and version.")
+    gate_recent: int = Field(8, ge=0, description="The user's recent prompts the gate replays on both versions for the judge model to compare pairwise (not with the rules judge).")
     gate_margin: float = Field(0.05, ge=0, le=1, description="A candidate worse than this (a rate difference) with p < gate_alpha is held back.")
     gate_alpha: float = Field(0.1, gt=0, lt=1, description="Significance of the gate's one-sided paired test.")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")

@@ -44,7 +44,8 @@ def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():
         anchored([1.0, 1.0], [-1.0], [-1.0], 0.1)
 
 
-def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys):
+def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps the table to the terminal's width
     from clawbridge.cli.status import print_status, print_versions
     from clawbridge.config import Settings
     from clawbridge.learning.gate import GATE_KEY, GateDecision
@@ -66,3 +67,47 @@ def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys):
     assert "accepted (probe 80%)" in out and "rejected by the gate" in out and "rollback of v1" in out
     print_status(str(tmp_path), None)
     assert "1 accepted, 1 held back" in capsys.readouterr().out
+
+
+class _Judge:
+    """Stands in for a judge model (outside this machine): answers by a rule on the prompt."""
+
+    name = "fake"
+
+    def __init__(self, rule):  # type: ignore[no-untyped-def]
+        self.rule = rule
+        self.prompts: list[str] = []
+
+    async def complete(self, messages, *, temperature, max_tokens, seed=None):  # type: ignore[no-untyped-def]
+        text = messages[-1]["content"]
+        self.prompts.append(text)
+        return self.rule(text)
+
+
+def test_a_pairwise_preference_is_the_last_box():
+    from clawbridge.judges.pairwise import parse_preference
+
+    assert parse_preference(r"A is shorter, but \boxed{B}") == 0.0
+    assert parse_preference(r"\boxed{A} ... on reflection \boxed{0}") == 0.5
+    assert parse_preference(r"\boxed{a}") == 1.0
+    assert parse_preference("B is better") is None
+
+
+async def test_the_pairwise_judge_asks_both_orders_so_position_bias_cancels():
+    from clawbridge.judges.pairwise import PairwiseJudge
+
+    always_a = PairwiseJudge(_Judge(lambda _t: r"\boxed{A}"))  # a judge that only ever says A
+    assert await always_a.prefer([{"role": "user", "content": "q"}], "x", "y") == 0.5
+
+    def likes_paris(text: str) -> str:
+        a = text.split("Reply A:")[1].split("Reply B:")[0]
+        return r"\boxed{A}" if "Paris" in a else r"\boxed{B}"
+
+    judge = _Judge(likes_paris)
+    fair = PairwiseJudge(judge)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert await fair.prefer(msgs, "Paris.", "I am not sure.") == 1.0
+    assert await fair.prefer(msgs, "I am not sure.", "Paris.") == 0.0
+    assert "What is the capital of France?" in judge.prompts[0]
+    broken = PairwiseJudge(_Judge(lambda _t: "no idea"))
+    assert await broken.prefer(msgs, "a", "b") == 0.5 and broken.failed == 2

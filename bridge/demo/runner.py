@@ -339,7 +339,7 @@ async def run_demo(
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
     _, tlo, thi = paired_interval(before.truly_per_prompt, after.truly_per_prompt)
     steps = len(await asyncio.to_thread(_steps, settings))
-    decisions = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
+    gate_records = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
     shown = [
         {"prompt": b["prompt"], "before": b["answer"], "after": a["answer"],
          "after_preferred": a["preferred"], "after_answered": a["answered"]}
@@ -350,7 +350,7 @@ async def run_demo(
         after=after.rate, delta=delta, interval=(lo, hi), steps=steps, versions=versions,
         seconds=time.monotonic() - t0, train_conversations=user.conversations,
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),
-        eval_samples=r.eval_samples, truly_interval=(tlo, thi), gate=decisions, examples=shown,
+        eval_samples=r.eval_samples, truly_interval=(tlo, thi), gate=gate_records, examples=shown,
     )
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))

@@ -30,6 +30,10 @@ from clawbridge.types import SamplingParams
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
     from clawbridge.chat.renderer import Renderer
+    from clawbridge.judges.pairwise import PairwiseJudge
+    from clawbridge.judges.types import Message
+
+Recent = tuple[Sequence[int], Sequence["Message"]]  # a user's prompt: its rendered ids and its messages
 
 Decision = Literal["accepted", "rejected"]
 GATE_KEY = "gate.decisions"  # store meta: every decision, oldest first
@@ -149,9 +153,11 @@ class Gate:
         samples: int = 1,
         margin: float = 0.05,
         alpha: float = 0.1,
+        pairwise: PairwiseJudge | None = None,
     ) -> None:
-        if not probes:
-            raise ValueError("the gate needs at least one probe")
+        if not probes and pairwise is None:
+            raise ValueError("the gate needs probes or a pairwise judge")
+        self.pairwise = pairwise
         self.backend = backend
         self.renderer = renderer
         self.probes = list(probes)
@@ -186,15 +192,37 @@ class Gate:
         self._scores.pop(version, None)
         self.answers.pop(version, None)
 
-    async def evaluate(self, candidate: int, serving: int, base: int = 0) -> GateDecision:
+    async def _answer(self, prompt_ids: Sequence[int], version: int) -> str:
+        [c] = await self.backend.sample(prompt_ids, self.params, n=1, version=version)
+        return self.renderer.parse(c.tokens, c.finish_reason).content or ""
+
+    async def _compare(self, prompt: Recent, candidate: int, serving: int) -> float:
+        """How often the judge prefers the candidate's answer to the serving version's."""
+        assert self.pairwise is not None
+        ids, messages = prompt
+        a, b = await asyncio.gather(self._answer(ids, candidate), self._answer(ids, serving))
+        return await self.pairwise.prefer(messages, a, b)
+
+    async def evaluate(
+        self, candidate: int, serving: int, base: int = 0, recent: Sequence[Recent] = ()
+    ) -> GateDecision:
+        """`recent`: the user's own recent prompts, replayed on both versions and compared by the
+        pairwise judge (when there is one)."""
         t0 = time.monotonic()
+        comparisons: dict[str, GroupFigures] = {}
+        figures: dict[str, float] = {}
+        if self.pairwise is not None and recent:
+            wins = list(await asyncio.gather(*(self._compare(p, candidate, serving) for p in recent)))
+            # paired per prompt: the candidate's share of the preference against the serving one's
+            fig = paired_worse(wins, [1.0 - w for w in wins])
+            comparisons["recent vs serving"] = fig
+            figures.update(recent_candidate=fig.candidate, recent_n=float(len(wins)),
+                           recent_p_vs_serving=fig.p_worse)
         cand = await self.scores(candidate)
         refs = {"serving": await self.scores(serving)}
         if base != serving:
             refs["v0"] = await self.scores(base)
         groups = sorted({p.group for p in self.probes})
-        comparisons: dict[str, GroupFigures] = {}
-        figures: dict[str, float] = {}
         for g in groups:
             idx = [i for i, p in enumerate(self.probes) if p.group == g]
             c = [cand[i] for i in idx]

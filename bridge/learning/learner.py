@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from clawbridge.backends.costs import BudgetExceeded
 from clawbridge.config import Settings
 from clawbridge.judges import build_judges, judge_kind
+from clawbridge.judges.pairwise import PairwiseJudge
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import Gate, GateProbe, probe_check
@@ -61,12 +62,15 @@ class Learner:
         judges = build_judges(self.settings, backend, teacher=teacher)
         self.collector = Collector(self.settings, backend, store, judges)
         self.episodes = EpisodeLearner(self.settings, backend, store, judges)
-        self.trainer = Trainer(self.settings, backend, store, lock=self.lock, gate=self.build_gate(backend))
+        client = getattr(judges.reward, "client", None)  # a judge model (the rules judge has none)
+        pairwise = PairwiseJudge(client, seed=self.settings.seed) if client is not None else None
+        self.trainer = Trainer(self.settings, backend, store, lock=self.lock,
+                               gate=self.build_gate(backend, pairwise))
 
-    def build_gate(self, backend: Backend) -> Gate | None:
+    def build_gate(self, backend: Backend, pairwise: PairwiseJudge | None = None) -> Gate | None:
         """The gate the settings ask for: a spread of the general probe set plus the caller's
-        probes. (Recent prompts replayed for a pairwise judge are not wired yet: the offline
-        rules judge cannot compare two answers.)"""
+        probes, and with a judge model the user's recent prompts compared pairwise (the offline
+        rules judge cannot compare two answers)."""
         s = self.settings
         if s.gate == "off":
             return None
@@ -77,11 +81,13 @@ class Learner:
         chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
         probes = [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
                   for p in chosen] + self.extra_probes
-        if not probes:
+        if s.gate_recent == 0:
+            pairwise = None
+        if not probes and pairwise is None:
             return None
         params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
         return Gate(backend, Renderer(backend.tokenizer()), probes, params=params, samples=s.gate_samples,
-                    margin=s.gate_margin, alpha=s.gate_alpha)
+                    margin=s.gate_margin, alpha=s.gate_alpha, pairwise=pairwise)
 
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
@@ -94,8 +100,7 @@ class Learner:
         """The background task: collect and train until cancelled."""
         self.bind(backend, store)
         assert self.trainer is not None
-        if self.settings.resume:
-            await self.trainer.resume()
+        # the trainer resumed before serving began (`server.serve`: the newest version serves)
         await asyncio.gather(self._collect_loop(), self._train_loop())
 
     async def _collect_loop(self) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from clawbridge.backends.base import Backend
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.config import Settings
-from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision
+from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
 from clawbridge.types import Datum, StepMetrics
 
@@ -102,13 +102,40 @@ class Trainer:
         self.last: StepResult | None = None  # the newest step this process trained
 
     async def resume(self) -> str | None:
-        """Load the latest checkpoint the store remembers (`--resume`); None if there is none."""
-        ck = await self.store.run(self.store.get_meta, CHECKPOINT_KEY)
-        if not ck:
+        """At every start: serve the newest version the store recorded and train on from it,
+        whatever the checkpoint cadence (versions are append-only: a restart never serves an
+        older one, nor numbers a new one like an old one).
+
+        - The latest checkpoint is of that version: it is loaded, weights and optimizer state
+          exactly.
+        - The newest version is newer than the last checkpoint (a kill between a step's commit
+          and its checkpoint, or `checkpoint_every` > 1): its published weights are loaded with a
+          fresh optimizer (Adam's moments restart; `backend.restore`), so no committed update is
+          lost. A backend without `restore` falls back to the checkpoint, with a warning.
+
+        Returns what was loaded (a path or `policy@vK`); None on a fresh store."""
+        store = self.store
+        newest = await store.run(store.latest_version)
+        ck = await store.run(store.get_meta, CHECKPOINT_KEY)
+        if ck and (newest is None or int(ck["version"]) >= newest.version):
+            await self.backend.load_state(ck["path"])
+            log.info("resumed from %s (step %s, policy@v%s)", ck["path"], ck["step"], ck["version"])
+            return str(ck["path"])
+        if newest is None or newest.version == 0:
             return None
-        await self.backend.load_state(ck["path"])
-        log.info("resumed from %s (step %s, policy@v%s)", ck["path"], ck["step"], ck["version"])
-        return str(ck["path"])
+        restore = getattr(self.backend, "restore", None)
+        if restore is None:
+            log.warning("the %s backend cannot load published weights: resuming from the last checkpoint "
+                        "(policy@v%s), older than the newest version v%d", self.backend.name,
+                        ck["version"] if ck else 0, newest.version)
+            if ck:
+                await self.backend.load_state(ck["path"])
+                return str(ck["path"])
+            return None
+        await restore(newest.version, newest.path)
+        log.info("resumed from policy@v%d's published weights (%s) with a fresh optimizer%s", newest.version,
+                 newest.path, f"; the last checkpoint is of v{ck['version']}" if ck else "")
+        return newest.path or f"policy@v{newest.version}"
 
     async def next_step_number(self) -> int:
         steps = await self.store.run(self.store.training_steps)
@@ -145,7 +172,7 @@ class Trainer:
             )
             served = policy.version
             if self.gate is not None:
-                served = await self._gate(policy.version, before)
+                served = await self._gate(policy.version, before, await self._recent(batch))
         finally:
             if pinned is not None:
                 pinned.pin(None)  # between steps the newest version serves: accepted, or the restored copy
@@ -159,13 +186,24 @@ class Trainer:
         self.last = StepResult(step, policy.version, len(batch), record, served)
         return self.last
 
-    async def _gate(self, candidate: int, serving: int) -> int:
+    async def _recent(self, batch: Sequence[Sample]) -> list[Recent]:
+        """The user's own recent prompts for the gate's pairwise comparison: those of the batch."""
+        if self.gate is None or self.gate.pairwise is None:
+            return []
+        out: list[Recent] = []
+        for sample in batch[: self.settings.gate_recent]:
+            turn = await self.store.run(self.store.get_turn, sample.turn_id)
+            if turn is not None:
+                out.append((sample.prompt_ids, turn.messages))
+        return out
+
+    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = ()) -> int:
         """Judge the candidate against the serving version; returns the version that serves next.
         A rejected candidate (or a gate that failed: no evidence is no pass) is replaced by a
         copy of the serving weights, so training continues from what was served."""
         assert self.gate is not None
         try:
-            decision = await self.gate.evaluate(candidate, serving)
+            decision = await self.gate.evaluate(candidate, serving, recent=recent)
         except asyncio.CancelledError:
             raise
         except Exception as e:
