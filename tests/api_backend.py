@@ -3,7 +3,8 @@ records every completion it hands out (so a test can check the store holds exact
 sampled), with scripted answers where a random model would never act like an agent.
 
 The script reads the rendered prompt: when tools are offered and the last message is not a tool
-result, the answer is a Hermes-style call of the first tool; after a tool result, a short text.
+result, the answer is a Hermes-style call of the first tool; after a tool result, a short text;
+asked to think first, a `<think>` block and then a short text.
 Scripted tokens get their logprobs from the real backend's `score`, so captured turns stay exact.
 Otherwise the tiny model samples for real."""
 
@@ -17,6 +18,8 @@ from clawbridge.types import Completion, SamplingParams, TokenChunk
 
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
 AFTER_TOOL = "The file a.txt says hello."
+THINK_FIRST = "Think first."  # a user message with this gets a reasoning block, then the answer
+THOUGHT, ANSWER = "The user wants a greeting.", "Hello!"
 READ_FILE = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 
 
@@ -39,6 +42,8 @@ class RecordingBackend:
         last = text.rsplit("<|im_start|>", 2)[-2] if text.count("<|im_start|>") >= 2 else ""
         if last.startswith("tool") or "<tool_response>" in last:
             answer = AFTER_TOOL
+        elif THINK_FIRST in last:
+            answer = f"<think>{THOUGHT}</think>{ANSWER}"
         elif "<tools>" in text or '"read_file"' in text:
             answer = CALL
         else:

@@ -11,9 +11,18 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from api_backend import AFTER_TOOL, READ_FILE, RecordingBackend, assert_captured
+from api_backend import (
+    AFTER_TOOL,
+    ANSWER,
+    READ_FILE,
+    THINK_FIRST,
+    THOUGHT,
+    RecordingBackend,
+    assert_captured,
+)
 from clawbridge.config import Settings
 from clawbridge.server import build_backend
+from clawbridge.serving.anthropic import to_messages
 from clawbridge.store import StoredTurn
 from live_server import LiveServer
 
@@ -167,3 +176,32 @@ def test_malformed_requests_get_an_anthropic_shaped_400_and_write_nothing(live: 
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert live.proxy.counters.turns_recorded == before
+
+
+def test_reasoning_is_a_thinking_block_streamed_as_thinking_deltas(live: LiveServer, client: anthropic.Anthropic):
+    ask: Any = [{"role": "user", "content": THINK_FIRST}]
+    m = client.messages.create(model=MODEL, max_tokens=64, messages=ask)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", THOUGHT), ("text", ANSWER)]
+    with client.messages.stream(model=MODEL, max_tokens=64, messages=ask) as stream:
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[0].thinking == THOUGHT  # type: ignore[union-attr]
+
+
+def test_blocks_translate_to_chat_messages():
+    body: Any = {"system": [{"type": "text", "text": "Be brief."}], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                          {"type": "text", "text": "Let me look."},
+                                          {"type": "tool_use", "id": "t1", "name": "read_file", "input": {"path": "a"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "one"}]},
+                                     {"type": "text", "text": "and?"}]},
+    ]}
+    assert to_messages(body) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "hm", "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "one"},
+        {"role": "user", "content": "and?"},
+    ]

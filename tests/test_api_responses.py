@@ -11,9 +11,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_backend import AFTER_TOOL, READ_FILE, RecordingBackend, assert_captured
+from api_backend import (
+    AFTER_TOOL,
+    ANSWER,
+    READ_FILE,
+    THINK_FIRST,
+    THOUGHT,
+    RecordingBackend,
+    assert_captured,
+)
 from clawbridge.config import Settings
 from clawbridge.server import build_backend
+from clawbridge.serving.responses import to_messages
 from clawbridge.store import StoredTurn
 from live_server import LiveServer
 
@@ -223,3 +232,41 @@ def test_malformed_requests_get_an_openai_shaped_400_and_write_nothing(live: Liv
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert live.proxy.counters.turns_recorded == before
+
+
+def test_reasoning_is_a_reasoning_item_streamed_as_reasoning_text(live: LiveServer, client: openai.OpenAI):
+    r = client.responses.create(model=MODEL, input=THINK_FIRST)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER  # type: ignore[union-attr,index]
+    assert turn_of(live, r.id).response["reasoning_content"] == THOUGHT
+    events = list(client.responses.create(model=MODEL, input=THINK_FIRST, stream=True))
+    types = [e.type for e in events]
+    assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")  # type: ignore[union-attr]
+    assert thought == THOUGHT and [o.type for o in events[-1].response.output] == ["reasoning", "message"]  # type: ignore[union-attr]
+
+
+def test_replayed_items_gather_into_the_assistant_turn_that_produced_them():
+    """Reasoning, text and function calls that follow one another are one assistant message (as
+    the turn recorded them); text after calls starts the next one."""
+    items: Any = [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "read_file", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "read_file", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+    ]
+    call = {"type": "function", "function": {"name": "read_file", "arguments": "{}"}}
+    assert to_messages(items) == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "hm",
+         "tool_calls": [{"id": "c1", **call}, {"id": "c2", **call}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "content": "Done."},
+        {"role": "developer", "content": "Be brief."},
+    ]
