@@ -8,6 +8,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The gate samples every candidate on probes before it serves: tens of seconds per step on a
+# random tiny model, which knows no answers anyway. Tests that train for other reasons run
+# without it; the gate's own tests (test_gate_live, test_demo) switch it on explicitly.
+os.environ.setdefault("CLAWBRIDGE_GATE", "off")
 
 from pathlib import Path
 
