@@ -268,3 +268,48 @@ async def test_rollback_publishes_an_earlier_versions_weights_as_a_new_version(b
         with pytest.raises(UnknownVersion):
             await backend.rollback(bad)
     assert backend.version == 5
+
+
+# --- episodes and groups (issue 15): what the episode pipeline relies on, on every backend ------
+TOOL_RESULT = (198, 27, 5023, 1180, 28, 2541, 198)  # a tool message's ids, spliced after turn 1
+
+
+async def test_a_group_of_n_samples_trains_toward_its_better_episodes(backend: Backend) -> None:
+    from clawbridge.learning.episodes import Step, group_advantages, step_rewards
+
+    comps = await backend.sample(PROMPT, SamplingParams(max_tokens=8, seed=41), n=4)
+    assert len(comps) == 4 and len({c.tokens for c in comps}) > 1
+    for c in comps:  # every choice, not only the first, carries its own exact logprobs
+        assert close(await backend.score(PROMPT, c.tokens), c.logprobs)
+    outcomes = (1.0, 0.0, 1.0, 0.0)
+    adv = group_advantages([step_rewards(o, [Step(len(c.tokens))]) for o, c in zip(outcomes, comps, strict=True)])
+    assert adv is not None and [round(a[0], 4) for a in adv] == [1.0, -1.0, 1.0, -1.0]
+    batch = [Datum(PROMPT, c.tokens, c.logprobs, (a[0],) * len(c.tokens)) for c, a in zip(comps, adv, strict=True)]
+    metrics = await backend.train_step(batch, LossSpec(), OptimSpec(learning_rate=1e-3))
+    assert metrics.tokens == sum(len(c.tokens) for c in comps) and metrics.samples == 4
+    await backend.publish()
+    moved = [sum(await backend.score(PROMPT, c.tokens)) - sum(c.logprobs) for c in comps]
+    assert min(moved[0], moved[2]) > max(moved[1], moved[3]), moved
+
+
+async def test_a_multi_turn_episode_trains_on_the_exact_sampled_tokens_of_every_turn(backend: Backend) -> None:
+    from clawbridge.learning.episodes import Step, group_advantages, step_rewards
+
+    (t1,) = await backend.sample(PROMPT, SamplingParams(max_tokens=6, seed=51, stop_token_ids=()))
+    prompt2 = PROMPT + t1.tokens + TOOL_RESULT  # turn 2 sees turn 1's reply and a tool result
+    (t2,) = await backend.sample(prompt2, SamplingParams(max_tokens=6, seed=52, stop_token_ids=()))
+    # the behaviour logprobs of turn 2 are its own, with turn 1's tokens as (masked) prompt
+    assert close(await backend.score(prompt2, t2.tokens), t2.logprobs)
+    (o1,) = await backend.sample(OTHER_PROMPT, SamplingParams(max_tokens=6, seed=53, stop_token_ids=()))
+    rewards = [step_rewards(1.0, [Step(len(t1.tokens)), Step(len(t2.tokens))]), step_rewards(0.0, [Step(len(o1.tokens))])]
+    adv = group_advantages(rewards)
+    assert adv is not None
+    batch = [Datum(PROMPT, t1.tokens, t1.logprobs, (adv[0][0],) * len(t1.tokens)),
+             Datum(prompt2, t2.tokens, t2.logprobs, (adv[0][1],) * len(t2.tokens)),
+             Datum(OTHER_PROMPT, o1.tokens, o1.logprobs, (adv[1][0],) * len(o1.tokens))]
+    metrics = await backend.train_step(batch, LossSpec(), OptimSpec(learning_rate=1e-3))
+    # only the sampled tokens count: turn 1's tokens inside turn 2's prompt are not trained twice
+    assert metrics.tokens == len(t1.tokens) + len(t2.tokens) + len(o1.tokens)
+    await backend.publish()
+    assert sum(await backend.score(PROMPT, t1.tokens)) > sum(t1.logprobs) + 0.01
+    assert sum(await backend.score(prompt2, t2.tokens)) > sum(t2.logprobs) + 0.01
