@@ -132,6 +132,21 @@ def test_explicit_feedback_is_stored_as_the_users_judgment(up: Up):
         assert mine.judge == "user" and mine.reward == f["reward"]
 
 
+def test_train_agent_runs_groups_of_tool_episodes_that_settle_with_their_reason(up: Up):
+    r = up.run("train_agent.py", "--tasks", "2", "--n", "3", "--max-tokens", "16", "--max-steps", "2")
+    summary = _last_json(r.stdout)
+    assert len(summary["groups"]) == 2
+    for g in summary["groups"]:
+        assert g["state"] in ("trained", "dropped") and g["reason"], g
+        assert len(g["outcomes"]) == 3 and all(o in (0.0, 0.1, 1.0) for o in g["outcomes"])
+        for eid in g["episodes"]:  # every episode's requests are its own session, main turns
+            turns = up.eventually(lambda s, eid=eid: s.session_turns(eid), lambda ts: len(ts) >= 1)
+            assert turns and all(t.turn_type == "main" and t.tools for t in turns)
+    with Store.open(up.db) as store:
+        grp = store.get_group(summary["groups"][0]["id"])
+    assert grp is not None and grp.task["answer"] > 0 and all(e.state == "scored" for e in grp.episodes)
+
+
 def test_read_store_summarises_the_live_store_and_an_export_alike(up: Up, tmp_path: Path):
     up.run("sdk_agent.py", "--user", "example-read")  # at least one finished session to read
     live = _last_json(subprocess.run(
