@@ -16,6 +16,9 @@ from typing import Any
 
 from clawbridge.types import Completion, SamplingParams, TokenChunk
 
+MODEL = "tiny-random"
+KEY = "sk-test"  # the server wants a key: every surface's way of sending one is exercised
+
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call>'
 AFTER_TOOL = "The file a.txt says hello."
 THINK_FIRST = "Think first."  # a user message with this gets a reasoning block, then the answer

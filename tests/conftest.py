@@ -52,3 +52,19 @@ def data_dir(tmp_path: Path) -> Path:
     d = tmp_path / "data"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="session")
+def api_live(tmp_path_factory: pytest.TempPathFactory):
+    """One live server (tiny model, a key required) for the three API-surface test files,
+    tests/test_api_*.py: starting one costs ~15 s here."""
+    from api_backend import KEY, MODEL, RecordingBackend
+    from clawbridge.config import Settings
+    from clawbridge.server import build_backend
+    from live_server import LiveServer
+
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("api"), train=False,
+                        default_max_tokens=16, api_key=KEY)
+    server = LiveServer(settings, RecordingBackend(build_backend(settings))).start()
+    yield server
+    server.stop()

@@ -11,26 +11,19 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_backend import RecordingBackend, assert_captured
-from clawbridge.config import Settings
-from clawbridge.server import build_backend
+from api_backend import KEY, MODEL, assert_captured
 from clawbridge.store import StoredTurn
 from live_server import LiveServer
 
-MODEL = "tiny-random"
 
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("completions"), train=False)
-    server = LiveServer(settings, RecordingBackend(build_backend(settings))).start()
-    yield server
-    server.stop()
+@pytest.fixture
+def live(api_live: LiveServer) -> LiveServer:  # one server for tests/test_api_*.py (conftest)
+    return api_live
 
 
 @pytest.fixture
 def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
 
 
 def turns(live: LiveServer, session_id: str) -> list[StoredTurn]:
@@ -123,7 +116,7 @@ def test_a_client_leaving_a_non_streaming_request_stops_generation_and_records_n
 
     monkeypatch.setattr(live.backend, "sample", slow_sample)
     before = live.proxy.counters.turns_recorded
-    with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=live.url, timeout=1.0) as c:
+    with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=live.url, timeout=1.0, headers={"authorization": f"Bearer {KEY}"}) as c:
         c.post(path, json=body)
     assert started.is_set() and cancelled.wait(5), "generation went on after the client left"
     assert live.proxy.counters.turns_recorded == before

@@ -14,34 +14,28 @@ import pytest
 from api_backend import (
     AFTER_TOOL,
     ANSWER,
+    KEY,
+    MODEL,
     READ_FILE,
     THINK_FIRST,
     THOUGHT,
-    RecordingBackend,
     assert_captured,
 )
-from clawbridge.config import Settings
-from clawbridge.server import build_backend
 from clawbridge.serving.anthropic import to_messages
 from clawbridge.store import StoredTurn
 from live_server import LiveServer
 
-MODEL = "tiny-random"
 TOOLS: Any = [{"name": "read_file", "description": "Read a file", "input_schema": READ_FILE}]
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("messages"), train=False,
-                        api_key="sk-ant-test")
-    server = LiveServer(settings, RecordingBackend(build_backend(settings))).start()
-    yield server
-    server.stop()
+@pytest.fixture
+def live(api_live: LiveServer) -> LiveServer:  # one server for tests/test_api_*.py (conftest)
+    return api_live
 
 
 @pytest.fixture
 def client(live: LiveServer) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=live.url, api_key="sk-ant-test", max_retries=0)
+    return anthropic.Anthropic(base_url=live.url, api_key=KEY, max_retries=0)
 
 
 def turn_of(live: LiveServer, message_id: str) -> StoredTurn:
@@ -130,14 +124,14 @@ def test_errors_are_anthropic_shaped(live: LiveServer, client: anthropic.Anthrop
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=live.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
-    r = httpx.post(f"{live.url}/v1/messages", headers={"x-api-key": "sk-ant-test", "anthropic-version": "1999-01-01"},
+    r = httpx.post(f"{live.url}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "1999-01-01"},
                    json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "anthropic-version" in r.json()["error"]["message"]
 
 
 def test_a_bearer_key_works_too(live: LiveServer, tmp_path: Path):
-    r = httpx.post(f"{live.url}/v1/messages", headers={"authorization": "Bearer sk-ant-test"},
+    r = httpx.post(f"{live.url}/v1/messages", headers={"authorization": f"Bearer {KEY}"},
                    json={"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.json()["type"] == "message"
 
@@ -172,7 +166,7 @@ BAD: Any = [
 def test_malformed_requests_get_an_anthropic_shaped_400_and_write_nothing(live: LiveServer, body: Any):
     before = live.proxy.counters.turns_recorded
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{live.url}/v1/messages", content=content, headers={"x-api-key": "sk-ant-test"})
+    r = httpx.post(f"{live.url}/v1/messages", content=content, headers={"x-api-key": KEY})
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
     assert live.proxy.counters.turns_recorded == before

@@ -14,34 +14,28 @@ import pytest
 from api_backend import (
     AFTER_TOOL,
     ANSWER,
+    KEY,
+    MODEL,
     READ_FILE,
     THINK_FIRST,
     THOUGHT,
-    RecordingBackend,
     assert_captured,
 )
-from clawbridge.config import Settings
-from clawbridge.server import build_backend
 from clawbridge.serving.responses import to_messages
 from clawbridge.store import StoredTurn
 from live_server import LiveServer
 
-MODEL = "tiny-random"
 TOOLS: Any = [{"type": "function", "name": "read_file", "description": "Read a file", "parameters": READ_FILE}]
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("responses"), train=False,
-                        default_max_tokens=16)
-    server = LiveServer(settings, RecordingBackend(build_backend(settings))).start()
-    yield server
-    server.stop()
+@pytest.fixture
+def live(api_live: LiveServer) -> LiveServer:  # one server for tests/test_api_*.py (conftest)
+    return api_live
 
 
 @pytest.fixture
 def client(live: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0)
 
 
 def turn_of(live: LiveServer, response_id: str) -> StoredTurn:
@@ -172,7 +166,7 @@ def _agent(live: LiveServer, calls: list[str]) -> Any:
         calls.append(path)
         return "hello"
 
-    model = OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0))
+    model = OpenAIResponsesModel(MODEL, openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=KEY, max_retries=0))
     return Agent(name="reader", instructions="Answer with the tools.", tools=[read_file], model=model)
 
 
@@ -228,7 +222,7 @@ BAD: Any = [
 def test_malformed_requests_get_an_openai_shaped_400_and_write_nothing(live: LiveServer, body: Any):
     before = live.proxy.counters.turns_recorded
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{live.url}/v1/responses", content=content, headers={"content-type": "application/json"})
+    r = httpx.post(f"{live.url}/v1/responses", content=content, headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert live.proxy.counters.turns_recorded == before
