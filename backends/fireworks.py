@@ -51,6 +51,7 @@ from clawbridge.backends.tinker import (
     rollback_path,
     step_metrics,
     stop_list,
+    temperature_reason,
     version_state,
 )
 from clawbridge.types import (
@@ -285,6 +286,9 @@ class FireworksBackend:
         out = await call("fireworks forward", lambda: client.forward([datum], "cross_entropy"), self.retry)
         self.meter.record("score", Usage(prefill_tokens=len(full)))
         return [float(x) for x in out.loss_fn_outputs[0]["logprobs"].data[len(prompt_ids) - 1 :]]
+
+    def untrainable(self, datum: Datum) -> str | None:
+        return temperature_reason(datum, "Fireworks")
 
     async def train_step(
         self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()

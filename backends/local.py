@@ -147,6 +147,10 @@ class LocalBackend:
     async def load_state(self, name: str) -> None:
         await self.engine.load_state(name)
 
+    async def restore(self, version: int, path: str | None) -> None:
+        """Serve and train on from `version`'s published weights (fresh optimizer)."""
+        await self.engine.restore(version, path)
+
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.close)
 

@@ -131,6 +131,16 @@ TEMPERATURE_ONE = (
 )
 
 
+def temperature_reason(datum: Datum, platform: str) -> str | None:
+    """Why `datum` cannot be trained on a platform whose losses see temperature-1 logprobs only
+    (a greedy turn, stored at temperature 0, is one): the trainer drops it with this reason
+    rather than retrying a batch that can never succeed."""
+    if datum.temperature == 1.0:
+        return None
+    return (f"sampled at temperature {datum.temperature:g}: {platform} trains temperature-1 samples only "
+            "(its loss sees target logprobs, not logits)")
+
+
 def check_batch(batch: Sequence[Datum], platform: str) -> None:
     if not batch:
         raise BackendError("train_step needs at least one datum")
@@ -348,6 +358,9 @@ class TinkerBackend:
         if any(x is None for x in tail):
             raise BackendError("Tinker returned no logprob for a completion token")
         return [float(x) for x in tail]
+
+    def untrainable(self, datum: Datum) -> str | None:
+        return temperature_reason(datum, "Tinker")
 
     async def train_step(
         self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()

@@ -92,7 +92,7 @@ class Settings(BaseSettings):
     overlong_max_tokens: int = Field(0, ge=0, description="Episode turns longer than this get reward -1 added, ramping in over overlong_cache_tokens before it (DAPO); 0 turns it off.")
     overlong_cache_tokens: int = Field(0, ge=0, description="Length of the overlong penalty's ramp (tokens before overlong_max_tokens).")
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
-    resume: bool = Field(False, description="Continue from the latest checkpoint in the data directory.")
+    resume: bool = Field(False, description="Kept for compatibility: every start continues from the newest published version (and its checkpoint when it has one).")
     budget_usd: float | None = Field(None, ge=0, description="Stop training (never serving) when spend reaches this.")
     redact: bool = Field(True, description="Redact emails, phone numbers and key-like strings before data leaves the machine.")
     seed: int = Field(0, description="Seed for LoRA initialisation and the demo.")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
+from clawbridge.learning.trainer import Trainer
 from clawbridge.openclaw import provider as openclaw
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
@@ -199,8 +200,12 @@ async def serve(
     await backend.start()
     if store is None:
         store = await asyncio.to_thread(open_store, settings)
+    # Before the first request: the newest version the store recorded serves, and training goes
+    # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
+    await Trainer(settings, backend, store).resume()
     app = create_app(settings, backend, store, hooks, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
+    await proxy.restore_sessions()  # open conversations continue across a restart
     if freeze_gc:
         # Everything alive now (torch, transformers, the model, the tokenizer: millions of
         # objects) lives as long as the server. Left to the collector, each full collection

@@ -252,6 +252,9 @@ class Engine:
     async def load_state(self, name: str) -> None:
         await self._call(self._load_state, name)
 
+    async def restore(self, version: int, path: str | None) -> None:
+        await self._call(self._restore, version, path)
+
     async def logits(self, token_ids: Sequence[int], *, version: int | None = None) -> torch.Tensor:
         """The logits at every position of `token_ids` on a version (default: the newest),
         computed as serving computes them: that version's adapter, unmerged, in the model's
@@ -514,6 +517,10 @@ class Engine:
 
     def _publish(self) -> PolicyVersion:
         version = self._newest + 1
+        # Published weights are never written over: a folder left by a publish whose version the
+        # store never recorded (a kill between the two) keeps its number, and this one skips it.
+        while self._adapter_dir(version).exists():
+            version += 1
         path = self._adapter_dir(version)
         self._write_adapter(path)
         # serve exactly what was persisted: the folder is what restarts and rollbacks load
@@ -689,6 +696,22 @@ class Engine:
         with torch.no_grad():
             set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
         self._optimizer = None
+
+    def _restore(self, version: int, path: str | None) -> None:
+        """After a restart: train on from the weights published as `version` (at `path`), with a
+        fresh optimizer, and serve them as the newest version."""
+        from safetensors.torch import load_file
+
+        if version == 0:
+            self._set_trainable(self._initial)
+        else:
+            folder = Path(path) if path else self._adapter_dir(version)
+            file = folder / "adapter_model.safetensors"
+            if not file.exists():
+                raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
+            self._set_trainable(load_file(str(file), device=str(self.device)))
+        self._newest = version
+        self._release(self._acquire(None))  # loads the newest version's adapter if missing
 
     def _load_state(self, name: str) -> None:
         from safetensors.torch import load_file

@@ -489,14 +489,17 @@ def test_a_crash_inside_the_training_step_leaves_samples_judged_and_none_trains_
     assert len(store.training_steps()) == 1
 
 
-def test_policy_versions_are_listed_in_order_and_updatable(store: Store) -> None:
+def test_policy_versions_are_listed_in_order_and_never_rewritten(store: Store) -> None:
+    from clawbridge.store import VersionReused
+
     assert store.latest_version() is None
     store.record_policy_version(PolicyVersionRow(version=0))
     store.record_policy_version(PolicyVersionRow(version=2, path="tinker://x/2", step=2, samples=32))
     store.record_policy_version(PolicyVersionRow(version=1, path="/ckpt/1", mean_reward=0.25))
-    store.record_policy_version(PolicyVersionRow(version=1, path="/ckpt/1b", mean_reward=0.5))
+    with pytest.raises(VersionReused):  # append-only: a number is never reused or overwritten
+        store.record_policy_version(PolicyVersionRow(version=1, path="/ckpt/1b", mean_reward=0.5))
     assert [(v.version, v.path) for v in store.versions()] == [
-        (0, None), (1, "/ckpt/1b"), (2, "tinker://x/2")
+        (0, None), (1, "/ckpt/1"), (2, "tinker://x/2")
     ]
     latest = store.latest_version()
     assert latest is not None and latest.version == 2 and latest.samples == 32

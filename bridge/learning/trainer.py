@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clawbridge.backends.base import Backend
+from clawbridge.backends.base import Backend, BackendError, TransientBackendError
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.config import Settings
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "trainer.checkpoint"  # store meta: the latest resumable state
 ROLLBACKS_KEY = "policy.rollbacks"  # store meta: {"<version>": <the version it is a copy of>}
+PERMANENT_FAILURES = 3  # a batch refused this many times in a row by a permanent error is dropped
 
 
 def to_datum(s: Sample) -> Datum:
@@ -99,6 +100,8 @@ class Trainer:
         self.decisions: list[GateDecision] = []
         self.lock = lock or asyncio.Lock()  # one of: a step (train_step + publish + record), a rollback
         self.dropped_stale = 0
+        self.dropped_untrainable = 0
+        self._failures: dict[tuple[int, ...], int] = {}  # batch -> permanent train_step failures in a row
         self.last: StepResult | None = None  # the newest step this process trained
 
     async def resume(self) -> str | None:
@@ -149,7 +152,19 @@ class Trainer:
     async def _step(self) -> StepResult | None:
         s, store = self.settings, self.store
         self.dropped_stale += await store.run(store.drop_stale_samples, self.backend.version, s.max_staleness)
-        batch = await store.run(store.pending_samples, s.batch_size, method=s.method)
+        # A sample the backend can never train (a greedy turn on a temperature-1-only platform)
+        # leaves the queue with its reason, instead of failing the same oldest batch for ever.
+        untrainable = getattr(self.backend, "untrainable", None)
+        while True:
+            batch = await store.run(store.pending_samples, s.batch_size, method=s.method)
+            unfit = {x.id: why for x in batch if untrainable and (why := untrainable(to_datum(x)))}
+            if not unfit:
+                break
+            for sid, why in unfit.items():
+                await store.run(store.mark_samples, [sid], "dropped", why)
+            self.dropped_untrainable += len(unfit)
+            log.info("dropped %d sample(s) the %s backend cannot train: %s", len(unfit), self.backend.name,
+                     next(iter(unfit.values())))
         if len(batch) < s.batch_size:
             return None
         step = await self.next_step_number()
@@ -158,7 +173,7 @@ class Trainer:
         if pinned is not None:
             pinned.pin(before)  # the candidate is published but not served until it passes
         try:
-            metrics = await self.backend.train_step([to_datum(x) for x in batch], s.loss, s.optim)
+            metrics = await self._train_step(batch)
             policy = await self.backend.publish()
             record = step_record(metrics, batch)
             await store.run(
@@ -185,6 +200,27 @@ class Trainer:
             await self.checkpoint(step, served)
         self.last = StepResult(step, policy.version, len(batch), record, served)
         return self.last
+
+    async def _train_step(self, batch: Sequence[Sample]) -> StepMetrics:
+        """backend.train_step; a batch refused PERMANENT_FAILURES times in a row by a permanent
+        error (not a transient one: those are retried for ever) is dropped with the error as its
+        reason, so a sample that can never train never blocks the queue."""
+        s = self.settings
+        key = tuple(x.id for x in batch)
+        try:
+            metrics = await self.backend.train_step([to_datum(x) for x in batch], s.loss, s.optim)
+        except TransientBackendError:
+            raise
+        except BackendError as e:
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            if failures >= PERMANENT_FAILURES:
+                reason = f"train_step failed {failures} times: {e}"[:500]
+                await self.store.run(self.store.mark_samples, list(key), "dropped", reason)
+                self._failures.pop(key, None)
+                log.error("dropped a batch of %d samples: %s", len(key), reason)
+            raise
+        self._failures.clear()
+        return metrics
 
     async def _recent(self, batch: Sequence[Sample]) -> list[Recent]:
         """The user's own recent prompts for the gate's pairwise comparison: those of the batch."""

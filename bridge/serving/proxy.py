@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.base import (
@@ -130,6 +131,16 @@ class Proxy:
         self._background: set[asyncio.Task[Any]] = set()
 
     # --- the edge ---------------------------------------------------------------------------
+
+    async def restore_sessions(self) -> int:
+        """At start: the conversations open before a restart continue (their next states
+        included), rebuilt from the store's recent turns of every open, unexpired session."""
+        since = datetime.now(UTC) - timedelta(seconds=self.settings.session_idle_timeout_s)
+        turns = await self.store.run(self.store.open_session_turns, since)
+        restored = self.sessions.restore(turns)
+        if restored:
+            log.info("restored %d open sessions (%d turns) from the store", restored, len(turns))
+        return restored
 
     def check_auth(self, request: Request) -> None:
         if self._key is None:

@@ -172,6 +172,7 @@ class _Pending:
     turn_id: str
     fp: bytes  # fingerprint of the turn's history + reply
     length: int  # messages in that history + 1
+    base: bytes = b""  # fingerprint of the history alone
 
 
 @dataclass
@@ -292,9 +293,35 @@ class Sessions:
             self._index[fp] = sess.id
             sess.keys.append(fp)
             if i == 0 and adm.turn_type == "main" and turn_ids:
-                sess.last_main = _Pending(turn_ids[0], fp, len(adm.fps) + 1)
+                sess.last_main = _Pending(turn_ids[0], fp, len(adm.fps) + 1, base)
         while len(sess.keys) > _KEYS_PER_SESSION:
             self._index.pop(sess.keys.pop(0), None)
+
+    def restore(self, turns: Sequence[Any]) -> int:
+        """Rebuild the index from stored turns (`Store.open_session_turns`: the last few of each
+        open session, in order), as `complete` built it while they were answered: every reply's
+        fingerprint joins its session, and a session's newest main turn still without a next
+        state waits for one. Returns the number of sessions restored."""
+        for turn in turns:
+            sess = self._sessions.get(turn.session_id)
+            if sess is None:
+                sess = self._sessions[turn.session_id] = _Session(turn.session_id, self._clock())
+            hist = history(turn.messages)
+            fps = fingerprints(hist)
+            fp = extend(fps[-1] if fps else b"", turn.response)
+            self._index[fp] = sess.id
+            sess.keys.append(fp)
+            while len(sess.keys) > _KEYS_PER_SESSION:
+                self._index.pop(sess.keys.pop(0), None)
+            if turn.turn_type != "main":
+                continue
+            same_request = sess.last_main is not None and sess.last_main.length == len(fps) + 1 and (
+                sess.last_main.base == (fps[-1] if fps else b""))
+            if turn.next_state is not None:
+                sess.last_main = None
+            elif not same_request:  # n > 1: the first choice is the one tracked, as in `complete`
+                sess.last_main = _Pending(turn.id, fp, len(fps) + 1, fps[-1] if fps else b"")
+        return len({turn.session_id for turn in turns})
 
     def close(self, session_id: str) -> bool:
         sess = self._sessions.pop(session_id, None)

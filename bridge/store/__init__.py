@@ -2,7 +2,7 @@
 every vote, samples and their states, training steps and policy versions. SQLite (WAL) by
 default, PostgreSQL by URL; Alembic migrations run at open. See docs/store.md."""
 
-from clawbridge.store.base import SampleStateError, StoreError
+from clawbridge.store.base import SampleStateError, StoreError, VersionReused
 from clawbridge.store.core import Store
 from clawbridge.store.episodes import EpisodeError, EpisodeRow, GroupRow, NewEpisode
 from clawbridge.store.records import (
@@ -38,5 +38,6 @@ __all__ = [
     "StoredTurn",
     "TrainingStep",
     "TurnRecord",
+    "VersionReused",
     "WriterClosed",
 ]

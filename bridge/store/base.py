@@ -44,6 +44,14 @@ class SampleStateError(StoreError):
     """A sample is not in a state the requested transition starts from."""
 
 
+class VersionReused(StoreError):
+    """A policy version number was recorded twice: versions are append-only."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"policy@v{version} is already recorded: version numbers are never reused")
+        self.version = version
+
+
 
 def private_dir(path: Path) -> Path:
     """Create `path` (and its parents) readable by this user only (0700): it holds every captured

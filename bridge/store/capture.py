@@ -247,6 +247,22 @@ class CaptureStore(StoreBase):
             )
         return found[0] if found else None
 
+    def open_session_turns(self, updated_since: datetime, per_session: int = 8) -> list[StoredTurn]:
+        """The last `per_session` turns of every open session active since `updated_since`, in
+        order within each session: what the proxy rebuilds its session index from at start, so
+        a conversation open before a restart continues after it (and gets its next states)."""
+        tu, se = t.turns, t.sessions
+        rank = sa.func.row_number().over(partition_by=tu.c.session_id, order_by=tu.c.idx.desc()).label("rank")
+        recent = (
+            sa.select(tu.c.id, rank)
+            .join(se, se.c.id == tu.c.session_id)
+            .where(se.c.done == sa.false(), se.c.updated_at >= updated_since)
+            .subquery()
+        )
+        with self._read() as conn:
+            return self._turns(conn, tu.c.id.in_(sa.select(recent.c.id).where(recent.c.rank <= per_session)),
+                               order=tu.c.idx)
+
     def turns_awaiting_judgment(
         self, kinds: Sequence[str] = ("prm",), limit: int = 100
     ) -> list[StoredTurn]:
@@ -369,3 +385,4 @@ def _best_base(bases: Sequence[_Recent], messages: Sequence[Any]) -> tuple[_Rece
         if k and k >= len(c.messages) - 1:  # extends it (its rebuilt last message aside): done
             break
     return best, keep
+

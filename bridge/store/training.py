@@ -12,7 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from clawbridge.store import codec
 from clawbridge.store import schema as t
-from clawbridge.store.base import SampleStateError, StoreBase, StoreError, check_len
+from clawbridge.store.base import SampleStateError, StoreBase, StoreError, VersionReused, check_len
 from clawbridge.store.records import (
     Judgment,
     PolicyVersionRow,
@@ -299,14 +299,13 @@ class TrainingStore(StoreBase):
             self._put_version(conn, row)
 
     def _put_version(self, conn: sa.Connection, row: PolicyVersionRow) -> None:
-        values = asdict(row)
-        ins = self._insert(t.policy_versions).values(**values)
-        conn.execute(
-            ins.on_conflict_do_update(
-                index_elements=[t.policy_versions.c.version],
-                set_={k: ins.excluded[k] for k in values if k != "version"},
-            )
-        )
+        """Versions are append-only: the number is the primary key and a row is never updated,
+        so a version number used twice fails the transaction (VersionReused) instead of
+        rewriting history."""
+        try:
+            conn.execute(t.policy_versions.insert().values(**asdict(row)))
+        except sa.exc.IntegrityError:  # the whole transaction (a step and its samples) rolls back
+            raise VersionReused(row.version) from None
 
     def latest_version(self) -> PolicyVersionRow | None:
         with self._read() as conn:
