@@ -285,3 +285,24 @@ def test_feedback_takes_a_graded_reward(live: LiveServer):
         chat.chat.completions.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "hi"}])
         out = chat.feedback(0.5)
     assert out["reward"] == 0.5
+
+
+def test_a_hint_on_an_episode_step_adds_hint_opd_to_its_group_advantage(live: LiveServer):
+    cb = clawbridge.Client(live.url)
+    hint = "Call the calculator first, then answer with the number only."
+    with cb.group(n=2, task="hinted") as g:
+        for ep, outcome in zip(g, (0.0, 1.0), strict=True):
+            run_episode(ep, turns=1)
+            if ep.index == 0:
+                fb = ep.feedback(hint=hint)
+                assert fb["sample"] is None and fb["episode"] == ep.id  # the group trains it
+            ep.outcome(outcome)
+    assert wait_settled(live, g.id)["state"] == "trained"
+    store = store_of(live)
+    [t0] = [t for t in store.session_turns(g[0].session_id) if t.turn_type == "main"]
+    [s] = samples_of(store, {t0.id})
+    assert s.state == "judged" and s.hint == hint and s.teacher_logprobs is not None
+    assert s.advantages is not None and len(s.advantages) == len(t0.completion_ids)
+    # w_opd * clip(teacher - old, +-1) + w_rl * A, with A = -1 for the worse episode
+    for a, te, old in zip(s.advantages, s.teacher_logprobs, t0.logprobs, strict=True):
+        assert a == pytest.approx(max(-1.0, min(1.0, te - old)) - 1.0, abs=1e-4)

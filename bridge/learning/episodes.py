@@ -6,6 +6,9 @@
                        steps (one step per assistant turn; an episode of one turn is plain GRPO)
       ──► one sample per assistant turn, A broadcast over exactly its sampled completion tokens
 
+A hint the agent gave on a step (`ep.feedback(hint=...)`) adds hint OPD to that step with the
+method's weights: A_t = w_opd * clip(teacher_t - old_t, +-c) + w_rl * A (not with `binary`).
+
 A group whose rewards are all equal says nothing to prefer: it yields no sample, and its row and
 its turns' samples say so. Episodes that expired (no outcome) train nothing; they are not
 counted as failures, because nothing says they failed.
@@ -23,11 +26,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from clawbridge.backends.base import Backend
+from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
-from clawbridge.judges import Judges, TurnContext
+from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.learning.advantages import (
     anchored,
     binary_advantages,
+    combine_advantages,
     group_normalise,
     integrated_reward,
     overlong_penalty,
@@ -118,6 +123,7 @@ class EpisodeLearner:
         self.store = store
         self.judges = judges
         self.stats = EpisodeStats()
+        self.renderer: Renderer | None = None  # for hint OPD's teacher prompt, built on first use
 
     async def run_once(self, limit: int = 16) -> int:
         """One pass; returns the number of groups settled."""
@@ -173,11 +179,22 @@ class EpisodeLearner:
         """One turn's sample: the group-relative advantage on every completion token it sampled
         (the prompt, tool results included, is masked by the trainer's datum)."""
         store, s = self.store, self.settings
-        if abs(advantage) < 1e-9 or not turn.completion_ids:
+        hint = await self.hint(turn) if s.method != "binary" else None
+        if (abs(advantage) < 1e-9 and hint is None) or not turn.completion_ids:
             reason = f"group {g.id}: zero advantage (reward {reward:+g} is the group mean)"
             await store.run(store.create_sample, turn.id, s.method, state="dropped", reward=reward, reason=reason)
             return 0
-        token_adv = binary_advantages(s.w_rl * advantage, len(turn.completion_ids))
+        teacher_lp: list[float] | None = None
+        if hint is None:
+            token_adv = binary_advantages(s.w_rl * advantage, len(turn.completion_ids))
+        else:  # hint OPD on top of the group advantage: w_opd * clip(teacher - old) + w_rl * A
+            if self.renderer is None:
+                self.renderer = Renderer(self.backend.tokenizer())
+            prompt = self.renderer.render(teacher_messages(turn.messages, hint), turn.tools)
+            teacher_lp = await self.backend.score(
+                prompt, turn.completion_ids, model=s.teacher, temperature=turn.sampling.temperature,
+            )
+            token_adv = combine_advantages(teacher_lp, turn.logprobs, advantage, s.w_opd, s.w_rl, s.opd_clip)
         if s.kl_anchor > 0:
             base_lp = await self.backend.score(
                 turn.prompt_ids, turn.completion_ids, model="base", temperature=turn.sampling.temperature,
@@ -185,10 +202,16 @@ class EpisodeLearner:
             token_adv = anchored(token_adv, turn.logprobs, base_lp, s.kl_anchor)
         _, created = await store.run(
             store.create_sample, turn.id, s.method, state="judged", reward=reward, advantages=token_adv,
+            teacher_logprobs=teacher_lp, hint=hint,
         )
         if created:
             self.stats.samples += 1
         return int(created)
+
+    async def hint(self, turn: StoredTurn) -> str | None:
+        """A hint the agent gave on this step (`ep.feedback(hint=...)`), if any."""
+        js = await self.store.run(self.store.judgments, turn.id)
+        return next((j.hint for j in js if j.kind == "feedback" and j.hint), None)
 
     async def votes(self, turn: StoredTurn) -> tuple[int, ...]:
         """The PRM's valid votes on a step, judged from its next state (stored once, read back

@@ -5,7 +5,9 @@
 A reward in [-1, +1] (-1, 0, +1 or a graded value between) and/or a hint for one turn:
 `turn_id`, or else the session's last main turn. Stored as a judgment of kind `feedback` (judge
 `user`) with the request as its raw vote; the collector lets it outrank the judges, used alongside them or instead (a turn with no next state
-is trained from feedback alone). One feedback per turn: a second answers 409.
+is trained from feedback alone). One feedback per turn: a second answers 409. A turn of an
+episode (`learning.episodes`) is trained by its group's outcomes, not by a feedback reward; a
+feedback hint on it adds the OPD term there.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ async def record_feedback(store: Store, method: Method, fb: FeedbackRequest) -> 
             reward=None if fb.reward is None else float(fb.reward), hint=fb.hint,
         ),
     )
+    episode = await store.run(store.episode_of_turn, turn.id, turn.session_id)
+    if episode is not None:
+        # an episode's turn trains from its group's outcomes; a hint joins them (learning.episodes)
+        return {"object": "feedback", "session_id": turn.session_id, "turn_id": turn.id,
+                "reward": fb.reward, "hint": fb.hint, "sample": None, "episode": episode.id}
     sample_id, created = await store.run(store.create_sample, turn.id, method, state="pending")
     state = (await store.run(store.get_samples, [sample_id]))[0].state
     return {

@@ -113,6 +113,17 @@ class EpisodeStore(StoreBase):
                 row = conn.execute(sa.select(t.episodes).where(e.turn_id == episode_id)).first()
         return None if row is None else EpisodeRow(**row._asdict())
 
+    def episode_of_turn(self, turn_id: str, session_id: str) -> EpisodeRow | None:
+        """The episode a turn belongs to (its own one-turn episode, or its session's), if any."""
+        e = t.episodes.c
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(t.episodes).where(sa.or_(
+                    e.turn_id == turn_id, sa.and_(e.session_id == session_id, e.turn_id.is_(None))
+                )).limit(1)
+            ).first()
+        return None if row is None else EpisodeRow(**row._asdict())
+
     def set_outcome(self, episode_id: str, outcome: float) -> EpisodeRow:
         """Score an open episode. A second outcome, or one after the episode expired, is a 409;
         an unknown episode a 404."""
