@@ -306,3 +306,17 @@ def test_a_hint_on_an_episode_step_adds_hint_opd_to_its_group_advantage(live: Li
     # w_opd * clip(teacher - old, +-1) + w_rl * A, with A = -1 for the worse episode
     for a, te, old in zip(s.advantages, s.teacher_logprobs, t0.logprobs, strict=True):
         assert a == pytest.approx(max(-1.0, min(1.0, te - old)) - 1.0, abs=1e-4)
+
+
+def test_every_answer_names_its_turn_streamed_or_not(live: LiveServer):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "named-1"}, timeout=60)
+    assert r.headers["x-turn-id"] == r.json()["choices"][0]["turn_id"]
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True},
+                      headers={"X-Session-Id": "named-2"}, timeout=60) as s:
+        tid = s.headers["x-turn-id"]
+        s.read()
+    deadline = time.monotonic() + 20
+    while (turn := store_of(live).last_turn("named-2")) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert turn is not None and turn.id == tid

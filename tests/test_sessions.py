@@ -170,3 +170,30 @@ def test_remembered_fingerprints_equal_a_fresh_hash_as_conversations_grow_branch
     for other in range(8):  # more conversations than the memo keeps
         msgs = [system, {"role": "user", "content": f"other {other}"}]
         assert memo.of(msgs) == fingerprints(msgs)
+
+
+def test_the_choice_a_request_continues_gets_the_next_state_whichever_it_is():
+    s = Sessions()
+    tag = TurnTag(session_id="n3")
+    m = [{"role": "user", "content": "pick"}]
+    adm = s.admit(tag, m)
+    s.complete(adm, ["c0", "c1", "c2"], [reply("zero"), reply("one"), reply("two")])
+    nxt = s.admit(tag, [*m, reply("two"), {"role": "user", "content": "why two?"}])
+    assert nxt.next_state is not None and nxt.next_state.turn_id == "c2" and nxt.next_state.matched
+    assert nxt.next_state.messages == ({"role": "user", "content": "why two?"},)
+
+
+def test_sampling_the_same_prompt_again_is_nobodys_next_state():
+    s = Sessions()
+    tag = TurnTag(session_id="again")
+    m = [{"role": "user", "content": "q"}]
+    answer(s, m, reply("a1"), tag, turn="t1")
+    second = s.admit(tag, m)  # the same prompt again (a retry, a second sample)
+    assert second.next_state is None
+    s.complete(second, ["t2"], [reply("a2")])
+    nxt = s.admit(tag, [*m, reply("a1"), {"role": "user", "content": "ok"}])  # continues the first
+    assert nxt.next_state is not None and nxt.next_state.turn_id == "t1" and nxt.next_state.matched
+    # a rewritten history still falls back to the newest request's first choice
+    answer(s, [*m, reply("a1"), {"role": "user", "content": "ok"}], reply("b"), tag, turn="t3")
+    adm = s.admit(tag, [{"role": "system", "content": "summary"}, {"role": "user", "content": "next"}])
+    assert adm.next_state is not None and adm.next_state.turn_id == "t3" and not adm.next_state.matched

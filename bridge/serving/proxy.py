@@ -412,9 +412,12 @@ class Proxy:
             d.id, d.model, choices, wire.usage(len(d.prompt_ids), ntok), d.created,
             fingerprint=f"policy@v{d.version}",
         )
-        return Response(wire.dumps(body), media_type="application/json")
+        return Response(wire.dumps(body), media_type="application/json",
+                        headers={"X-Turn-Id": ",".join(d.turn_ids)})
 
     async def stream(self, d: Draft, include_usage: bool) -> Response:
+        if not d.turn_ids:  # named before the first byte: the header tells the client its turn
+            d.turn_ids = [new_turn_id()]
         chunks = self.backend.sample_stream(d.prompt_ids, d.params, version=d.version)
         # The first chunk is awaited before the status line goes out, so a backend that refuses
         # the prompt still gets a proper 4xx; the first token is what a client waits for anyway.
@@ -426,7 +429,7 @@ class Proxy:
             self._events(d, chunks, first, include_usage),
             on_close=lambda: self._stream_closed(d, chunks),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, "X-Turn-Id": d.turn_ids[0]},
         )
 
     async def _stream_closed(self, d: Draft, chunks: AsyncIterator[TokenChunk]) -> None:

@@ -173,6 +173,20 @@ class _Pending:
     fp: bytes  # fingerprint of the turn's history + reply
     length: int  # messages in that history + 1
     base: bytes = b""  # fingerprint of the history alone
+    first: bool = True  # the first choice of its request
+
+
+_AWAITING_PER_SESSION = 64  # choices and resamples of one prompt awaiting a next state
+
+
+def _resampled(awaiting: Sequence[_Pending], fps: Sequence[bytes]) -> bool:
+    """The request's history is exactly the one the awaiting turns answered: the same prompt
+    sampled again, which continues nothing (never anyone's next state)."""
+    return bool(awaiting) and awaiting[-1].length == len(fps) + 1 and awaiting[-1].base == (fps[-1] if fps else b"")
+
+
+def _newest_first_choice(awaiting: Sequence[_Pending]) -> _Pending:
+    return next((q for q in reversed(awaiting) if q.first), awaiting[-1])
 
 
 @dataclass
@@ -180,7 +194,10 @@ class _Session:
     id: str
     last_seen: float
     keys: list[bytes] = field(default_factory=list)
-    last_main: _Pending | None = None
+    # main turns awaiting their next state: every choice of the last request, and the turns of
+    # earlier requests with the very same history (the same prompt sampled again); the request
+    # that extends one of them gives it its next state
+    awaiting: list[_Pending] = field(default_factory=list)
 
 
 class _Fingerprints:
@@ -248,9 +265,9 @@ class Sessions:
         if not tag.train:
             self.counts["no_train"] += 1
         nxt = None
-        if ttype == "main" and sess.last_main is not None:
-            nxt = self._next_state(sess, sess.last_main, hist, fps)
-            sess.last_main = None
+        if ttype == "main" and sess.awaiting and not _resampled(sess.awaiting, fps):
+            nxt = self._next_state(sess, sess.awaiting, hist, fps)
+            sess.awaiting = []
         return Admission(
             session_id=sid,
             turn_type=ttype,
@@ -267,11 +284,15 @@ class Sessions:
 
     @staticmethod
     def _next_state(
-        sess: _Session, p: _Pending, hist: list[Mapping[str, Any]], fps: list[bytes]
+        sess: _Session, awaiting: Sequence[_Pending], hist: list[Mapping[str, Any]], fps: list[bytes]
     ) -> NextState | None:
-        if len(fps) >= p.length and fps[p.length - 1] == p.fp:
+        # the choice (or resample) this request continues, whichever it is
+        p = next((q for q in reversed(awaiting) if len(fps) >= q.length and fps[q.length - 1] == q.fp), None)
+        if p is not None:
             appended, ok = hist[p.length :], True
-        else:  # history was rewritten (compaction, edits): what follows the last reply
+        else:  # history was rewritten (compaction, edits): what follows the last reply goes to
+            # the newest request's first choice
+            p = _newest_first_choice(awaiting)
             last = max((i for i, m in enumerate(hist) if m.get("role") == "assistant"), default=-1)
             appended, ok = hist[last + 1 :], False
         if not appended:
@@ -282,18 +303,21 @@ class Sessions:
         self, adm: Admission, turn_ids: Sequence[str], replies: Sequence[Mapping[str, Any]]
     ) -> None:
         """A request was answered (one reply per choice): later requests that extend it join its
-        session, and a main turn waits for its next state. With n > 1 the first choice is the
-        one whose next state is tracked."""
+        session, and its main turns wait for their next state — every choice of `n > 1`: the
+        request that continues one of them gives that one its next state."""
         sess = self._sessions.get(adm.session_id)
         if sess is None:  # closed meanwhile
             return
         base = adm.fps[-1] if adm.fps else b""
+        if adm.turn_type == "main" and turn_ids and not _resampled(sess.awaiting, list(adm.fps)):
+            sess.awaiting = []
         for i, reply in enumerate(replies):
             fp = extend(base, reply)
             self._index[fp] = sess.id
             sess.keys.append(fp)
-            if i == 0 and adm.turn_type == "main" and turn_ids:
-                sess.last_main = _Pending(turn_ids[0], fp, len(adm.fps) + 1, base)
+            if adm.turn_type == "main" and i < len(turn_ids):
+                sess.awaiting.append(_Pending(turn_ids[i], fp, len(adm.fps) + 1, base, first=i == 0))
+        del sess.awaiting[:-_AWAITING_PER_SESSION]
         while len(sess.keys) > _KEYS_PER_SESSION:
             self._index.pop(sess.keys.pop(0), None)
 
@@ -315,12 +339,16 @@ class Sessions:
                 self._index.pop(sess.keys.pop(0), None)
             if turn.turn_type != "main":
                 continue
-            same_request = sess.last_main is not None and sess.last_main.length == len(fps) + 1 and (
-                sess.last_main.base == (fps[-1] if fps else b""))
             if turn.next_state is not None:
-                sess.last_main = None
-            elif not same_request:  # n > 1: the first choice is the one tracked, as in `complete`
-                sess.last_main = _Pending(turn.id, fp, len(fps) + 1, fps[-1] if fps else b"")
+                sess.awaiting = []
+                continue
+            # as `complete` built it: the choices of one request, and the same prompt sampled
+            # again, wait together; another history replaces them
+            first = not _resampled(sess.awaiting, fps)
+            if first:
+                sess.awaiting = []
+            sess.awaiting.append(_Pending(turn.id, fp, len(fps) + 1, fps[-1] if fps else b"", first=first))
+            del sess.awaiting[:-_AWAITING_PER_SESSION]
         return len({turn.session_id for turn in turns})
 
     def close(self, session_id: str) -> bool:
