@@ -33,6 +33,16 @@ API_KEY = re.compile(
 BEARER = re.compile(r"(?i)\b(bearer\s+)[A-Za-z0-9._~+/-]{16,}=*")
 # A long run of letters and digits with both present: most secrets, few words.
 GENERIC_SECRET = re.compile(r"(?<![\w/.-])(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{32,}(?![\w/.-])")
+# Hex digests and ids (git SHAs, sha256 digests, UUIDs) are what coding agents pass around: they
+# name things, they grant nothing: a git SHA (40 hex), a sha256 or sha512 digest (64, 128 hex) or
+# a UUID is never taken for a secret (other long hex runs still are).
+HEX_ID = re.compile(r"[0-9a-fA-F]{40}|[0-9a-fA-F]{64}|[0-9a-fA-F]{128}"
+                    r"|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def _generic_secret(match: re.Match[str]) -> str:
+    text = match.group(0)
+    return text if HEX_ID.fullmatch(text) else "[SECRET]"
 PHONE = re.compile(
     r"(?<![\w+])(?:\+\d{1,3}[\s.-]?)?(?:\(\d{1,4}\)[\s.-]?)?\d{2,4}(?:[\s.-]\d{2,4}){1,4}(?![\w-])"
     r"|(?<![\w+])\+\d{7,15}(?!\w)"
@@ -104,7 +114,7 @@ DEFAULT_RULES: tuple[tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]
     (EMAIL, "[EMAIL]"),
     (API_KEY, "[SECRET]"),
     (BEARER, r"\1[SECRET]"),
-    (GENERIC_SECRET, "[SECRET]"),
+    (GENERIC_SECRET, _generic_secret),
     (PHONE, _phone),
 )
 
@@ -118,7 +128,8 @@ def redact(text: str) -> str:
 
 def for_backend(backend_name: str, enabled: bool) -> Redactor | None:
     """The redactor to run before data leaves for `backend_name` (None: nothing leaves, or the
-    user turned redaction off). Local backends keep everything on the machine."""
+    user did not ask for redaction: the `redact` setting is off by default, because redacting a
+    sampling prompt changes what the model sees). Local backends keep everything on the machine."""
     if not enabled or backend_name == "local":
         return None
     return DEFAULT

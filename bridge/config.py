@@ -94,7 +94,7 @@ class Settings(BaseSettings):
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
     resume: bool = Field(False, description="Kept for compatibility: every start continues from the newest published version (and its checkpoint when it has one).")
     budget_usd: float | None = Field(None, ge=0, description="Stop training (never serving) when spend reaches this.")
-    redact: bool = Field(True, description="Redact emails, phone numbers and key-like strings before data leaves the machine.")
+    redact: bool = Field(False, description="Redact emails, phone numbers and key-like strings in everything sent off the machine (cloud sampling, scoring and training prompts, and the judge endpoint). Off by default: it changes what the model sees.")
     seed: int = Field(0, description="Seed for LoRA initialisation and the demo.")
 
     # --- cloud backends (docs/backends.md) -----------------------------------------------------

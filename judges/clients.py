@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import httpx
 from clawbridge.backends.base import Backend
+from clawbridge.backends.redact import Redactor
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges.types import Message
 from clawbridge.types import SamplingParams
@@ -71,8 +72,10 @@ class OpenAIJudgeClient:
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         client: httpx.AsyncClient | None = None,
+        redactor: Redactor | None = None,
     ) -> None:
         self.name = f"http:{model}"
+        self.redactor = redactor  # the same redaction as the cloud backends get, when asked for
         self.model = model
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.attempts = attempts
@@ -92,7 +95,7 @@ class OpenAIJudgeClient:
     ) -> str:
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": [dict(m) for m in messages],
+            "messages": self.redactor.messages(messages) if self.redactor else [dict(m) for m in messages],
             "temperature": temperature,
             "max_tokens": max_tokens,
         }

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from clawbridge.backends import redact
 from clawbridge.backends.base import Backend
 from clawbridge.config import Settings
 from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJudgeClient
@@ -70,7 +71,9 @@ def build_judges(
         if not settings.judge_url or not settings.judge_model:
             raise ValueError("judge 'http' needs --judge-url and --judge-model")
         key = settings.judge_api_key.get_secret_value() if settings.judge_api_key else None
-        client = OpenAIJudgeClient(settings.judge_url, settings.judge_model, key)
+        # an endpoint off the machine, like a cloud backend: redacted when the user asks for it
+        client = OpenAIJudgeClient(settings.judge_url, settings.judge_model, key,
+                                   redactor=redact.DEFAULT if settings.redact else None)
     else:
         if backend is None:
             raise ValueError("judge 'backend' needs the active backend")

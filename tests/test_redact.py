@@ -96,3 +96,47 @@ async def test_cloud_prompts_are_redacted_consistently_for_sampling_scoring_and_
     clean = ids("hello")
     assert backend.prompt(clean) == clean  # nothing to redact: the exact ids go out
     assert protect(inner, False) is inner
+
+
+# --- issue 14: what the model sees is the user's; ids and digests are not secrets ---------------
+
+
+def test_redaction_is_off_unless_asked_so_the_model_sees_the_prompt_as_sent() -> None:
+    from clawbridge.backends.redact import protect
+    from clawbridge.config import Settings
+
+    assert Settings().redact is False
+
+    class Cloud:
+        name = "tinker"
+
+    cloud = Cloud()
+    assert protect(cloud, Settings().redact) is cloud  # not wrapped: prompts go out unchanged
+
+
+def test_git_shas_uuids_and_sha256_digests_are_not_secrets() -> None:
+    text = ("checkout 3f2a9c1e8b7d6a5f4e3d2c1b0a9f8e7d6c5b4a39, run 550e8400-e29b-41d4-a716-446655440000, "
+            "image sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08, "
+            "object 9F86D081884C7D659A2FEAA0C55AD015A3BF4F1B")
+    assert redact(text) == text
+    # a key-like mixed token is still masked when redaction is on
+    assert redact("token Zx9kQ2mP7vL4nR8sT1wY6bC3dF5gH0jK2aB") == "token [SECRET]"
+
+
+async def test_the_judge_endpoint_gets_the_same_redaction_as_a_cloud_backend() -> None:
+    import httpx
+    from clawbridge.config import Settings
+    from clawbridge.judges import build_judges
+
+    sent: list[bytes] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.content)
+        return httpx.Response(200, json={"choices": [{"message": {"role": "assistant", "content": "\\boxed{1}"}}]})
+
+    for asked in (True, False):
+        settings = Settings(judge="http", judge_url="http://judge.example/v1", judge_model="m", redact=asked)
+        client = build_judges(settings).reward.client  # type: ignore[attr-defined]
+        client._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        await client.complete([{"role": "user", "content": "mail jane@example.com"}], temperature=0.0, max_tokens=4)
+        assert (b"[EMAIL]" in sent[-1]) is asked and (b"jane@example.com" in sent[-1]) is not asked
