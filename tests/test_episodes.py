@@ -19,6 +19,7 @@ from clawbridge.learning.learner import Learner
 from clawbridge.server import build_backend, learner_hooks
 from clawbridge.store import EpisodeError, NewEpisode, Sample, Store, TurnRecord
 from live_server import LiveServer
+from pg import pg_cluster  # noqa: F401
 
 MODEL = "tiny-random"
 
@@ -66,9 +67,13 @@ def test_a_group_whose_rewards_are_all_equal_yields_nothing():
 
 
 # --- the store ------------------------------------------------------------------------------
-@pytest.fixture
-def store(tmp_path):
-    with Store.open(f"sqlite:///{tmp_path / 'db.sqlite'}") as s:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    else:
+        url = request.getfixturevalue("pg_cluster").create_schema()
+    with Store.open(url) as s:
         yield s
 
 
@@ -320,3 +325,9 @@ def test_every_answer_names_its_turn_streamed_or_not(live: LiveServer):
     while (turn := store_of(live).last_turn("named-2")) is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert turn is not None and turn.id == tid
+
+
+def test_metrics_count_groups_episodes_and_their_samples(live: LiveServer):
+    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    for name in ("episode_groups_trained", "episode_groups_dropped", "episodes_expired", "episode_samples"):
+        assert f"clawbridge_{name} " in text, name

@@ -174,6 +174,10 @@ class Learner:
         if self.collector is not None:
             st = self.collector.stats
             out.update(learner_judged=st.judged, learner_samples=st.samples, learner_dropped=st.dropped)
+        if self.episodes is not None:
+            ep = self.episodes.stats
+            out.update(episode_groups_trained=ep.groups_trained, episode_groups_dropped=ep.groups_dropped,
+                       episodes_expired=ep.episodes_expired, episode_samples=ep.samples)
             if st.mean_reward is not None:
                 out["learner_mean_reward"] = st.mean_reward
         if self.trainer is not None:
