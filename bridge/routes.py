@@ -124,7 +124,9 @@ def _episode_error(e: EpisodeError) -> APIError:
 
 
 def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
-    """    POST /v1/groups                      {"n": 4, "task": ...}  -> the group and its episodes
+    """The routes of groups and episodes (docs/agents.md):
+
+    POST /v1/groups                      {"n": 4, "task": ...}  -> the group and its episodes
     GET  /v1/groups/{id}                 the group, every episode's state, outcome and reason
     POST /v1/groups/{id}/close           no more outcomes: open episodes expire (with the reason)
     POST /v1/episodes/{id}/outcome       {"outcome": 0.75}; `id` may be a choice's turn id
