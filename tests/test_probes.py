@@ -24,6 +24,7 @@ def test_a_keyword_matches_the_start_of_a_word_only():
     assert check.answered("Because water evaporates slowly.")
     assert not check.answered("Because of the vaporous air.")
     assert check.answered("About 7 days.") and not check.answered("About 17 days.")
+    assert not check.answered("About 70 days.")  # a number is matched whole
 
 
 def test_keywords_never_repeat_the_question_and_every_builtin_prompt_has_some():

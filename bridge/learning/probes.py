@@ -28,8 +28,9 @@ def words(text: str) -> list[str]:
 
 
 def _pattern(keyword: str) -> re.Pattern[str]:
-    # a word that starts with the keyword; digits must not be the tail of a longer number
-    return re.compile(r"(?<![a-z0-9])" + re.escape(keyword.lower()), re.IGNORECASE)
+    # a word that starts with the keyword; a number is matched whole ("8" is not "80")
+    tail = r"(?![0-9])" if keyword[-1:].isdigit() else ""
+    return re.compile(r"(?<![a-z0-9])" + re.escape(keyword.lower()) + tail, re.IGNORECASE)
 
 
 def own_words(question: str, keywords: Iterable[str]) -> list[str]:
