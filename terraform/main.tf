@@ -39,6 +39,10 @@ locals {
   subnet_id  = coalesce(var.subnet_id, sort(data.aws_subnets.selected.ids)[0])
   ami_id     = var.ami_id != null ? var.ami_id : data.aws_ami.gpu[0].id
   data_dir   = "/var/lib/clawbridge"
+  # clawbridge loads local folders and its registry names only (it never downloads at start): a
+  # Hugging Face id is downloaded once at first boot into the data directory and served from there.
+  model_is_hub = length(regexall("^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$", var.model)) > 0
+  model_path   = local.model_is_hub ? "${local.data_dir}/models/${replace(var.model, "/", "--")}" : var.model
 }
 
 # --- encryption key: the bucket, the secret and the root volume ---------------------------------
@@ -300,6 +304,8 @@ resource "aws_instance" "node" {
   user_data = templatefile("${path.module}/user_data.sh.tftpl", {
     package    = var.clawbridge_package
     model      = var.model
+    model_hub  = local.model_is_hub ? var.model : ""
+    model_path = local.model_path
     port       = var.proxy_port
     gpu_count  = var.gpu_count
     region     = var.region

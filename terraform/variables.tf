@@ -33,9 +33,14 @@ variable "gpu_count" {
 }
 
 variable "model" {
-  description = "Model clawbridge serves and trains (a Hugging Face id reachable from the node, or a registry name)."
+  description = "Model clawbridge serves and trains: a Hugging Face id (owner/name, downloaded once at first boot into the data directory), a clawbridge registry name (smollm2-135m-instruct), or an absolute path to a Hugging Face folder on the node."
   type        = string
   default     = "Qwen/Qwen3-4B-Instruct-2507"
+
+  validation {
+    condition     = can(regex("^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*|smollm2-135m-instruct|/.+)$", var.model))
+    error_message = "model: a Hugging Face id such as Qwen/Qwen3-4B-Instruct-2507 (downloaded at first boot), the registry name smollm2-135m-instruct, or an absolute path to a model folder on the node."
+  }
 }
 
 variable "proxy_port" {

