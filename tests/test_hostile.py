@@ -126,6 +126,7 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "temperature as a string": body(temperature="0.5"),
     "messages empty": body(messages=[]),
     "messages not a list": body(messages="hello"),
+    "messages a number (found by the fuzz)": body(messages=1.5),
     "no model": {"messages": HELLO},
     "unknown role": body(messages=[{"role": "narrator", "content": "x"}]),
     "content part without a type": body(messages=[{"role": "user", "content": [{"text": "x"}]}]),
@@ -300,3 +301,107 @@ def test_the_data_directory_and_database_are_private(tmp_path: Path):
     for f in (tmp_path / "fresh" / "data").iterdir():
         if f.name.startswith("clawbridge.db"):
             assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f, oct(f.stat().st_mode))
+
+
+# --- property-based fuzz of request bodies (slow: 2,000 cases through the live server) ----------
+
+FUZZ_CASES = 2000
+
+
+def _fuzz_strategies() -> Any:
+    from hypothesis import strategies as st
+
+    scalar = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) \
+        | st.text(max_size=12)
+    junk = st.recursive(scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
+                        max_leaves=8)
+    deep = st.integers(1, 700).map(nested)
+    part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio"]) | junk},
+                                 optional={"text": st.text(max_size=20) | junk, "image_url": junk, "extra": junk | deep})
+    call = st.fixed_dictionaries({"id": st.text(max_size=8) | junk, "type": st.just("function") | junk,
+                                  "function": st.fixed_dictionaries(
+                                      {"name": st.text(max_size=8) | junk},
+                                      optional={"arguments": st.text(max_size=30) | st.integers(1, 1200).map(
+                                          lambda k: "[" * k) | junk})})
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer", "narrator"]) | junk},
+        optional={"content": st.text(max_size=40) | st.lists(part, max_size=3) | junk,
+                  "tool_calls": st.lists(call, max_size=2) | junk, "tool_call_id": st.text(max_size=8) | junk,
+                  "name": st.text(max_size=8) | junk, "reasoning_content": st.text(max_size=10) | junk})
+    tool = st.fixed_dictionaries({"type": st.just("function") | junk, "function": st.fixed_dictionaries(
+        {"name": st.from_regex(r"[a-z_]{1,8}", fullmatch=True) | junk},
+        optional={"parameters": st.just({"type": "object", "properties": {"x": {"type": "string"}}}) | junk | deep,
+                  "description": st.text(max_size=10) | junk})})
+    small = st.integers(1, 6)
+    body = st.fixed_dictionaries(
+        {"model": st.just(MODEL) | st.just(MODEL) | junk,
+         "messages": st.lists(message, min_size=1, max_size=4) | junk},
+        optional={
+            "max_tokens": small | st.integers(-3, 10**13) | junk,
+            "max_completion_tokens": small | junk,
+            "n": st.integers(-1, 20) | junk,
+            "seed": st.integers(-(2**65), 2**65) | junk,
+            "stream": st.booleans() | junk,
+            "stream_options": st.fixed_dictionaries({"include_usage": st.booleans() | junk}) | junk,
+            "temperature": st.floats(-1, 3, allow_nan=False) | junk,
+            "top_p": st.floats(-1, 2, allow_nan=False) | junk,
+            "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=6) | junk,
+            "logprobs": st.booleans() | junk,
+            "top_logprobs": st.integers(-2, 30) | junk,
+            "tools": st.lists(tool, max_size=2) | junk,
+            "tool_choice": st.sampled_from(["none", "auto", "required"]) | junk | deep,
+            "session_id": st.text(max_size=300) | junk,
+            "turn_type": st.sampled_from(["main", "side"]) | junk,
+            "session_done": st.booleans() | junk,
+            "user": st.text(max_size=10) | junk,
+        },
+    )
+    headers = st.fixed_dictionaries({}, optional={
+        "X-Session-Id": st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=300),
+        "X-Turn-Type": st.sampled_from(["main", "side", "other", ""]),
+        "X-Train": st.sampled_from(["true", "false", "maybe"]),
+    })
+    return body, headers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_fuzzed_bodies_get_openai_errors_or_stored_answers(live: LiveServer):
+    """Hypothesis-generated bodies (valid, malformed, mistyped, deeply nested): never a 5xx, every
+    error OpenAI-shaped, every 200 stored (one turn per choice) before its answer is complete."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+
+    body_st, headers_st = _fuzz_strategies()
+    seen = {"cases": 0, "ok": 0, "errors": 0}
+    client = httpx.Client(base_url=live.url, timeout=60)
+
+    @settings(max_examples=FUZZ_CASES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=body_st, headers=headers_st)
+    def one(body: dict[str, Any], headers: dict[str, str]) -> None:
+        seen["cases"] += 1
+        raw = encode(body) if "@@deep" in json.dumps(body) else json.dumps(body).encode()
+        before = stored_turns(live)
+        r = client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json", **headers})
+        assert r.status_code < 500, (r.status_code, r.text[:300], body)
+        if r.status_code != 200:
+            seen["errors"] += 1
+            assert_openai_error(r)
+            assert stored_turns(live) == before, body
+            return
+        seen["ok"] += 1
+        if r.headers["content-type"].startswith("text/event-stream"):
+            assert b"data: [DONE]" in r.content or b'"error"' in r.content, r.content[-300:]
+            choices = 1 if b"data: [DONE]" in r.content else 0
+        else:
+            choices = len(r.json()["choices"])
+        assert stored_turns(live) == before + choices, ("answered but not stored", body)
+
+    try:
+        one()
+    finally:
+        client.close()
+    print(f"fuzz: {seen}")
+    assert seen["cases"] >= FUZZ_CASES and live.proxy.counters.record_failures == 0

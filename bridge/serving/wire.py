@@ -113,7 +113,8 @@ def text_depth(text: str) -> int:
 def check_depth(data: dict[str, Any]) -> None:
     if nesting_depth(data) > MAX_DEPTH:
         raise APIError(400, f"The request is nested more than {MAX_DEPTH} levels deep.", code="invalid_value")
-    for i, m in enumerate(data.get("messages") or ()):
+    messages = data.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else ()):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         for j, c in enumerate(calls if isinstance(calls, list) else ()):
             fn = c.get("function") if isinstance(c, dict) else None
