@@ -393,6 +393,10 @@ class TinkerBackend:
 
     async def publish(self) -> PolicyVersion:
         v = self._version + 1
+        # A version published by an earlier process but never recorded (killed in between) keeps
+        # its number and its saved state: this one takes the next free number.
+        while self._states.path_of(version_state(v)) is not None:
+            v += 1
         # both read the weights after the last optim_step; submitted together, awaited together
         sampler, _ = await asyncio.gather(
             call("tinker save_weights_and_get_sampling_client",
@@ -425,6 +429,24 @@ class TinkerBackend:
 
     async def save_state(self, name: str) -> str:
         return await self._save_state(name, self._version)
+
+    async def restore(self, version: int, path: str | None) -> None:
+        """After a restart: train on from `version` and serve it. Every publish saved the
+        training state of its version (`policy-vK`, weights and Adam's moments), so Tinker
+        resumes it exactly, optimizer state included, whatever the checkpoint cadence."""
+        if version == 0:
+            return
+        state = self._states.path_of(version_state(version))
+        if state is None:
+            raise UnknownVersion(version, self._version, f"policy@v{version} has no saved training state")
+        self._training = await call(
+            "tinker create_training_client_from_state_with_optimizer",
+            lambda: self.service.create_training_client_from_state_with_optimizer(state), self.retry,
+        )
+        self._samplers[version] = await call("tinker save_weights_and_get_sampling_client",
+                                             lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
+        self._paths[version] = path
+        self._version = version
 
     async def _save_state(self, name: str, version: int) -> str:
         """A training state under `name`, indexed with the version whose weights it holds."""

@@ -100,3 +100,105 @@ def test_a_kill_at_any_boundary_loses_no_update_and_reuses_no_version(tmp_path: 
     trained = [s for s in samples if s.state == "trained"]
     assert len({s.id for s in trained}) == len(trained) == sum(s.samples for s in steps)
     assert {s.step for s in trained} <= {s.step for s in steps}
+
+
+# --- the same matrix on the Tinker fake: the platform outlives the client process --------------
+
+
+class Killed(BaseException):
+    """The process dies here: nothing after this point runs (not even `except Exception`)."""
+
+
+def arm_in_process(boundary: str, backend: Any, store: Store) -> None:
+    if boundary in ("train_step", "publish", "rollback"):
+        orig = getattr(backend, boundary)
+
+        async def then_die(*a: Any, **kw: Any) -> Any:
+            await orig(*a, **kw)
+            raise Killed(boundary)
+
+        setattr(backend, boundary, then_die)
+    else:
+        orig_record = store.record_training_step
+
+        def record_then_die(*a: Any, **kw: Any) -> Any:
+            orig_record(*a, **kw)
+            raise Killed(boundary)
+
+        store.record_training_step = record_then_die  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("boundary", ["train_step", "publish", "commit", "rollback"])
+async def test_a_kill_on_the_tinker_fake_loses_no_update_and_reuses_no_version(tmp_path: Path, tokenizer, boundary: str):
+    from clawbridge.backends.tinker import TinkerBackend
+    from clawbridge.learning.trainer import Trainer
+    from fakes.fake_tinker import FakeTinkerService
+    from kill_child import COMPLETION, PROMPT
+    from test_backend_tinker import BASE, FAST
+    from test_trainer import judged_samples
+
+    data = tmp_path / "data"
+    data.mkdir()
+    service = FakeTinkerService()  # the cloud: it keeps every saved state across client restarts
+    settings = settings_for(data, batch_size=2, checkpoint_every=10, max_staleness=1000)
+
+    async def life() -> tuple[Store, Any, Trainer]:
+        store = Store.open(settings.db_url)
+        backend = TinkerBackend(service_client=service, base_model=BASE, tokenizer=tokenizer, retry=FAST,
+                                state_index=data / "tinker-states.json")
+        await backend.start()
+        trainer = Trainer(settings, backend, store)
+        await trainer.resume()
+        return store, backend, trainer
+
+    store, backend, trainer = await life()
+    judged_samples(store, 6)
+    committed: dict[int, list[float]] = {}
+    try:
+        for k in range(3):
+            if k == 2 and boundary != "rollback":
+                arm_in_process(boundary, backend, store)
+            r = await trainer.step_once()
+            assert r is not None
+            committed[r.version] = await backend.score(PROMPT, COMPLETION)
+        arm_in_process("rollback", backend, store)
+        await trainer.rollback(1)
+        raise AssertionError("the rollback should have died")
+    except Killed:
+        pass
+    store.close()  # the process is gone; what it committed stays
+
+    probe = Store.open(settings.db_url)
+    newest = probe.latest_version()
+    steps_before = probe.training_steps()
+    probe.close()
+    assert newest is not None
+    states_before = json.loads((data / "tinker-states.json").read_text())
+
+    store, backend, trainer = await life()
+    try:
+        assert backend.version == newest.version
+        if newest.version in committed:
+            assert await backend.score(PROMPT, COMPLETION) == pytest.approx(committed[newest.version], abs=1e-5)
+        judged_samples(store, 4)
+        new_versions = []
+        for _ in range(2):
+            r = await trainer.step_once()
+            assert r is not None
+            new_versions.append(r.version)
+        versions = [v.version for v in store.versions()]
+        steps = store.training_steps()
+        samples = store.get_samples(list(range(1, 11)))
+    finally:
+        await backend.close()
+        store.close()
+    states_after = json.loads((data / "tinker-states.json").read_text())
+    assert all(states_after[name] == entry for name, entry in states_before.items()), "saved states overwritten"
+    highest_before = max([newest.version] + [int(e["version"]) for e in states_before.values()])
+    assert all(v > highest_before for v in new_versions), (new_versions, highest_before)
+    assert versions == sorted(set(versions))
+    afters = [s.version_after for s in steps]
+    assert afters == sorted(set(afters)), afters
+    assert steps[len(steps_before)].version_before == newest.version
+    trained = [s for s in samples if s.state == "trained"]
+    assert len({s.id for s in trained}) == len(trained) == sum(s.samples for s in steps)
