@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from clawbridge.backends.base import BackendError, ScoreModel
+from clawbridge.backends.base import BackendError, ScoreModel, UnknownVersion
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
 from clawbridge.backends.tinker import (
@@ -323,6 +323,10 @@ class FireworksBackend:
 
     async def publish(self) -> PolicyVersion:
         v = self._version + 1
+        # A version published by an earlier process but never recorded (killed in between) keeps
+        # its number and its checkpoint: this one takes the next free number.
+        while self._states.path_of(version_state(v)) is not None:
+            v += 1
         name = version_state(v)
         await self._save_state(name, v)  # a DCP checkpoint of the weights about to be served
         if self.mode == "dedicated":
@@ -365,13 +369,42 @@ class FireworksBackend:
 
     async def load_state(self, name: str) -> None:
         """Resume from a name saved by this or an earlier process, or from a checkpoint path;
-        the saved version serves the resumed weights again."""
+        the saved version serves the resumed weights again (under its own number)."""
         path, version = self._states.get(name)
         await call("fireworks load_state_with_optimizer",
                    lambda: self._training.load_state_with_optimizer(path), self.retry)
         if version:
-            self._version = version - 1
-            await self.publish()
+            await self._serve_again(version)
+
+    async def restore(self, version: int, path: str | None) -> None:
+        """After a restart: train on from `version` and serve it. Every publish saved a
+        checkpoint of its version (`policy-vK`, with the optimizer state), so Fireworks resumes
+        it exactly, whatever the checkpoint cadence."""
+        if version == 0:
+            return
+        state = self._states.path_of(version_state(version))
+        if state is None:
+            raise UnknownVersion(version, self._version, f"policy@v{version} has no saved training state")
+        await call("fireworks load_state_with_optimizer",
+                   lambda: self._training.load_state_with_optimizer(state), self.retry)
+        await self._serve_again(version)
+
+    async def _serve_again(self, version: int) -> None:
+        """Serve the training session's weights as `version` again, writing over nothing: the
+        sampler weights (or the deployment's snapshot) get a name of their own."""
+        name = f"{version_state(version)}-resumed-{int(time.time())}"
+        if self.mode == "dedicated":
+            self._syncer.reset_delta_chain()
+            if await self._blocking("fireworks save_and_hotload", lambda: self._syncer.save_and_hotload(name)) is None:
+                raise BackendError(f"fireworks: hot-load of {name} failed")
+        else:
+            saved = await call("fireworks save_weights_for_sampler",
+                               lambda: self._training.save_weights_for_sampler(name), self.retry)
+            self._samplers[version] = await self._blocking(
+                "fireworks create_sampling_client",
+                lambda: self.service.create_sampling_client(model_path=saved.path),
+            )
+        self._version = version
 
     async def close(self) -> None:
         for sampler in self._samplers.values():

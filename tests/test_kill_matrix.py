@@ -102,7 +102,7 @@ def test_a_kill_at_any_boundary_loses_no_update_and_reuses_no_version(tmp_path: 
     assert {s.step for s in trained} <= {s.step for s in steps}
 
 
-# --- the same matrix on the Tinker fake: the platform outlives the client process --------------
+# --- the same matrix on the cloud fakes: the platform outlives the client process ---------------
 
 
 class Killed(BaseException):
@@ -128,24 +128,43 @@ def arm_in_process(boundary: str, backend: Any, store: Store) -> None:
         store.record_training_step = record_then_die  # type: ignore[method-assign]
 
 
+@pytest.mark.parametrize("platform", ["tinker", "fireworks"])
 @pytest.mark.parametrize("boundary", ["train_step", "publish", "commit", "rollback"])
-async def test_a_kill_on_the_tinker_fake_loses_no_update_and_reuses_no_version(tmp_path: Path, tokenizer, boundary: str):
-    from clawbridge.backends.tinker import TinkerBackend
+async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
+    tmp_path: Path, tokenizer, boundary: str, platform: str
+):
     from clawbridge.learning.trainer import Trainer
-    from fakes.fake_tinker import FakeTinkerService
     from kill_child import COMPLETION, PROMPT
-    from test_backend_tinker import BASE, FAST
     from test_trainer import judged_samples
 
     data = tmp_path / "data"
     data.mkdir()
-    service = FakeTinkerService()  # the cloud: it keeps every saved state across client restarts
     settings = settings_for(data, batch_size=2, checkpoint_every=10, max_staleness=1000)
+    if platform == "tinker":
+        from clawbridge.backends.tinker import TinkerBackend
+        from fakes.fake_tinker import FakeTinkerService
+        from test_backend_tinker import BASE, FAST
+
+        service = FakeTinkerService()  # the cloud: it keeps every saved state across client restarts
+
+        def backend_of() -> Any:
+            return TinkerBackend(service_client=service, base_model=BASE, tokenizer=tokenizer, retry=FAST,
+                                 state_index=data / "tinker-states.json")
+    else:
+        from clawbridge.backends.fireworks import FireworksBackend
+        from fakes.fake_fireworks import FakeFiretitanService
+        from test_backend_fireworks import BASE as FW_BASE
+        from test_backend_fireworks import FAST as FW_FAST
+
+        firetitan = FakeFiretitanService()
+
+        def backend_of() -> Any:
+            return FireworksBackend(connect=lambda: firetitan, base_model=FW_BASE, tokenizer=tokenizer, retry=FW_FAST,
+                                    state_index=data / "tinker-states.json")
 
     async def life() -> tuple[Store, Any, Trainer]:
         store = Store.open(settings.db_url)
-        backend = TinkerBackend(service_client=service, base_model=BASE, tokenizer=tokenizer, retry=FAST,
-                                state_index=data / "tinker-states.json")
+        backend = backend_of()
         await backend.start()
         trainer = Trainer(settings, backend, store)
         await trainer.resume()
