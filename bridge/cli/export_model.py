@@ -83,7 +83,9 @@ def _state_path(index: Path, version: int) -> str | None:
     """The training-state path a cloud backend kept for version K (its `policy-vK` entry)."""
     if not index.exists():
         return None
-    entry = json.loads(index.read_text()).get(f"policy-v{version}")
+    from clawbridge.backends.tinker import version_state  # Fireworks' index uses the same names
+
+    entry = json.loads(index.read_text()).get(version_state(version))
     return None if entry is None else str(entry["path"])
 
 
