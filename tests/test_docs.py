@@ -56,7 +56,7 @@ def test_relative_links_resolve(page: str):
 OTHER_TOOLS_FLAGS = {
     "--autogenerate", "--max-loras-per-batch", "--mem-fraction-static", "--nproc-per-node",
     "--framework", "--target", "--local", "--chunk", "--compute-dtype", "--profile", "--repeats",
-    "--tokens", "--quick", "--turns", "--methods", "--seeds",
+    "--tokens", "--quick", "--turns", "--methods", "--seeds", "--mixed", "--samples",
 }
 
 
