@@ -158,6 +158,12 @@ class ModalBackend:
         await self._remote("load_state", name, activity="train")
         self._version = int((await self._remote("info"))["version"])  # the engine restores it
 
+    async def restore(self, version: int, path: str | None) -> None:
+        """Serve and train on from `version`'s weights on the Volume (the engine's restore: a
+        fresh optimizer)."""
+        await self._remote("restore", version, path, activity="train")
+        self._version = int((await self._remote("info"))["version"])
+
     async def close(self) -> None:
         return None  # the container scales down by itself after its idle window
 

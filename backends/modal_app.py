@@ -145,6 +145,11 @@ class Engine:
         await self._ready()
         await self.backend.load_state(name)
 
+    @modal.method()
+    async def restore(self, version: int, path: str | None) -> None:
+        await self._ready()
+        await self.backend.restore(version, path)
+
     @modal.exit()
     async def close(self) -> None:
         if getattr(self, "backend", None) is not None:

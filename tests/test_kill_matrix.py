@@ -128,7 +128,7 @@ def arm_in_process(boundary: str, backend: Any, store: Store) -> None:
         store.record_training_step = record_then_die  # type: ignore[method-assign]
 
 
-@pytest.mark.parametrize("platform", ["tinker", "fireworks"])
+@pytest.mark.parametrize("platform", ["tinker", "fireworks", pytest.param("modal", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("boundary", ["train_step", "publish", "commit", "rollback"])
 async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     tmp_path: Path, tokenizer, boundary: str, platform: str
@@ -150,6 +150,14 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
         def backend_of() -> Any:
             return TinkerBackend(service_client=service, base_model=BASE, tokenizer=tokenizer, retry=FAST,
                                  state_index=data / "tinker-states.json")
+    elif platform == "modal":
+        from clawbridge.backends.modal import ModalBackend
+        from fakes.fake_modal import FakeEngine
+        from test_backend_modal import FAST as MODAL_FAST
+
+        def backend_of() -> Any:  # a new engine on the same directory: a cold start on the Volume
+            return ModalBackend(engine=FakeEngine(data / "volume"), tokenizer=tokenizer, model_name="tiny-random",
+                                context_length=32768, retry=MODAL_FAST)
     else:
         from clawbridge.backends.fireworks import FireworksBackend
         from fakes.fake_fireworks import FakeFiretitanService
@@ -192,7 +200,9 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     steps_before = probe.training_steps()
     probe.close()
     assert newest is not None
-    states_before = json.loads((data / "tinker-states.json").read_text())
+    index = data / "tinker-states.json"
+    states_before = json.loads(index.read_text()) if index.exists() else {}
+    weights_before = adapters(data / "volume" / "engine") if platform == "modal" else {}
 
     store, backend, trainer = await life()
     try:
@@ -211,9 +221,12 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     finally:
         await backend.close()
         store.close()
-    states_after = json.loads((data / "tinker-states.json").read_text())
+    states_after = json.loads(index.read_text()) if index.exists() else {}
+    weights_after = adapters(data / "volume" / "engine") if platform == "modal" else {}
+    assert all(weights_after[n] == d for n, d in weights_before.items()), "published weights overwritten"
     assert all(states_after[name] == entry for name, entry in states_before.items()), "saved states overwritten"
-    highest_before = max([newest.version] + [int(e["version"]) for e in states_before.values()])
+    highest_before = max([newest.version] + [int(e["version"]) for e in states_before.values()]
+                         + [int(n[1:]) for n in weights_before])
     assert all(v > highest_before for v in new_versions), (new_versions, highest_before)
     assert versions == sorted(set(versions))
     afters = [s.version_after for s in steps]
