@@ -326,7 +326,8 @@ async def run_demo(
             decisions = learner.trainer.decisions if learner.trainer is not None else []
             held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
             if (served.version != versions[-1].version and not held_back) or last:
-                ev, ex = await user.evaluate(served.version, probe=last)
+                async with learner.lock:  # no step may publish while a version is being measured
+                    ev, ex = await user.evaluate(served.version, probe=last)
                 versions.append(ev)
                 examples[ev.version] = ex
                 report(f"policy@v{ev.version}: truly satisfied {ev.truly:.0%}", 2 * rnd + 3, total)
