@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+CPU_SUGGESTED_MAX_TOKENS = 128
+
+
 class LocalBackend:
     name = "local"
 
@@ -52,6 +55,9 @@ class LocalBackend:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
         self.context_length = spec.context_length
+        # what /v1/models suggests agents ask for: on CPU each token is a decode step of a
+        # ~13 K-token context (OpenClaw's), so a long default budget makes every turn slow
+        self.suggested_max_tokens = CPU_SUGGESTED_MAX_TOKENS if device == "cpu" else None
         self.engine = Engine(
             spec,
             data_dir=Path(data_dir),

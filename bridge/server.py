@@ -21,7 +21,6 @@ import uvicorn
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
 from clawbridge.learning.trainer import Trainer
-from clawbridge.openclaw import provider as openclaw
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
@@ -115,26 +114,25 @@ def banner(settings: Settings, backend: Backend, proxy: Proxy, base_url: str) ->
     keyed = settings.api_key is not None
     auth = ' -H "Authorization: Bearer $CLAWBRIDGE_API_KEY"' if keyed else ""
     body = json.dumps({"model": proxy.model_name, "messages": [{"role": "user", "content": "Hello!"}]})
-    # the same entry `clawbridge openclaw config|install` writes, without the plug-in section
-    provider = openclaw.fragment(
-        openclaw.provider_entry(
-            base_url, proxy.model_name, context_window=backend.context_length,
-            max_tokens=settings.default_max_tokens, keyed=keyed,
-        ),
-        plugin_dir=None,
-    )
+    card = proxy.model_card()
+    install = "clawbridge openclaw install"
+    if base_url != "http://127.0.0.1:30000":
+        install += f" --url {base_url}"
     return "\n".join(
         [
             f"clawbridge serving {proxy.model_name} ({backend.name} backend, policy@v{backend.version})",
             f"  endpoint  {base_url}/v1",
+            f"  context   {card['max_model_len']} tokens (suggested max_tokens {card['suggested_max_tokens']})",
             f"  data      {settings.data_dir}",
             "",
             "Try it:",
             f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
             f"    -d '{body}'",
             "",
-            "OpenClaw: merge into ~/.openclaw/openclaw.json",
-            json.dumps(provider, indent=2),
+            "OpenClaw (Node >= 24.16, `npm install -g openclaw`), in another terminal:",
+            f"  {install}",
+            "  (adds the provider and plug-in to $OPENCLAW_HOME/.openclaw/openclaw.json, default",
+            "  ~/.openclaw/openclaw.json, after a backup; docs/openclaw.md)",
             "",
         ]
     )

@@ -186,7 +186,8 @@ def test_switch_backends_commands_use_real_flags():
 
 
 def test_openclaw_example_is_what_the_config_writer_produces():
-    frag = oc.fragment(oc.provider_entry("http://127.0.0.1:30000", "smollm2-135m-instruct", context_window=8192),
+    frag = oc.fragment(oc.provider_entry("http://127.0.0.1:30000", "smollm2-135m-instruct", context_window=32768,
+                                         max_tokens=128),
                        Path("/home/you/.openclaw/extensions/clawbridge"))
     assert (EXAMPLES / "openclaw.json").read_text() == oc.dumps(frag)
 

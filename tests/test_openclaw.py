@@ -12,11 +12,13 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import pytest
 from clawbridge.cli.main import app
 from clawbridge.config import Settings
 from clawbridge.openclaw import provider as oc
 from clawbridge.server import build_backend
+from clawbridge.store.export import iter_export
 from live_server import LiveServer
 from typer.testing import CliRunner
 
@@ -106,6 +108,18 @@ def test_install_into_an_empty_home_creates_a_private_config(tmp_path: Path):
     assert json.loads(r.config_path.read_text())["agents"]["defaults"]["model"]["primary"] == "clawbridge/tiny-random"
 
 
+def test_install_gives_a_fresh_home_a_local_gateway_and_keeps_a_chosen_mode(tmp_path: Path):
+    # `openclaw gateway run` refuses a config without gateway.mode
+    fresh = json.loads(oc.install(tmp_path / "a", PROVIDER).config_path.read_text())
+    assert fresh["gateway"] == {"mode": "local"}
+    _write(tmp_path / "b", {"gateway": {"mode": "remote", "port": 1}})
+    kept = json.loads(oc.install(tmp_path / "b", PROVIDER).config_path.read_text())
+    assert kept["gateway"] == {"mode": "remote", "port": 1}
+    _write(tmp_path / "c", {"gateway": {"port": 18789}})
+    added = json.loads(oc.install(tmp_path / "c", PROVIDER).config_path.read_text())
+    assert added["gateway"] == {"port": 18789, "mode": "local"}
+
+
 def test_install_leaves_a_json5_config_untouched(tmp_path: Path):
     path = oc.config_path(tmp_path)
     path.parent.mkdir(parents=True)
@@ -158,7 +172,7 @@ def test_cli_install_and_config_against_a_temporary_home(tmp_path: Path):
 def test_cli_says_what_to_do_when_no_server_answers():
     r = CliRunner().invoke(app, ["openclaw", "config", "--url", "http://127.0.0.1:9"])
     assert r.exit_code == 2
-    assert "--model" in r.output
+    assert "--model" in r.output and "--url" in r.output and "clawbridge up" in r.output
 
 
 # --- the plug-in's pure helpers, run by Node when it is here -------------------------------------
@@ -217,6 +231,8 @@ out.push(await stream({id: "tiny-random", headers: {}}, {messages: [{role: "user
                       {sessionId: "oc-7", requestId: "run-user:model:1"}));
 out.push(await stream({id: "tiny-random", headers: {}}, {messages: [{role: "user", content: "HEARTBEAT"}]},
                       {sessionId: "oc-7", requestId: "run-hb:model:1"}));
+out.push(await stream({id: "tiny-random", headers: {}}, {messages: [{role: "user", content: "summarize"}]},
+                      {requestId: "run-user:model:2"}));  // a compaction summary: no session
 await hooks.session_end({sessionId: "oc-7", messageCount: 2, reason: "new"}, {sessionId: "oc-7"});
 console.log(JSON.stringify({provider: provider.id, hooks: Object.keys(hooks).sort(), out}));
 """
@@ -231,6 +247,34 @@ def live(tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
+def test_install_sizes_the_provider_by_the_server_it_points_at(live: LiveServer, tmp_path: Path):
+    # the model, its context and the budget a CPU server suggests, from /v1/models
+    card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 32768 and card["suggested_max_tokens"] == 128
+    r = CliRunner().invoke(app, ["openclaw", "install", "--url", live.url, "--openclaw-home", str(tmp_path)],
+                           env={"CLAWBRIDGE_API_KEY": ""})
+    assert r.exit_code == 0, r.output
+    assert "contextWindow 32768, maxTokens 128" in r.output
+    [model] = json.loads(oc.config_path(tmp_path).read_text())["models"]["providers"]["clawbridge"]["models"]
+    assert (model["id"], model["contextWindow"], model["maxTokens"]) == ("tiny-random", 32768, 128)
+    flags = CliRunner().invoke(app, ["openclaw", "config", "--url", live.url, "--context-window", "9000",
+                                     "--max-tokens", "64"], env={"CLAWBRIDGE_API_KEY": ""})
+    [model] = json.loads(flags.output)["models"]["providers"]["clawbridge"]["models"]
+    assert (model["contextWindow"], model["maxTokens"]) == (9000, 64)
+
+
+def test_a_compaction_summary_without_a_session_is_a_side_turn(live: LiveServer):
+    summary = {"model": "tiny-random", "max_tokens": 2, "messages": [
+        {"role": "system", "content": "You are a context summarization assistant. Summarize the conversation."},
+        {"role": "user", "content": "user: hi\nassistant: hello"}]}
+    for headers in ({}, {"X-Turn-Type": "main"}):  # untagged, or tagged main by an older plug-in
+        assert httpx.post(f"{live.url}/v1/chat/completions", json=summary, headers=headers).status_code == 200
+    store = live.running.store  # type: ignore[union-attr]
+    turns = [t for t in iter_export(store) if "summarization assistant" in str(t["messages"][0])]
+    assert [t["turn_type"] for t in turns] == ["side", "side"]
+
+
+
 def test_plugin_tags_main_and_heartbeat_turns_and_ends_the_session(live: LiveServer):
     node = shutil.which("node")
     if node is None:
@@ -242,8 +286,9 @@ def test_plugin_tags_main_and_heartbeat_turns_and_ends_the_session(live: LiveSer
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["provider"] == "clawbridge"
     assert got["hooks"] == ["agent_end", "before_prompt_build", "session_end"]
-    assert [o["status"] for o in got["out"]] == [200, 200]
-    assert [o["headers"]["X-Turn-Type"] for o in got["out"]] == ["main", "side"]
+    assert [o["status"] for o in got["out"]] == [200, 200, 200]
+    assert [o["headers"]["X-Turn-Type"] for o in got["out"]] == ["main", "side", "side"]
+    assert "X-Session-Id" not in got["out"][2]["headers"]
     store = live.running.store  # type: ignore[union-attr]
     main, side = store.session_turns("oc-7")
     assert (main.turn_type, side.turn_type) == ("main", "side") and main.tagged

@@ -325,15 +325,14 @@ def test_both_chat_routes_answer_errors_the_same_way(tmp_path: Path, live: LiveS
         assert app.state.proxy.counters.errors_5xx == 2
 
 
-def test_banner_has_endpoint_curl_and_a_pasteable_openclaw_provider(live: LiveServer):
+def test_banner_has_endpoint_curl_context_and_the_openclaw_install_command(live: LiveServer):
     from clawbridge.server import banner, status_line
 
     text = banner(live.settings, live.backend, live.proxy, live.url)
     assert f"{live.url}/v1" in text and "curl " in text and "sk-" not in text
-    provider = json.loads(text[text.index("{", text.index("OpenClaw")):])
-    entry = provider["models"]["providers"]["clawbridge"]
-    assert entry["baseUrl"] == f"{live.url}/v1" and entry["models"][0]["id"] == MODEL
-    assert provider["agents"]["defaults"]["model"]["primary"] == f"clawbridge/{MODEL}"
+    assert f"context   {live.backend.context_length} tokens" in text
+    # a port other than the default: install must be told where the server is
+    assert f"clawbridge openclaw install --url {live.url}" in text and "$OPENCLAW_HOME" in text
     line = status_line(live.call(live.proxy.status()))
     assert "requests" in line and "policy@v0" in line
 

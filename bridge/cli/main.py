@@ -230,34 +230,53 @@ openclaw_app = typer.Typer(help="Use clawbridge as an OpenClaw model provider (d
 app.add_typer(openclaw_app, name="openclaw")
 
 
-def _openclaw_provider(url: str, model: str | None, api_key: str | None, context_window: int,
-                       max_tokens: int, keyed: bool | None) -> dict:
-    from clawbridge.openclaw.provider import provider_entry
-    from clawbridge.sdk.client import Client
+def _server_model(url: str, api_key: str | None) -> dict:
+    """The running server's /v1/models entry (its model, context and suggested budget)."""
+    import httpx
 
-    if model is None:
+    root = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{root}/v1/models", headers=headers, timeout=5)
+    r.raise_for_status()
+    return dict(r.json()["data"][0])
+
+
+def _openclaw_provider(url: str, model: str | None, api_key: str | None, context_window: int | None,
+                       max_tokens: int | None, keyed: bool | None) -> dict:
+    """The provider entry, sized by the server it points at: its model, its context window and
+    the completion budget it suggests (a CPU server suggests a short one). Flags override."""
+    from clawbridge.openclaw.provider import provider_entry
+
+    card: dict = {}
+    if model is None or context_window is None or max_tokens is None:
         try:
-            model = Client(url, api_key=api_key, timeout=5).models()[0]
+            card = _server_model(url, api_key)
         except Exception as e:
-            typer.echo(f"clawbridge openclaw: cannot ask {url} for its model ({e}); start "
-                       "`clawbridge up` first or pass --model", err=True)
-            raise typer.Exit(2) from None
+            if model is None:
+                typer.echo(f"clawbridge openclaw: cannot ask {url} for its model ({e}). Start "
+                           "`clawbridge up` first, pass --url if it runs elsewhere (another port or "
+                           "host), or give --model, --context-window and --max-tokens yourself", err=True)
+                raise typer.Exit(2) from None
+    model = model or str(card["id"])
+    context_window = context_window or int(card.get("max_model_len") or FALLBACK_CONTEXT)
+    max_tokens = max_tokens or int(card.get("suggested_max_tokens") or FALLBACK_MAX_TOKENS)
     return provider_entry(url, model, context_window=context_window, max_tokens=max_tokens,
                           keyed=bool(api_key) if keyed is None else keyed)
 
 
-_URL = typer.Option("http://127.0.0.1:30000", "--url", help="The clawbridge server.")
+FALLBACK_CONTEXT, FALLBACK_MAX_TOKENS = 32768, 512  # a server that does not say (not clawbridge)
+_URL = typer.Option("http://127.0.0.1:30000", "--url", help="The clawbridge server (default: `clawbridge up`'s).")
 _MODEL = typer.Option(None, "--model", help="Model id (default: ask the server's /v1/models).")
 _KEY = typer.Option(None, "--api-key", envvar="CLAWBRIDGE_API_KEY", help="Key to ask the server with (never written to openclaw.json).")
-_CTX = typer.Option(32768, "--context-window", help="Context window OpenClaw plans prompts for.")
-_MAXTOK = typer.Option(512, "--max-tokens", help="Completion budget OpenClaw asks for.")
+_CTX = typer.Option(None, "--context-window", help="Context window OpenClaw plans prompts for (default: the server's).")
+_MAXTOK = typer.Option(None, "--max-tokens", help="Completion budget OpenClaw asks for (default: what the server suggests; 128 on CPU).")
 _KEYED = typer.Option(None, "--keyed/--no-keyed", help="Reference ${CLAWBRIDGE_API_KEY} as the provider key (default: when a key is given).")
 
 
 @openclaw_app.command("config")
 def openclaw_config_cmd(
     url: str = _URL, model: str | None = _MODEL, api_key: str | None = _KEY,
-    context_window: int = _CTX, max_tokens: int = _MAXTOK, keyed: bool | None = _KEYED,
+    context_window: int | None = _CTX, max_tokens: int | None = _MAXTOK, keyed: bool | None = _KEYED,
 ) -> None:
     """Print the openclaw.json fragment that makes clawbridge a provider (and the default model)."""
     import json
@@ -271,7 +290,7 @@ def openclaw_config_cmd(
 @openclaw_app.command("install")
 def openclaw_install_cmd(
     url: str = _URL, model: str | None = _MODEL, api_key: str | None = _KEY,
-    context_window: int = _CTX, max_tokens: int = _MAXTOK, keyed: bool | None = _KEYED,
+    context_window: int | None = _CTX, max_tokens: int | None = _MAXTOK, keyed: bool | None = _KEYED,
     openclaw_home: str | None = typer.Option(None, "--openclaw-home", envvar="OPENCLAW_HOME", help="OpenClaw's home (default: your home directory)."),
     set_default: bool = typer.Option(True, "--default/--no-default", help="Make clawbridge OpenClaw's default model."),
     plugin: bool = typer.Option(True, "--plugin/--no-plugin", help="Install and enable the clawbridge plug-in."),
@@ -292,6 +311,9 @@ def openclaw_install_cmd(
         typer.echo(f"updated {r.config_path}" + (f" (previous file: {r.backup})" if r.backup else ""))
     else:
         typer.echo(f"{r.config_path} already up to date")
+    spec = provider["models"][0]
+    typer.echo(f"provider clawbridge/{spec['id']} at {provider['baseUrl']}: contextWindow "
+               f"{spec['contextWindow']}, maxTokens {spec['maxTokens']}")
     if plugin:
         typer.echo(f"plug-in {'installed' if r.plugin_changed else 'unchanged'} at {r.plugin_dir}")
     if provider["apiKey"].startswith("${"):

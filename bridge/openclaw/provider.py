@@ -11,7 +11,8 @@ clawbridge provider with `X-Session-Id` and `X-Turn-Type` and marks sessions don
 `install` is idempotent: a second run with the same arguments changes nothing and makes no
 backup; any run that changes the file first copies the old one to `openclaw.json.bak-<UTC time>`.
 The merge touches only what clawbridge owns (`models.providers.clawbridge`, the plug-in's load path
-and entry, and, unless asked not to, the default model); everything else is kept as it was.
+and entry, and, unless asked not to, the default model) and sets `gateway.mode` to `local` where
+no mode is set (the Gateway refuses to start without one); everything else is kept as it was.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def config_path(openclaw_home: Path) -> Path:
     return state_dir(openclaw_home) / "openclaw.json"
 
 
+# OpenClaw gives a local model server 5 minutes to start answering (120 s idle for others);
+# prefilling its ~13 K-token prompt on a busy 2-core CPU took longer than that. The provider's
+# own timeout replaces those limits for its requests.
+REQUEST_TIMEOUT_S = 1800
+
+
 def provider_entry(
     base_url: str, model: str, *, context_window: int = 32768, max_tokens: int = 512,
     keyed: bool = False,
@@ -66,6 +73,7 @@ def provider_entry(
         "baseUrl": f"{root}/v1",
         "apiKey": f"${{{KEY_ENV}}}" if keyed else "clawbridge",
         "api": "openai-completions",
+        "timeoutSeconds": REQUEST_TIMEOUT_S,
         "models": [
             {
                 "id": model,
@@ -123,6 +131,18 @@ def _merge_into(dst: dict[str, Any], src: dict[str, Any], path: tuple[str, ...])
             dst[key] = copy.deepcopy(value)
 
 
+def with_gateway_mode(config: dict[str, Any]) -> dict[str, Any]:
+    """`gateway.mode: local` when the config names no mode: `openclaw gateway run` refuses to
+    start without one ("missing gateway.mode"), and a home written by install alone has none.
+    A mode the user chose is kept."""
+    gateway = config.get("gateway")
+    if gateway is None:
+        return {**config, "gateway": {"mode": "local"}}
+    if isinstance(gateway, dict) and "mode" not in gateway:
+        return {**config, "gateway": {**gateway, "mode": "local"}}
+    return config
+
+
 def read_config(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
@@ -175,8 +195,8 @@ def install(
     old_text = path.read_text() if path.exists() else None
     config = read_config(path)  # refuses before anything is written
     plugin_changed = install_plugin(plugin_dir) if with_plugin else False
-    new_text = dumps(merge(config, fragment(provider, plugin_dir if with_plugin else None,
-                                            set_default=set_default)))
+    merged = merge(config, fragment(provider, plugin_dir if with_plugin else None, set_default=set_default))
+    new_text = dumps(with_gateway_mode(merged))
     if old_text is not None and new_text == old_text:
         return InstallResult(path, plugin_dir, False, None, plugin_changed)
     backup = None

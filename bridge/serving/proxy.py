@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import inspect
 import logging
@@ -32,7 +33,14 @@ from clawbridge.backends.base import (
 from clawbridge.chat.messages import AssistantMessage, Delta, PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
 from clawbridge.serving import wire
-from clawbridge.serving.sessions import TAG_HEADERS, Admission, NextState, Sessions, read_tag
+from clawbridge.serving.sessions import (
+    TAG_HEADERS,
+    Admission,
+    NextState,
+    Sessions,
+    agent_housekeeping,
+    read_tag,
+)
 from clawbridge.serving.wire import APIError
 from clawbridge.store.episodes import NewEpisode
 from clawbridge.store.records import TurnRecord, new_turn_id
@@ -221,6 +229,8 @@ class Proxy:
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
         messages, tools, prompt = prep.messages, prep.tools, prep.prompt
+        if not tag.session_id and agent_housekeeping(messages):  # no user is talking: side
+            tag = dataclasses.replace(tag, turn_type="side")
         ctx = self.backend.context_length
         if len(prompt) >= ctx:
             raise context_length_exceeded(ctx, len(prompt))
@@ -512,6 +522,20 @@ class Proxy:
     def _tail_logprobs(self, tokens: list[int], lps: list[float], tops: list[Any], k: int) -> dict[str, Any]:
         return self.logprobs(tokens[-k:], lps[-k:], tops[-k:] if tops else None)
 
+    def model_card(self) -> dict[str, Any]:
+        """The /v1/models entry. `max_model_len` (vLLM's name) and `suggested_max_tokens` let a
+        client plan its prompts and budget for this server (`clawbridge openclaw install` does):
+        a CPU engine suggests a short budget, since every token costs a decode step there."""
+        suggested = getattr(self.backend, "suggested_max_tokens", None) or self.settings.default_max_tokens
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "clawbridge",
+            "max_model_len": self.backend.context_length,
+            "suggested_max_tokens": min(int(suggested), self.backend.context_length),
+        }
+
     async def status(self) -> dict[str, Any]:
         c = self.counters
         out: dict[str, Any] = {
@@ -769,14 +793,7 @@ def create_app(
         return _json(
             {
                 "object": "list",
-                "data": [
-                    {
-                        "id": proxy.model_name,
-                        "object": "model",
-                        "created": int(proxy.started),
-                        "owned_by": "clawbridge",
-                    }
-                ],
+                "data": [proxy.model_card()],
             }
         )
 

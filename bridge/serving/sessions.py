@@ -75,6 +75,21 @@ def read_tag(
     )
 
 
+# An agent's own housekeeping, sent as a model request but written by no user: OpenClaw's
+# compaction summary (observed with openclaw 2026.9.6; it carries no session id and, from older
+# plug-ins, a main tag). Matched on the system prompt's opening words.
+HOUSEKEEPING_PROMPTS = ("You are a context summarization assistant",)
+
+
+def agent_housekeeping(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a request is an agent's housekeeping (a compaction summary), never a user's turn."""
+    for m in messages[:1]:
+        if m.get("role") in ("system", "developer"):
+            text = _text(m.get("content"))
+            return text.startswith(HOUSEKEEPING_PROMPTS)
+    return False
+
+
 # --- structural fingerprints --------------------------------------------------------------------
 
 

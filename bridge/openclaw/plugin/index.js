@@ -6,7 +6,8 @@
 //   - remembers each run's trigger (before_prompt_build sees ctx.runId and ctx.trigger), keyed by
 //     run id, not session: heartbeats share the main session and cron runs interleave with it;
 //   - wraps the clawbridge provider's stream function to add X-Session-Id (the OpenClaw session)
-//     and X-Turn-Type (side for heartbeat, cron and memory runs, main otherwise);
+//     and X-Turn-Type (side for heartbeat, cron and memory runs and for requests outside any
+//     session, such as compaction summaries; main otherwise);
 //   - on session_end, POSTs {baseUrl}/sessions/{id}/done with X-Session-Done: true so the
 //     session's last turn is closed at once instead of after clawbridge's idle timeout.
 
@@ -76,7 +77,7 @@ const plugin = {
         if (!underlying) return undefined;
         return (model, context, options) => {
           const trigger = triggers.get(runIdOf(options?.requestId));
-          const turnType = turnTypeFor(trigger, sideTriggers);
+          const turnType = options?.sessionId ? turnTypeFor(trigger, sideTriggers) : "side";
           const headers = taggedHeaders(model?.headers, options?.sessionId, turnType);
           return underlying({ ...model, headers }, context, options);
         };
