@@ -311,7 +311,8 @@ async def run_demo(
             while _step_of(learner) <= steps_before:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no training step within {step_timeout_s:.0f} s")
-                if learner.lock.locked():  # a step (and its gate) is under way
+                if learner.lock.locked():  # a step (and its gate) is under way: slow, not stuck
+                    deadline = time.monotonic() + step_timeout_s
                     await asyncio.sleep(0.2)
                     continue
                 waiting, unsettled = await _settled(running)
