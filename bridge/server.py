@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
-from clawbridge.learning.trainer import Trainer
+from clawbridge.learning.trainer import Trainer, pending_candidate
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
@@ -201,6 +201,10 @@ async def serve(
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
     await Trainer(settings, backend, store).resume()
+    if isinstance(backend, PinnedBackend) and (pending := await pending_candidate(store)) is not None:
+        # the newest version never passed the gate (a restart while it judged): its predecessor
+        # serves until the learner's gate has decided (`Trainer.judge_pending`)
+        backend.pin(pending[1])
     app = create_app(settings, backend, store, hooks, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
     await proxy.restore_sessions()  # open conversations continue across a restart

@@ -68,3 +68,39 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
     finally:
         await backend.close()
         store.close()
+
+
+async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_path: Path):
+    """A process killed while the gate judged leaves a recorded candidate with no decision; the
+    restarted learner judges it before training on, so no version serves ungated."""
+    from clawbridge.learning.trainer import pending_candidate
+
+    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
+    store = Store.open(settings.db_url)
+    backend = PinnedBackend(LocalBackend.from_settings(settings))
+    await backend.start()
+    try:
+        renderer = Renderer(backend.tokenizer())
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+        v0 = await _answers(backend, renderer, params, 0)
+        record_turns(store, 2)
+        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        # the step publishes and records v1; the gate's decision never comes (the kill)
+        assert (await Trainer(settings, backend, store).step_once()).version == 1  # type: ignore[union-attr]
+        assert await pending_candidate(store) == (1, 0)
+
+        plain = [renderer.parse(
+            (await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=0))[0].tokens,
+            "length").content or "" for p in PROMPTS]
+        probes = [GateProbe("validation", ({"role": "user", "content": p},),
+                            lambda text, _finish, want=want: 1.0 if text == want else 0.0)
+                  for p, want in zip(PROMPTS, plain, strict=True)]
+        restarted = Trainer(settings, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        assert await restarted.judge_pending() == 2  # rejected: a copy of v0 serves as v2
+        assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
+        assert await pending_candidate(store) is None and backend.pinned is None
+        assert await _answers(backend, renderer, params, 2) == v0
+        assert await restarted.judge_pending() is None  # decided once: nothing pending
+    finally:
+        await backend.close()
+        store.close()

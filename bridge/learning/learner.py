@@ -100,7 +100,9 @@ class Learner:
         """The background task: collect and train until cancelled."""
         self.bind(backend, store)
         assert self.trainer is not None
-        # the trainer resumed before serving began (`server.serve`: the newest version serves)
+        # the trainer resumed before serving began (`server.serve`: the newest version serves);
+        # a candidate the gate never decided on (a restart mid-gate) is judged first
+        await self.trainer.judge_pending()
         await asyncio.gather(self._collect_loop(), self._train_loop())
 
     async def _collect_loop(self) -> None:

@@ -140,6 +140,27 @@ class Trainer:
                  newest.path, f"; the last checkpoint is of v{ck['version']}" if ck else "")
         return newest.path or f"policy@v{newest.version}"
 
+    async def judge_pending(self) -> int | None:
+        """A candidate that was recorded but never judged (the process died while the gate was
+        at work) is judged now, before training goes on: no version serves ungated across a
+        restart. `serve` pinned its predecessor before the first request; the pin ends here.
+        Returns the version that serves afterwards (None: nothing was pending)."""
+        pending = await pending_candidate(self.store) if self.gate is not None else None
+        if pending is None:
+            return None
+        candidate, before = pending
+        log.warning("policy@v%d was published but the gate never decided on it (a restart during the "
+                    "gate): judging it now; v%d serves meanwhile", candidate, before)
+        async with self.lock:
+            pinned = self.backend if isinstance(self.backend, PinnedBackend) else None
+            if pinned is not None:
+                pinned.pin(before)
+            try:
+                return await self._gate(candidate, before)
+            finally:
+                if pinned is not None:
+                    pinned.pin(None)
+
     async def next_step_number(self) -> int:
         steps = await self.store.run(self.store.training_steps)
         return (steps[-1].step if steps else 0) + 1
@@ -288,3 +309,18 @@ class Trainer:
             self.store.set_meta, CHECKPOINT_KEY, {"path": path, "step": step, "version": version}
         )
         return path
+
+
+async def pending_candidate(store: Store) -> tuple[int, int] | None:
+    """(candidate, the version it was trained from) when the newest recorded version came from a
+    training step and the gate has no decision on it; None otherwise. A rollback's copy (no step)
+    or v0 is never pending."""
+    newest = await store.run(store.latest_version)
+    if newest is None or newest.step is None:
+        return None
+    decided = {int(r["version"]) for r in await store.run(store.get_meta, GATE_KEY) or []}
+    if newest.version in decided:
+        return None
+    steps = await store.run(store.training_steps)
+    step = next((st for st in reversed(steps) if st.version_after == newest.version), None)
+    return None if step is None else (newest.version, step.version_before)
