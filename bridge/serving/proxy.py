@@ -392,22 +392,27 @@ class Proxy:
             alts = [[(dec([a.token_id]), a.logprob) for a in row] for row in top]
         return wire.logprobs_content(texts, list(lps), alts)
 
+    async def sample(self, d: Draft, n: int, request: Request | None = None) -> list[Completion]:
+        """The n completions of a non-streamed answer. The client may leave while they are
+        generated: then generation stops for nobody (as a stream's does) and ClientDisconnect is
+        raised, so nothing is recorded (no answer was delivered)."""
+        sampling = asyncio.ensure_future(self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version))
+        if request is None:
+            return await sampling
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((sampling, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not sampling.done():
+            sampling.cancel()
+            with contextlib.suppress(BaseException):
+                await sampling
+            raise ClientDisconnect()
+        gone.cancel()
+        return await sampling
+
     async def complete(self, d: Draft, n: int, request: Request | None = None) -> Response:
         if not d.turn_ids:  # chosen now so every choice can name the turn it is stored as
             d.turn_ids = [new_turn_id() for _ in range(n)]
-        sampling = asyncio.ensure_future(self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version))
-        if request is not None:
-            # The client may leave while the answer is generated: then stop generating for
-            # nobody (as a stream does), and record nothing (no answer was delivered).
-            gone = asyncio.ensure_future(_disconnected(request))
-            await asyncio.wait((sampling, gone), return_when=asyncio.FIRST_COMPLETED)
-            if not sampling.done():
-                sampling.cancel()
-                with contextlib.suppress(BaseException):
-                    await sampling
-                raise ClientDisconnect()
-            gone.cancel()
-        comps = await sampling
+        comps = await self.sample(d, n, request)
         choices, replies, finishes = [], [], []
         for i, c in enumerate(comps):
             ch, reply, fin = self.choice(d, c, i)

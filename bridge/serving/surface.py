@@ -11,8 +11,6 @@ version pinned at admission and the store are the chat route's, unchanged.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -27,14 +25,13 @@ from clawbridge.serving.proxy import (
     Metrics,
     Proxy,
     _backend_error,
-    _disconnected,
     _EventStream,
     _Prefetch,
 )
 from clawbridge.serving.wire import APIError
 from clawbridge.store.records import new_turn_id
 from clawbridge.types import Completion, TokenChunk
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 
@@ -154,16 +151,7 @@ async def complete(
 ) -> list[Answer]:
     """Sample, parse and record (one turn per answer, committed before this returns). A client
     that leaves meanwhile stops the generation and nothing is recorded, as for chat."""
-    sampling = asyncio.ensure_future(proxy.backend.sample(d.prompt_ids, d.params, n=n, version=d.version))
-    gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait((sampling, gone), return_when=asyncio.FIRST_COMPLETED)
-    if not sampling.done():
-        sampling.cancel()
-        with contextlib.suppress(BaseException):
-            await sampling
-        raise ClientDisconnect()
-    gone.cancel()
-    comps = await sampling
+    comps = await proxy.sample(d, n, request)
     answers = []
     for c in comps:
         dec = decoder() if decoder else proxy.renderer.stream(d.params.stop)
