@@ -57,6 +57,7 @@ OTHER_TOOLS_FLAGS = {
     "--autogenerate", "--max-loras-per-batch", "--mem-fraction-static", "--nproc-per-node",
     "--framework", "--target", "--local", "--chunk", "--compute-dtype", "--profile", "--repeats",
     "--tokens", "--quick", "--turns", "--methods", "--seeds", "--mixed", "--samples",
+    "--message", "--session-id", "--prefix",  # openclaw agent, npm install (docs/openclaw.md)
 }
 
 
