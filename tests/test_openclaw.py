@@ -111,7 +111,7 @@ def test_install_into_an_empty_home_creates_a_private_config(tmp_path: Path):
 def test_install_gives_a_fresh_home_a_local_gateway_and_keeps_a_chosen_mode(tmp_path: Path):
     # `openclaw gateway run` refuses a config without gateway.mode
     fresh = json.loads(oc.install(tmp_path / "a", PROVIDER).config_path.read_text())
-    assert fresh["gateway"] == {"mode": "local"}
+    assert fresh["gateway"] == {"mode": "local", "bind": "loopback"}
     _write(tmp_path / "b", {"gateway": {"mode": "remote", "port": 1}})
     kept = json.loads(oc.install(tmp_path / "b", PROVIDER).config_path.read_text())
     assert kept["gateway"] == {"mode": "remote", "port": 1}

@@ -134,10 +134,12 @@ def _merge_into(dst: dict[str, Any], src: dict[str, Any], path: tuple[str, ...])
 def with_gateway_mode(config: dict[str, Any]) -> dict[str, Any]:
     """`gateway.mode: local` when the config names no mode: `openclaw gateway run` refuses to
     start without one ("missing gateway.mode"), and a home written by install alone has none.
-    A mode the user chose is kept."""
+    A config with no gateway at all also gets `bind: loopback`, as clawbridge binds: in a
+    container OpenClaw otherwise binds 0.0.0.0 and refuses to start without auth. A mode or bind
+    the user chose is kept."""
     gateway = config.get("gateway")
     if gateway is None:
-        return {**config, "gateway": {"mode": "local"}}
+        return {**config, "gateway": {"mode": "local", "bind": "loopback"}}
     if isinstance(gateway, dict) and "mode" not in gateway:
         return {**config, "gateway": {**gateway, "mode": "local"}}
     return config
