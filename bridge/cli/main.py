@@ -241,6 +241,9 @@ def _server_model(url: str, api_key: str | None) -> dict:
     return dict(r.json()["data"][0])
 
 
+OPENCLAW_PROMPT_TOKENS = 14_000  # its system prompt and 12 tools (FACTS.md: 13.3-14.5 K tokens)
+
+
 def _openclaw_provider(url: str, model: str | None, api_key: str | None, context_window: int | None,
                        max_tokens: int | None, keyed: bool | None) -> dict:
     """The provider entry, sized by the server it points at: its model, its context window and
@@ -314,6 +317,10 @@ def openclaw_install_cmd(
     spec = provider["models"][0]
     typer.echo(f"provider clawbridge/{spec['id']} at {provider['baseUrl']}: contextWindow "
                f"{spec['contextWindow']}, maxTokens {spec['maxTokens']}")
+    if spec["contextWindow"] < OPENCLAW_PROMPT_TOKENS:
+        typer.echo(f"warning: OpenClaw's own prompt is about {OPENCLAW_PROMPT_TOKENS:,} tokens and this model reads "
+                   f"{spec['contextWindow']:,}: its turns will be refused (context_length_exceeded). Serve a longer "
+                   "context, e.g. `clawbridge up --model smollm2-135m-instruct-32k` (docs/openclaw.md).", err=True)
     if plugin:
         typer.echo(f"plug-in {'installed' if r.plugin_changed else 'unchanged'} at {r.plugin_dir}")
     if provider["apiKey"].startswith("${"):
