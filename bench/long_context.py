@@ -29,6 +29,10 @@ TRAINED = 8192
 SCALINGS: dict[str, dict[str, Any] | None] = {
     "none": None,
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED},
+    # YaRN without its attention temperature (0.1 ln 4 + 1 = 1.14 on q and k): short prompts
+    # keep their answers (greedy "capital of France": "Paris" here, not with the temperature)
+    "yarn-t1": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": TRAINED,
+                "attention_factor": 1.0},
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": TRAINED},
     "linear": {"rope_type": "linear", "factor": 4.0},
