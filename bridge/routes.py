@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from clawbridge.backends.base import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
@@ -30,6 +30,17 @@ if TYPE_CHECKING:
     from clawbridge.serving.proxy import Proxy
 
 log = logging.getLogger(__name__)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_body(request: Request, model: type[Body], what: str) -> Body:
+    """A route's JSON body as `model`; anything else is an OpenAI-style 400 naming `what`."""
+    try:
+        return model.model_validate(wire.json_object(await request.body()))
+    except ValidationError as e:
+        raise wire.invalid(e, what) from None
 
 
 def parse_feedback(raw: bytes, header_session: str | None) -> FeedbackRequest:
@@ -70,10 +81,7 @@ def rollback_route(learner: Learner) -> Route:
     async def rollback(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
-        try:
-            body = RollbackRequest.model_validate(wire.json_object(await request.body()))
-        except ValidationError as e:
-            raise wire.invalid(e, "rollback") from None
+        body = await read_body(request, RollbackRequest, "rollback")
         try:
             rb = await learner.rollback(proxy.backend, proxy.store, body.version)
         except UnknownVersion as e:
@@ -136,10 +144,7 @@ def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
     async def open_group(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
-        try:
-            body = GroupRequest.model_validate(wire.json_object(await request.body()))
-        except ValidationError as e:
-            raise wire.invalid(e, "group") from None
+        body = await read_body(request, GroupRequest, "group")
         gid = body.id or f"grp-{os.urandom(8).hex()}"
         wire.session_id(gid, "id")
         eps = [NewEpisode(id=(eid := f"ep-{os.urandom(8).hex()}"), session_id=eid) for _ in range(body.n)]
@@ -174,10 +179,7 @@ def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
     async def outcome(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
-        try:
-            body = OutcomeRequest.model_validate(wire.json_object(await request.body()))
-        except ValidationError as e:
-            raise wire.invalid(e, "outcome") from None
+        body = await read_body(request, OutcomeRequest, "outcome")
         try:
             ep = await proxy.store.run(proxy.store.set_outcome, request.path_params["eid"], body.outcome)
         except EpisodeError as e:
