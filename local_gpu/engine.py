@@ -7,12 +7,14 @@ iteration between decode steps. Results reach asyncio callers through thread-saf
 per-request queues.
 
 Versions. The trainable adapter is PEFT's "default" and is never served. Version 0 is the base
-(PEFT's "__base__" row name); `publish()` writes the trainable weights to
-`data_dir/adapters/vK/` (PEFT format) and loads that folder back as adapter "vK". Each decode
-row names its own adapter (PEFT mixed-batch LoRA, `adapter_names`), so a request admitted on vK
-finishes on vK while newer requests run on vK+1 in the same batch. An adapter is deleted once no
-request uses it and a newer version exists; an older version asked for by number is reloaded
-from its folder.
+(PEFT's "__base__" row name); `publish()` copies the trainable weights into a serving slot (a
+reusable PEFT adapter, `adapters.Slots`) that serves from the next scheduler iteration, and a
+writer thread persists the same weights to `data_dir/adapters/vK/` (PEFT format); `publish()`
+returns once they are on disk (`durable=False`: once the version serves). Each decode row names
+its own adapter (PEFT mixed-batch LoRA, `adapter_names`), so a request admitted on vK finishes on
+vK while newer requests run on vK+1 in the same batch. A slot is freed once no request uses its
+version and a newer version exists; an older version asked for by number is reloaded from its
+folder.
 
 `rollback(K)` copies vK's folder (or, for v0, the initial adapter kept from start-up) into the
 trainable adapter, drops the optimizer, and publishes it as the next version.
@@ -39,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 from clawbridge.backends.base import BackendError, UnknownVersion, require_published
-from clawbridge.local_gpu import models
+from clawbridge.local_gpu import adapters, models
 from clawbridge.local_gpu.kvbatch import KVBatch
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
 from clawbridge.local_gpu.sampling import draw_token, needs_uniform
@@ -60,10 +62,6 @@ log = logging.getLogger(__name__)
 BASE = "__base__"  # PEFT's row name for "no adapter"
 TRAIN = "default"  # the trainable adapter; saved without a sub-folder under this name
 STALE = "\0stale"  # no adapter's name: the LoRA layers must be pointed again before a forward
-
-
-def adapter_name(version: int) -> str:
-    return BASE if version == 0 else f"v{version}"
 
 
 @dataclass(eq=False)
@@ -123,7 +121,11 @@ class Engine:
         self._newest = 0
         self._steps = 0
         self._refs: dict[int, int] = {}
-        self._loaded: set[int] = set()  # published versions with an adapter in memory
+        self._slots: adapters.Slots | None = None
+        self._served: dict[int, str] = {}  # published version -> the slot serving it (in memory)
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # versions still being persisted
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clawbridge-persist")
+        self._adapter_config = ""
         self._inbox: queue.Queue[_Seq | _Job | None] = queue.Queue()
         self._waiting: deque[_Seq] = deque()
         self._jobs: deque[_Job] = deque()
@@ -158,6 +160,9 @@ class Engine:
         self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]
         self._trainable_active = [layer._active_adapter for layer in self._lora_layers]
         self._initial = self._trainable_state()
+        self._slots = adapters.Slots(self._model, TRAIN, self._lora_layers, self._trainable_active)
+        self._slots.ensure_spare()  # the first publish fills it without creating LoRA layers
+        self._adapter_config = adapters.config_json(self._model, TRAIN)
         self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)
         self._thread.start()
 
@@ -184,7 +189,7 @@ class Engine:
     @property
     def loaded_versions(self) -> set[int]:
         """Published versions whose adapter is in memory."""
-        return set(self._loaded)
+        return set(self._served)
 
     # --- async API ---------------------------------------------------------------------------
 
@@ -240,11 +245,19 @@ class Engine:
     ) -> StepMetrics:
         return await self._call(self._train_step, tuple(batch), loss, optim)
 
-    async def publish(self) -> PolicyVersion:
-        return await self._call(self._publish)
+    async def publish(self, *, durable: bool = True) -> PolicyVersion:
+        """Serve the trained weights as the next version. It serves from memory at once; with
+        `durable` (what a caller that records the version needs) this returns once its weights
+        are on disk, without `durable` as soon as it serves."""
+        published, persisted = await self._call(self._publish)
+        if durable:
+            await asyncio.wrap_future(persisted)
+        return published
 
     async def rollback(self, version: int) -> PolicyVersion:
-        return await self._call(self._rollback, version)
+        published, persisted = await self._call(self._rollback, version)
+        await asyncio.wrap_future(persisted)
+        return published
 
     async def save_state(self, name: str) -> str:
         return await self._call(self._save_state, name)
@@ -371,7 +384,9 @@ class Engine:
             return
         try:
             job.future.set_result(job.fn(*job.args))
-        except UnknownVersion as exc:  # the caller's mistake, answered as such: nothing to log
+        except (UnknownVersion, OSError) as exc:  # the caller's mistake or the disk's: no traceback
+            if isinstance(exc, OSError):
+                log.error("engine job %s failed: %s", getattr(job.fn, "__name__", job.fn), exc)
             job.future.set_exception(exc)
         except BaseException as exc:
             log.exception("engine job %s failed", getattr(job.fn, "__name__", job.fn))
@@ -385,6 +400,18 @@ class Engine:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error)
         self._active, self._batch = [], KVBatch()
+        self._writer.shutdown(wait=True)  # versions being persisted reach the disk
+        while True:  # ... and their publishers hear so
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Job) and item.fn == self._persisted:
+                self._run_job(item)
+            elif isinstance(item, _Job) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(error)
+            elif isinstance(item, _Seq):
+                item.emit(error)
 
     def _admit(self) -> None:
         while self._waiting and len(self._active) < self.max_batch:
@@ -400,7 +427,7 @@ class Engine:
                 with torch.inference_mode():
                     ids = torch.tensor([seq.prompt], device=self.device)
                     out = self._forward(
-                        [adapter_name(seq.version)], input_ids=ids, use_cache=True, logits_to_keep=1
+                        [self._row(seq.version)], input_ids=ids, use_cache=True, logits_to_keep=1
                     )
                 token = self._take(seq, out.logits[0, -1])
             except BaseException as exc:
@@ -417,7 +444,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 out = self._forward(
-                    [adapter_name(s.version) for s in self._active],
+                    [self._row(s.version) for s in self._active],
                     **self._batch.step_inputs(),
                     use_cache=True,
                 )
@@ -477,83 +504,111 @@ class Engine:
 
     # --- versions ------------------------------------------------------------------------------
 
+    def _row(self, version: int) -> str:
+        """The adapter name a row on `version` runs with (acquired: its slot is in memory)."""
+        return BASE if version == 0 else self._served[version]
+
     def _acquire(self, requested: int | None) -> int:
         version = self._newest if requested is None else requested
         if version < 0 or version > self._newest:
             raise BackendError(f"unknown policy version {version}; the newest is {self._newest}")
-        if version and version not in self._loaded:
-            path = self._adapter_dir(version)
-            if not (path / "adapter_config.json").exists():
-                raise BackendError(f"policy@v{version} is no longer available ({path} is missing)")
-            self._load_serving(path, version)
-            self._loaded.add(version)
+        if version and version not in self._served:
+            self._serve(version, self._weights_of(version, BackendError))
         self._refs[version] = self._refs.get(version, 0) + 1
         return version
 
-    def _load_serving(self, path: Path, version: int) -> None:
-        """Load a published adapter for serving, in the model's dtype. PEFT would upcast it to
-        fp32 (its default for training), and then every LoRA layer casts its input up and its
-        output back on every token: on a bf16 GPU model that was ~500 extra kernels per token.
-        Without autocast PEFT creates the adapter in the base layer's dtype. Sampling and `score`
-        of a version both run this copy, so their logprobs agree."""
-        self._model.load_adapter(str(path), adapter_name=adapter_name(version), autocast_adapter_dtype=False)
-        self._pointed = STALE  # PEFT may re-point layers when adapters come and go
+    def _weights_of(self, version: int, error: Callable[[str], Exception]) -> dict[str, torch.Tensor]:
+        """A published version's weights: still in memory while being persisted, else its folder."""
+        if version in self._pending:
+            return self._pending[version]
+        path = self._adapter_dir(version)
+        if not (path / adapters.WEIGHTS).exists():
+            raise error(f"policy@v{version} is no longer available ({path / adapters.WEIGHTS} is missing)")
+        return adapters.read(path, str(self.device))
+
+    def _serve(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Put `version`'s weights in a slot, in the model's dtype. PEFT would upcast a loaded
+        adapter to fp32 (its default for training), and then every LoRA layer casts its input up
+        and its output back on every token: on a bf16 GPU model that was ~500 extra kernels per
+        token. Sampling and `score` of a version both run this copy, so their logprobs agree."""
+        assert self._slots is not None
+        self._served[version] = self._slots.fill(weights)
+        self._restale()
+
+    def _restale(self) -> None:
+        assert self._slots is not None
+        if self._slots.changed:  # PEFT re-points layers when adapters come and go
+            self._pointed = STALE
+            self._slots.changed = False
 
     def _release(self, version: int) -> None:
         self._refs[version] -= 1
         self._collect()
 
     def _collect(self) -> None:
-        """Drop adapters of versions nobody uses any more (the newest always stays)."""
-        for version in sorted(self._loaded):
+        """Free the slots of versions nobody uses any more (the newest always stays)."""
+        assert self._slots is not None
+        for version in sorted(self._served):
             if version != self._newest and self._refs.get(version, 0) <= 0:
-                self._model.delete_adapter(adapter_name(version))
-                self._pointed = STALE
-                self._loaded.discard(version)
+                self._slots.free(self._served.pop(version))
                 self._refs.pop(version, None)
+        self._restale()
 
     def _adapter_dir(self, version: int) -> Path:
-        return self.data_dir / "adapters" / f"v{version}"
+        return adapters.folder(self.data_dir / "adapters", version)
 
-    def _publish(self) -> PolicyVersion:
+    def _publish(self) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
+        """Serve the trainable weights as the next version now; persist them in the background.
+
+        The number is reserved on disk first, so it is never reused: published weights are never
+        written over, and a version that served but was never persisted (a crash before the
+        rename) keeps its number too. The caller records the version only once the returned
+        future says its weights are on disk (`LocalBackend.publish`)."""
+        root = self.data_dir / "adapters"
         version = self._newest + 1
-        # Published weights are never written over: a folder left by a publish whose version the
-        # store never recorded (a kill between the two) keeps its number, and this one skips it.
-        while self._adapter_dir(version).exists():
+        while adapters.taken(root, version):
             version += 1
-        path = self._adapter_dir(version)
-        self._write_adapter(path)
-        # serve exactly what was persisted: the folder is what restarts and rollbacks load
-        self._load_serving(path, version)
-        self._loaded.add(version)
-        self._newest = version
+        adapters.reserve(root, version)
+        with torch.no_grad():
+            weights = {k: p.detach().clone() for k, p in self._train_params().items()}
+        self._serve(version, weights)
+        self._pending[version] = weights
+        previous, self._newest = self._newest, version
         self._collect()
-        log.info("published policy@v%d (%s)", version, path)
-        return PolicyVersion(version, str(path))
+        written = self._writer.submit(adapters.write, root, version, weights, self._adapter_config)
+        persisted: concurrent.futures.Future[None] = concurrent.futures.Future()
+        written.add_done_callback(lambda f: self._inbox.put(_Job(self._persisted, (version, previous, f), persisted)))
+        log.info("policy@v%d serves; persisting it to %s", version, self._adapter_dir(version))
+        return PolicyVersion(version, str(self._adapter_dir(version))), persisted
 
-    def _rollback(self, version: int) -> PolicyVersion:
-        from safetensors.torch import load_file
+    def _persisted(self, version: int, previous: int, written: concurrent.futures.Future[Path]) -> None:
+        """On the scheduler thread once `version`'s write ended; its error is the publish's."""
+        self._pending.pop(version, None)
+        error = written.exception()
+        if error is None:
+            return
+        # Nothing may rely on weights that are not on disk: new requests go back to the previous
+        # version; the number stays taken (its reservation), rows already on it finish on it.
+        log.error("persisting policy@v%d failed (%s); serving policy@v%d again", version, error, previous)
+        if self._newest == version:
+            self._newest = previous
+            self._collect()
+        raise error
 
+    def _train_params(self) -> dict[str, torch.nn.Parameter]:
+        assert self._slots is not None
+        return self._slots.trainable_params()
+
+    def _rollback(self, version: int) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
         require_published(version, self._newest)
         if version == 0:
             weights = self._initial
         else:
-            file = self._adapter_dir(version) / "adapter_model.safetensors"
-            if not file.exists():
-                raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
-            weights = load_file(str(file), device=str(self.device))
+            weights = self._weights_of(version, lambda why: UnknownVersion(version, self._newest, why))
         self._set_trainable(weights)  # Adam's moments belonged to the weights rolled away from
-        published = self._publish()
+        published, persisted = self._publish()
         log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
-        return published
-
-    def _write_adapter(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self._model.save_pretrained(str(tmp), selected_adapters=[TRAIN])
-        shutil.rmtree(path, ignore_errors=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.rename(path)
+        return published, persisted
 
     # --- scoring and training ----------------------------------------------------------------
 
@@ -566,7 +621,7 @@ class Engine:
     ) -> list[float]:
         if not prompt or not completion:
             raise ValueError("score needs a non-empty prompt and completion")
-        name = BASE if model == "base" else adapter_name(self._newest)
+        name = BASE if model == "base" else self._row(self._newest)
         with torch.inference_mode():
             ids = torch.tensor([prompt + completion], device=self.device)
             logits = self._forward(
@@ -583,7 +638,7 @@ class Engine:
         try:
             with torch.inference_mode():
                 x = torch.tensor([ids], device=self.device)
-                return self._forward([adapter_name(version)], input_ids=x).logits[0].float().cpu()
+                return self._forward([self._row(version)], input_ids=x).logits[0].float().cpu()
         finally:
             self._release(version)
 
@@ -700,16 +755,14 @@ class Engine:
     def _restore(self, version: int, path: str | None) -> None:
         """After a restart: train on from the weights published as `version` (at `path`), with a
         fresh optimizer, and serve them as the newest version."""
-        from safetensors.torch import load_file
-
         if version == 0:
             self._set_trainable(self._initial)
         else:
             folder = Path(path) if path else self._adapter_dir(version)
-            file = folder / "adapter_model.safetensors"
+            file = folder / adapters.WEIGHTS
             if not file.exists():
                 raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
-            self._set_trainable(load_file(str(file), device=str(self.device)))
+            self._set_trainable(adapters.read(folder, str(self.device)))
         self._newest = version
         self._release(self._acquire(None))  # loads the newest version's adapter if missing
 
@@ -752,4 +805,4 @@ async def collect(stream: AsyncIterator[TokenChunk]) -> Completion:
     )
 
 
-__all__ = ["BASE", "TRAIN", "Engine", "adapter_name", "collect"]
+__all__ = ["BASE", "TRAIN", "Engine", "collect"]

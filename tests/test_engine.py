@@ -190,7 +190,8 @@ async def test_a_published_adapter_serves_in_the_models_dtype(tmp_path: Path) ->
         c = (await backend.sample(PROMPT, SamplingParams(max_tokens=3, seed=1), version=published.version))[0]
         assert c.version == published.version
         params = dict(backend.engine._model.named_parameters())
-        served = {p.dtype for n, p in params.items() if f".v{published.version}." in n}
+        slot = backend.engine._served[published.version]
+        served = {p.dtype for n, p in params.items() if f".{slot}." in n}
         assert served == {torch.bfloat16}
         assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
     finally:
