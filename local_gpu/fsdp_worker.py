@@ -8,7 +8,10 @@ the same seeded init, `clawbridge.loss.ppo_token_losses`, token-mean over the wh
 AdamW with the step's hyper-parameters, global grad-norm clipping. What FSDP2 adds: the base is
 loaded in fp32 and sharded per decoder layer then at the root; on GPU the compute is bf16 with
 fp32 gradient reduction; non-reentrant gradient checkpointing; logprobs are computed over the
-vocabulary in chunks of positions (the [tokens, vocab] logits are never all alive at once).
+vocabulary in chunks of positions (the [tokens, vocab] logits are never all alive at once), only
+at completion positions. Samples are packed into rows without padding as in the engine
+(`packing.py`: positions restart per sample, transformers' packed-sequence mask keeps samples
+apart), and rows are stacked into [R, W] micro-batches of at most `--token-budget` tokens.
 
 Data parallelism: datums are dealt round-robin to ranks; each rank's loss is its token-loss sum
 over the WHOLE batch's token count, times the world size (FSDP averages gradients over ranks), so
@@ -33,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from clawbridge.local_gpu import models
-from clawbridge.loss import batch_tokens, micro_batches, ppo_token_losses
+from clawbridge.local_gpu.packing import stack, stacked_micro_batches
+from clawbridge.loss import batch_tokens, ppo_token_losses
 from clawbridge.types import Datum, LossSpec, OptimSpec, StepMetrics
 from torch import nn
 
@@ -61,25 +65,25 @@ class ChunkedLogprobs(nn.Module):
     def causal_lm(self) -> Any:
         return self.peft.base_model.model
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
-                temps: torch.Tensor, first: int) -> torch.Tensor:
-        """logprobs [B, T - first] of targets[:, first:] given positions first.. (targets[t] is
-        the token after position t)."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+        """logprobs [K] of `targets` at the flattened positions `keep` of packed rows `ids`
+        [R, W] (`packing.stack`: positions restart per sample, so transformers' packed-sequence
+        mask keeps samples apart; no attention mask). `temps` [K]: each target's temperature."""
         lm = self.causal_lm()
-        hidden = lm.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, first:]
-        tgt = targets[:, first:]
+        hidden = lm.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
         parts = []
-        for s in range(0, hidden.shape[1], self.chunk):
-            h, t = hidden[:, s : s + self.chunk], tgt[:, s : s + self.chunk]
+        for s in range(0, hidden.shape[0], self.chunk):
+            h, t, k = hidden[s : s + self.chunk], targets[s : s + self.chunk], temps[s : s + self.chunk]
             if torch.is_grad_enabled():
-                parts.append(torch.utils.checkpoint.checkpoint(
-                    self._chunk_logprobs, h, t, temps, use_reentrant=False))
+                parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, k, use_reentrant=False))
             else:
-                parts.append(self._chunk_logprobs(h, t, temps))
-        return torch.cat(parts, dim=1)
+                parts.append(self._chunk_logprobs(h, t, k))
+        return torch.cat(parts)
 
     def _chunk_logprobs(self, h: torch.Tensor, t: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-        logits = self.causal_lm().lm_head(h).float() / temps[:, None, None]
+        logits = self.causal_lm().lm_head(h).float() / temps[:, None]
         return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
 
@@ -110,7 +114,6 @@ class ShardedLoRATrainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device)
         self.token_budget = token_budget
-        self.pad_id = 0
         base, self.base_name = load_base(model, cache_dir, self.device, seed)
         config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
                             lora_dropout=0.0)
@@ -138,39 +141,27 @@ class ShardedLoRATrainer:
 
     # --- one step ---------------------------------------------------------------------------
 
-    def _logprobs(self, group: list[Datum]) -> torch.Tensor:
-        """New logprobs of every completion token of `group`, concatenated (engine order)."""
-        lengths = [len(d.prompt_ids) + len(d.completion_ids) for d in group]
-        width = max(lengths)
-        ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
-        targets = torch.zeros((len(group), width), dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for i, d in enumerate(group):
-            seq = torch.tensor(d.prompt_ids + d.completion_ids)
-            ids[i, : lengths[i]] = seq
-            targets[i, : lengths[i] - 1] = seq[1:]
-            mask[i, : lengths[i]] = 1
-        first = min(len(d.prompt_ids) for d in group) - 1
-        temps = torch.tensor([d.temperature if d.temperature > 0 else 1.0 for d in group])
+    def _logprobs(self, rows: list[list[Datum]]) -> torch.Tensor:
+        """New logprobs of every completion token of `rows`, concatenated (row by row, datum by
+        datum): each row packed without padding as the CPU engine packs it, the rows stacked."""
+        packed = stack(rows)
+        temps = [d.temperature if d.temperature > 0 else 1.0 for row in rows for d in row for _ in d.completion_ids]
         dev = self.device
-        lp = self.model(ids.to(dev), mask.to(dev), targets.to(dev), temps.to(dev), first)
-        parts = []
-        for i, d in enumerate(group):
-            start = len(d.prompt_ids) - 1 - first
-            parts.append(lp[i, start : start + len(d.completion_ids)])
-        return torch.cat(parts)
+        return self.model(torch.tensor(packed.ids, device=dev), torch.tensor(packed.positions, device=dev),
+                          torch.tensor(packed.keep, device=dev), torch.tensor(packed.targets, device=dev),
+                          torch.tensor(temps, device=dev))
 
     def train_step(self, batch: list[Datum], loss: LossSpec, optim: OptimSpec) -> dict[str, Any]:
         started = time.perf_counter()
         total = batch_tokens(batch)
         mine = batch[self.rank :: self.world]
-        groups = micro_batches(mine, self.token_budget)
+        groups = stacked_micro_batches(mine, self.token_budget)
         # every rank must run the same number of forward/backward passes (FSDP collectives):
         # ranks with fewer micro-batches run zero-weight ones on the batch's first datum
         count = torch.tensor([len(groups)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         weights = [1.0] * len(groups) + [0.0] * (int(count) - len(groups))
-        groups += [[batch[0]]] * (int(count) - len(groups))
+        groups += [[[batch[0]]]] * (int(count) - len(groups))
         for g in self.optimizer.param_groups:
             g.update(lr=optim.learning_rate, betas=(optim.beta1, optim.beta2), eps=optim.eps,
                      weight_decay=optim.weight_decay)
@@ -182,8 +173,9 @@ class ShardedLoRATrainer:
                 with torch.no_grad(), self.model.peft.disable_adapter():
                     base = self._logprobs(group)
             new = self._logprobs(group)
-            old = torch.tensor([x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype)
-            adv = torch.tensor([x for d in group for x in d.advantages], device=new.device, dtype=new.dtype)
+            datums = [d for row in group for d in row]
+            old = torch.tensor([x for d in datums for x in d.logprobs], device=new.device, dtype=new.dtype)
+            adv = torch.tensor([x for d in datums for x in d.advantages], device=new.device, dtype=new.dtype)
             terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
             part = terms.loss.sum() / total
             (part * (w * self.world)).backward()

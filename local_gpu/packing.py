@@ -78,3 +78,44 @@ def packed_micro_batches(batch: Sequence[Datum], token_budget: int) -> list[list
             rows.append([d])
             room.append(capacity - n)
     return rows
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Packed rows stacked into one [R, W] forward (the FSDP trainer's micro-batch): each row
+    padded at its end by a segment of its own (positions restart at 0, so it attends only to
+    itself and nothing attends to it); `keep` indexes the flattened [R × W] positions."""
+
+    ids: list[list[int]]
+    positions: list[list[int]]
+    keep: list[int]
+    targets: list[int]
+
+
+def stack(rows: Sequence[Sequence[Datum]], pad_id: int = 0) -> Stacked:
+    packed = [pack(row) for row in rows]
+    width = max(len(p.ids) for p in packed)
+    ids, positions, keep, targets = [], [], [], []
+    for r, p in enumerate(packed):
+        pad = width - len(p.ids)
+        ids.append(p.ids + [pad_id] * pad)
+        positions.append(p.positions + list(range(pad)))
+        keep.extend(r * width + k for k in p.keep)
+        targets.extend(p.targets)
+    return Stacked(ids, positions, keep, targets)
+
+
+def stacked_micro_batches(batch: Sequence[Datum], token_budget: int) -> list[list[list[Datum]]]:
+    """`packed_micro_batches`' rows, consecutive rows stacked while rows × longest row stays within
+    `token_budget` (at least one row each): on a GPU one [R, W] forward of short rows keeps the
+    matmuls large and gathers the sharded weights once instead of R times."""
+    def size(row: list[Datum]) -> int:
+        return sum(len(d.prompt_ids) + len(d.completion_ids) for d in row)
+
+    out: list[list[list[Datum]]] = []
+    for row in packed_micro_batches(batch, token_budget):
+        if out and (len(out[-1]) + 1) * max(size(row), *(size(r) for r in out[-1])) <= token_budget:
+            out[-1].append(row)
+        else:
+            out.append([row])
+    return out

@@ -129,3 +129,63 @@ async def test_load_adapter_restores_a_saved_adapter_and_the_initial_one(trainer
     initial = await adapter(two, tmp_path / "initial")
     assert all(float(v.abs().max()) == 0 for k, v in initial.items() if "lora_B" in k)
     assert any(float(v.abs().max()) > 0 for k, v in initial.items() if "lora_A" in k)
+
+
+def mixed_batch() -> list[Datum]:
+    """Samples of 200, 150, 90, 60, 40 and 30 tokens: each rank packs several into a row and
+    stacks rows of unequal length (padded by a segment of their own) into one forward."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for n, temperature in ((200, 1.0), (150, 0.7), (90, 1.0), (60, 1.3), (40, 1.0), (30, 0.9)):
+        p = n // 3
+        ids = [int(x) for x in torch.randint(100, 4000, (n,), generator=g)]
+        old = tuple(float(-8.3 + 0.6 * x) for x in torch.randn(n - p, generator=g))
+        adv = tuple(float(x) for x in torch.randn(n - p, generator=g))
+        out.append(Datum(tuple(ids[:p]), tuple(ids[p:]), old, adv, temperature))
+    return out
+
+
+def unpacked_loss_and_gradient(weights: dict[str, torch.Tensor], batch: list[Datum]):
+    """ppo_loss and its gradient by a plain PEFT loop: each sample forwarded alone, unpadded."""
+    from clawbridge.local_gpu import models
+    from clawbridge.loss import ppo_loss, token_logprobs
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    base = models.load_model(models.resolve(models.TINY), seed=SEED)
+    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0))
+    set_peft_model_state_dict(model, weights)
+    new = []
+    for d in batch:
+        logits = model(input_ids=torch.tensor([d.prompt_ids + d.completion_ids])).logits[0, len(d.prompt_ids) - 1 : -1]
+        new.append(token_logprobs(logits, torch.tensor(d.completion_ids), d.temperature))
+    new_t = torch.cat(new)
+    old = torch.tensor([x for d in batch for x in d.logprobs])
+    adv = torch.tensor([x for d in batch for x in d.advantages])
+    loss = ppo_loss(new_t, old, adv, torch.ones_like(new_t), LossSpec())
+    loss.backward()
+    grads = {n.replace(".default", ""): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss), grads
+
+
+async def test_packed_rows_give_the_loss_and_gradient_of_unpacked_samples(trainers, tmp_path):
+    """The trainer packs samples into rows and stacks the rows; the loss and the gradient are
+    those of every sample forwarded alone (observed through Adam with betas 0 and lr = eps =
+    1e6, where the update is -g), on one rank and on two."""
+    from clawbridge.local_gpu.packing import stacked_micro_batches
+
+    batch = mixed_batch()
+    rows = stacked_micro_batches(batch, 8192)
+    assert len(rows) == 1 and len(rows[0]) == 3 and all(len(r) == 2 for r in rows[0])  # it does pack
+    probe = OptimSpec(learning_rate=1e6, beta1=0.0, beta2=0.0, eps=1e6, weight_decay=0.0, grad_clip_norm=0.0)
+    for t in trainers:
+        await t.load_adapter(None)
+        await t.train_step(batch, LossSpec(), OPTIM)  # lora_B moves off 0: every matrix has a gradient
+        before = await adapter(t, tmp_path / f"before{t.nproc}")
+        metrics = await t.train_step(batch, LossSpec(), probe)
+        after = await adapter(t, tmp_path / f"after{t.nproc}")
+        loss, grads = unpacked_loss_and_gradient(before, batch)
+        assert metrics.loss == pytest.approx(loss, rel=1e-5)
+        assert set(grads) == set(before)
+        scale = max(float(g.abs().max()) for g in grads.values())
+        for name, grad in grads.items():
+            torch.testing.assert_close(before[name] - after[name], grad, rtol=1e-3, atol=1e-4 * scale, msg=name)

@@ -66,3 +66,49 @@ async def test_packed_logprobs_equal_each_sample_scored_alone(engine: Engine):
         alone += await engine.score(d.prompt_ids, d.completion_ids, model="base", temperature=d.temperature)
     assert packed.shape == (19,)
     assert torch.allclose(packed.detach(), torch.tensor(alone), atol=1e-5)
+
+
+def test_stack_pads_each_row_with_a_segment_of_its_own_and_indexes_the_flat_positions():
+    from clawbridge.local_gpu.packing import stack
+
+    s = stack([[datum([5, 6], [7, 8]), datum([9], [10])], [datum([3], [4])]])
+    assert s.ids == [[5, 6, 7, 8, 9, 10], [3, 4, 0, 0, 0, 0]]
+    assert s.positions == [[0, 1, 2, 3, 0, 1], [0, 1, 0, 1, 2, 3]]
+    assert s.keep == [1, 2, 4, 6]  # row 1's completion is predicted from flat position 6 + 0
+    assert s.targets == [7, 8, 10, 4]
+
+
+def test_rows_stack_while_rows_times_the_longest_stay_within_the_budget():
+    from clawbridge.local_gpu.packing import stacked_micro_batches
+
+    batch = [datum([1] * 100, [2] * 100) for _ in range(5)]  # 200-token samples: one per 256-token row
+    assert [len(f) for f in stacked_micro_batches(batch, 600)] == [3, 2]
+    assert [len(f) for f in stacked_micro_batches(batch, 100)] == [1] * 5  # a row alone may exceed it
+
+
+async def test_stacked_rows_give_each_sample_its_logprobs_alone(engine: Engine):
+    """Rows of unequal length stacked into one forward (the FSDP trainer's micro-batch): the
+    padding segment changes no sample's logprobs."""
+    from clawbridge.local_gpu.packing import stack
+    from clawbridge.loss import token_logprobs
+
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(100, 4000, (n,), generator=g).tolist()
+
+    rows = [[datum(ids(9), ids(4)), datum(ids(3), ids(6))], [datum(ids(5), ids(2))]]
+    s = stack(rows)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad(), engine._model.disable_adapter():
+            out = engine._model(input_ids=torch.tensor(s.ids), position_ids=torch.tensor(s.positions), use_cache=False)
+        flat = out.logits.reshape(-1, out.logits.shape[-1])[torch.tensor(s.keep)]
+        return token_logprobs(flat, torch.tensor(s.targets))
+
+    stacked = await engine._call(forward)
+    alone = []
+    for row in rows:
+        for d in row:
+            alone += await engine.score(d.prompt_ids, d.completion_ids, model="base")
+    assert torch.allclose(stacked, torch.tensor(alone), atol=1e-5)
