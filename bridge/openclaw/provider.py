@@ -11,8 +11,9 @@ clawbridge provider with `X-Session-Id` and `X-Turn-Type` and marks sessions don
 `install` is idempotent: a second run with the same arguments changes nothing and makes no
 backup; any run that changes the file first copies the old one to `openclaw.json.bak-<UTC time>`.
 The merge touches only what clawbridge owns (`models.providers.clawbridge`, the plug-in's load path
-and entry, and, unless asked not to, the default model) and sets `gateway.mode` to `local` where
-no mode is set (the Gateway refuses to start without one); everything else is kept as it was.
+and entry, and, unless asked not to, the default model), sets `gateway.mode` to `local` where no
+mode is set (the Gateway refuses to start without one) and, with the default model, an agent run
+timeout where none is set (OpenClaw's 600 s cut CPU turns); everything else is kept as it was.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ def config_path(openclaw_home: Path) -> Path:
 # prefilling its ~13 K-token prompt on a busy 2-core CPU took longer than that. The provider's
 # own timeout replaces those limits for its requests.
 REQUEST_TIMEOUT_S = 1800
+# A whole agent run (every model request of a turn: a tool call and the answer after its result
+# are two) is cut at `agents.defaults.timeoutSeconds`, 600 s unless set, heartbeats too; one
+# CPU request took 515-570 s on 2 busy cores. The provider timeout cannot extend a run.
+RUN_TIMEOUT_S = 3600
 
 
 def provider_entry(
@@ -145,6 +150,15 @@ def with_gateway_mode(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def with_run_timeout(config: dict[str, Any]) -> dict[str, Any]:
+    """`agents.defaults.timeoutSeconds: RUN_TIMEOUT_S` when the config sets none (OpenClaw's 600 s
+    cut CPU turns short); a timeout the user chose is kept."""
+    defaults = config.get("agents", {}).get("defaults")
+    if not isinstance(defaults, dict) or "timeoutSeconds" in defaults:
+        return config
+    return {**config, "agents": {**config["agents"], "defaults": {**defaults, "timeoutSeconds": RUN_TIMEOUT_S}}}
+
+
 def read_config(path: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
@@ -198,6 +212,8 @@ def install(
     config = read_config(path)  # refuses before anything is written
     plugin_changed = install_plugin(plugin_dir) if with_plugin else False
     merged = merge(config, fragment(provider, plugin_dir if with_plugin else None, set_default=set_default))
+    if set_default:  # clawbridge answers this agent's runs: give them time to finish on a CPU
+        merged = with_run_timeout(merged)
     new_text = dumps(with_gateway_mode(merged))
     if old_text is not None and new_text == old_text:
         return InstallResult(path, plugin_dir, False, None, plugin_changed)
