@@ -51,6 +51,7 @@ class LocalBackend:
         max_batch: int = 16,
         train_token_budget: int = 2048,
         threads: int | None = None,
+        static_cache: bool = False,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -69,6 +70,7 @@ class LocalBackend:
             max_batch=max_batch,
             train_token_budget=train_token_budget,
             threads=threads,
+            static_cache=static_cache,
         )
 
     @classmethod

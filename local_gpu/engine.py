@@ -42,7 +42,7 @@ from typing import Any, Literal
 import torch
 from clawbridge.backends.base import BackendError, UnknownVersion, require_published
 from clawbridge.local_gpu import adapters, models
-from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.kvbatch import KVBatch, SlotBatch
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
 from clawbridge.local_gpu.sampling import draw_token, needs_uniform
 from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
@@ -102,8 +102,10 @@ class Engine:
         max_batch: int = 16,
         train_token_budget: int = 2048,
         threads: int | None = None,
+        static_cache: bool = False,
     ) -> None:
         self.spec = spec
+        self.static_cache = static_cache
         self.threads = threads
         self.data_dir = Path(data_dir)
         self.lora_rank, self.lora_alpha, self.target_modules = lora_rank, lora_alpha, target_modules
@@ -130,9 +132,12 @@ class Engine:
         self._waiting: deque[_Seq] = deque()
         self._jobs: deque[_Job] = deque()
         self._active: list[_Seq] = []
-        self._batch = KVBatch()
+        self._batch = self._new_batch()
         self._thread: threading.Thread | None = None
         self._closed = False
+
+    def _new_batch(self) -> KVBatch | SlotBatch:
+        return SlotBatch(self.max_batch, self.context_length) if self.static_cache else KVBatch()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -399,7 +404,7 @@ class Engine:
         for job in self._jobs:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(error)
-        self._active, self._batch = [], KVBatch()
+        self._active, self._batch = [], self._new_batch()
         self._writer.shutdown(wait=True)  # versions being persisted reach the disk
         while True:  # ... and their publishers hear so
             try:
@@ -429,7 +434,9 @@ class Engine:
                     out = self._forward(
                         [self._row(seq.version)], input_ids=ids, use_cache=True, logits_to_keep=1
                     )
-                token = self._take(seq, out.logits[0, -1])
+                    token = self._take(seq, out.logits[0, -1])
+                    if token is not None:
+                        self._batch.add(out.past_key_values, len(seq.prompt), token)
             except BaseException as exc:
                 self._release(seq.version)
                 seq.emit(exc)
@@ -437,7 +444,6 @@ class Engine:
             if token is None:
                 self._release(seq.version)
             else:
-                self._batch.add(out.past_key_values, len(seq.prompt), token)
                 self._active.append(seq)
 
     def _decode_step(self) -> None:
@@ -455,7 +461,7 @@ class Engine:
             for seq in self._active:
                 seq.emit(exc)
                 self._release(seq.version)
-            self._active, self._batch = [], KVBatch()
+            self._active, self._batch = [], self._new_batch()
             return
         self._batch.advance([t if t is not None else 0 for t in nexts])
         keep = [i for i, t in enumerate(nexts) if t is not None]
@@ -463,7 +469,8 @@ class Engine:
             if t is None:
                 self._release(self._active[i].version)
         self._active = [self._active[i] for i in keep]
-        self._batch.keep(keep)
+        with torch.inference_mode():
+            self._batch.keep(keep)
 
     def _take(self, seq: _Seq, logits: torch.Tensor) -> int | None:
         """Draw the next token, stream it; the token to feed next, or None once finished."""

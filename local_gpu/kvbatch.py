@@ -117,3 +117,113 @@ class KVBatch:
             layer.values = layer.values.index_select(0, index)[:, :, first:]
         self.positions = [self.positions[i] for i in rows]
         self.next_tokens = [self.next_tokens[i] for i in rows]
+
+
+class SlotBatch:
+    """The running decode batch in a slotted static KV cache: per layer one preallocated
+    [slots, kv_heads, length, head_dim] key and value tensor, row i the i-th sequence the engine
+    tracks. Same interface as `KVBatch`.
+
+    A new sequence is prefilled alone (exact, no padding) and its keys copied into the next free
+    row from column 0; each decode step writes every row's new key at that row's own position
+    (`update`, called by the model's attention layers) and attends over columns [0, length) with a
+    4-D mask that hides each row's columns past its position. Finished rows are dropped by moving
+    the last live rows into their place, so rows [0, size) stay live and a step runs on a view of
+    them. Tensors are reallocated only when the longest sequence outgrows them (doubling), so
+    their addresses stay fixed between steps: what CUDA-graph capture needs.
+    """
+
+    MIN_LENGTH = 256
+
+    def __init__(self, slots: int, max_length: int) -> None:
+        self.slots, self.max_length = slots, max_length
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions: list[int] = []  # position of each row's next input (= its cached length)
+        self.next_tokens: list[int] = []
+        self._write: torch.Tensor | None = None  # [rows] the column each row's step writes
+        self._attend = 0  # columns a step attends over
+
+    @property
+    def size(self) -> int:
+        return len(self.positions)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if not self.keys else int(self.keys[0].shape[2])
+
+    def _reserve(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """Make every row hold at least `length` columns (keeping what is cached)."""
+        if length <= self.capacity:
+            return
+        new = min(self.max_length, max(self.MIN_LENGTH, 2 * self.capacity, length))
+        new = max(new, length)
+        template = like if like is not None else list(zip(self.keys, self.values, strict=True))
+        keys, values = [], []
+        for i, (k, v) in enumerate(template):
+            shape = (self.slots, k.shape[1], new, k.shape[3])
+            nk, nv = k.new_zeros(shape), v.new_zeros((self.slots, v.shape[1], new, v.shape[3]))
+            if self.keys:
+                old = self.capacity
+                nk[:, :, :old] = self.keys[i]
+                nv[:, :, :old] = self.values[i]
+            keys.append(nk)
+            values.append(nv)
+        self.keys, self.values = keys, values
+
+    def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
+        """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
+        layers = _layers(cache)
+        self._reserve(prompt_len + 1, layers if not self.keys else None)
+        row = self.size
+        for i, (k, v) in enumerate(layers):
+            self.keys[i][row, :, :prompt_len] = k[0]
+            self.values[i][row, :, :prompt_len] = v[0]
+        self.positions.append(prompt_len)
+        self.next_tokens.append(next_token)
+
+    def step_inputs(self) -> dict[str, Any]:
+        """Model inputs for one decode step of every row: its token at its position, the cache
+        (this object: the model calls `update`) and the mask of each row's cached columns."""
+        longest = max(self.positions) + 1
+        self._reserve(longest)
+        device = self.keys[0].device
+        positions = torch.tensor(self.positions, device=device)
+        self._write = positions
+        self._attend = longest
+        seen = torch.arange(longest, device=device)[None, :] <= positions[:, None]
+        dtype = self.keys[0].dtype  # additive, as every attention implementation reads a 4-D mask
+        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, torch.finfo(dtype).min)
+        return {
+            "input_ids": torch.tensor(self.next_tokens, device=device).view(-1, 1),
+            "position_ids": positions.view(-1, 1),
+            "past_key_values": self,
+            "attention_mask": mask[:, None, None, :],
+        }
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Called by attention layer `layer` with the step's new keys and values [rows, H, 1, D]:
+        each row's are written at its own column; the rows' cached columns come back."""
+        assert self._write is not None
+        rows = self.size
+        index = torch.arange(rows, device=key.device)
+        k, v = self.keys[layer], self.values[layer]
+        k[index, :, self._write] = key[:, :, 0]
+        v[index, :, self._write] = value[:, :, 0]
+        return k[:rows, :, : self._attend], v[:rows, :, : self._attend]
+
+    def advance(self, tokens: list[int]) -> None:
+        self.next_tokens = tokens
+        self.positions = [p + 1 for p in self.positions]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep `rows` (in order) as rows 0..len(rows)-1, moving a row's columns only when its
+        index changes."""
+        for new, old in enumerate(rows):
+            if new != old:
+                n = self.positions[old]
+                for k, v in zip(self.keys, self.values, strict=True):
+                    k[new, :, :n] = k[old, :, :n]
+                    v[new, :, :n] = v[old, :, :n]
+        self.positions = [self.positions[i] for i in rows]
+        self.next_tokens = [self.next_tokens[i] for i in rows]
