@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -270,6 +271,9 @@ def write_gguf(
             writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             writer.add_rope_scaling_factor(float(yarn["factor"]))
             writer.add_rope_scaling_orig_ctx_len(int(yarn["original_max_position_embeddings"]))
+            attn = yarn_attn_factor(yarn)
+            if attn is not None:
+                writer.add_rope_scaling_attn_factors(attn)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_vocab_size(config.vocab_size)
 
@@ -305,8 +309,8 @@ def write_gguf(
 
 def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, YaRN parameters or None). YaRN (the embedded model's extended context) is
-    written as llama.cpp reads it; other scalings (Llama 3.1's) are refused rather than written
-    wrongly."""
+    written as llama.cpp reads it; other scalings (Llama 3.1's) and YaRN settings llama.cpp's
+    metadata cannot carry are refused rather than written wrongly."""
     params = getattr(config, "rope_parameters", None) or {}
     kind = params.get("rope_type", "default")
     if kind not in ("default", "yarn"):
@@ -314,7 +318,36 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ExportError("the model config names no rope_theta")
+    if kind == "yarn":
+        unsupported = {k: params[k] for k in ("mscale", "mscale_all_dim") if params.get(k) is not None}
+        unsupported |= {k: params[k] for k, default in (("beta_fast", 32.0), ("beta_slow", 1.0))
+                        if params.get(k) is not None and float(params[k]) != default}
+        if params.get("truncate") is False:
+            unsupported["truncate"] = False
+        if unsupported:
+            raise ExportError(f"YaRN with {unsupported}: not written to GGUF by clawbridge's exporter "
+                              "(llama.cpp would run it with its defaults)")
     return float(theta), (params if kind == "yarn" else None)
+
+
+def yarn_temperature(factor: float) -> float:
+    """YaRN's attention temperature for a scaling factor: what transformers applies to cos/sin
+    when the config names no `attention_factor`, and what llama.cpp applies itself."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_attn_factor(yarn: dict[str, Any]) -> float | None:
+    """`{arch}.rope.scaling.attn_factor` for a YaRN config, None when the default is meant.
+
+    transformers scales cos/sin by `attention_factor` (default: `yarn_temperature(factor)`).
+    llama.cpp (since PR 17945, December 2025) scales them by `yarn_temperature(factor)` times the
+    GGUF's `rope.scaling.attn_factor` (default 1). So an explicit attention_factor a is written as
+    a / yarn_temperature(factor): 1.0 (no temperature, the embedded model's) at factor 4 is 0.878.
+    Older llama.cpp builds ignore this key for llama models and run the default temperature."""
+    attention = yarn.get("attention_factor")
+    if attention is None:
+        return None
+    return float(attention) / yarn_temperature(float(yarn["factor"]))
 
 
 def modelfile(gguf_name: str, tokenizer: PreTrainedTokenizerFast) -> str:
@@ -356,4 +389,6 @@ __all__ = [
     "modelfile",
     "save_hf",
     "write_gguf",
+    "yarn_attn_factor",
+    "yarn_temperature",
 ]

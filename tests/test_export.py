@@ -5,6 +5,7 @@ version; the GGUF layout (llama's permuted q/k, tokenizer fields) and where clou
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,11 +62,14 @@ def gguf_config(folder: Path, gguf_file: str):  # type: ignore[no-untyped-def]
     arch = fields["general.architecture"].contents()
     if f"{arch}.rope.scaling.type" in fields:
         assert fields[f"{arch}.rope.scaling.type"].contents() == "yarn"
+        factor = fields[f"{arch}.rope.scaling.factor"].contents()
         config.rope_parameters = {
-            "rope_theta": config.rope_parameters["rope_theta"], "rope_type": "yarn",
-            "factor": fields[f"{arch}.rope.scaling.factor"].contents(),
+            "rope_theta": config.rope_parameters["rope_theta"], "rope_type": "yarn", "factor": factor,
             "original_max_position_embeddings": fields[f"{arch}.rope.scaling.original_context_length"].contents(),
         }
+        if f"{arch}.rope.scaling.attn_factor" in fields:  # llama.cpp's factor over YaRN's own temperature
+            attn = fields[f"{arch}.rope.scaling.attn_factor"].contents()
+            config.rope_parameters["attention_factor"] = attn * (0.1 * math.log(factor) + 1)
     return config
 
 
@@ -243,6 +247,28 @@ def test_llama_permutation_is_what_transformers_gguf_loader_undoes() -> None:
     assert np.array_equal(back_q, q.numpy()) and np.array_equal(back_k, k.numpy())
     # within each head, row i of the first rotary half is followed by row i of the second
     assert export.llama_permute(q, n_head)[:4, 0].tolist() == [q[0, 0], q[3, 0], q[1, 0], q[4, 0]]
+
+
+def test_a_yarn_model_without_temperature_is_written_as_llama_cpp_reads_it(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # llama.cpp applies YaRN's temperature 1 + 0.1 ln 4 itself and multiplies it by
+    # rope.scaling.attn_factor: the embedded model's attention_factor 1.0 is written as 1/1.1386
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    config = models.tiny_config(32768)
+    config.rope_parameters = {"rope_theta": 100000.0, **models.EMBEDDED_ROPE}
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    export.write_gguf(model, tokenizer, tmp_path / "m.gguf", dtype="f32")
+    fields = GGUFReader(str(tmp_path / "m.gguf")).fields
+    assert fields["llama.rope.scaling.type"].contents() == "yarn"
+    assert fields["llama.rope.scaling.factor"].contents() == 4.0
+    assert fields["llama.rope.scaling.original_context_length"].contents() == 8192
+    assert fields["llama.context_length"].contents() == 32768
+    assert fields["llama.rope.scaling.attn_factor"].contents() == pytest.approx(1 / (1 + 0.1 * math.log(4)))
+    assert export.yarn_attn_factor({"factor": 4.0}) is None  # the default temperature: no key
+    model.config.rope_parameters = {**model.config.rope_parameters, "mscale_all_dim": 1.0}
+    with pytest.raises(export.ExportError, match="mscale_all_dim"):
+        export.write_gguf(model, tokenizer, tmp_path / "n.gguf")
 
 
 def test_modelfile_spells_out_chatml_and_its_stop_token(tokenizer) -> None:  # type: ignore[no-untyped-def]
