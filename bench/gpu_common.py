@@ -12,6 +12,10 @@ from typing import Any
 
 # dense bf16 tensor-core peaks (no sparsity), FLOP/s
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+# memory bandwidth, bytes/s (the decode limit: every token reads every weight once); the first
+# name contained in the device's name wins
+HBM = {"H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12,
+       "L40S": 0.864e12, "A10G": 0.6e12}
 
 ARCHS: dict[str, dict[str, Any]] = {
     # Qwen3-4B's published config (hidden 2560, 36 layers, GQA 32/8, vocab 151936, tied)
@@ -83,6 +87,10 @@ def device_name() -> str:
 
 def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def hbm_bandwidth(name: str) -> float | None:
+    return next((v for k, v in HBM.items() if k in name), None)
 
 
 def write_result(name: str, result: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -21,7 +22,7 @@ import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine
 from clawbridge.types import SamplingParams
-from gpu_common import model_dir, write_result
+from gpu_common import device_name, hbm_bandwidth, model_dir, write_result
 
 
 async def run(engine: Engine, prompt: list[int], tokens: int, concurrency: int) -> dict[str, float]:
@@ -88,6 +89,35 @@ def reference(folder: Path, prompt: list[int], tokens: int, batch: int) -> dict[
             "per_request_tokens_per_s": round(tokens / wall, 1), "ttft_ms": round(1000 * first, 1)}
 
 
+async def sweep(spec: models.ModelSpec, root: Path, args: argparse.Namespace, prompt: list[int],
+                mode: str) -> dict[str, Any]:
+    """The engine in one decode mode (dynamic: the concatenated cache; static: the slotted
+    static cache; graphs: static + CUDA graphs), base then a published adapter."""
+    engine = Engine(spec, data_dir=root / mode, lora_rank=args.rank, lora_alpha=args.rank, device=args.device,
+                    dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
+                    max_batch=max(args.concurrency), static_cache=mode != "dynamic", cuda_graphs=mode == "graphs")
+    t = time.perf_counter()
+    engine.start()
+    rows: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t, 1)}
+    try:
+        await run(engine, prompt, 4, 1)  # warm-up
+        for version in ("base", "adapter"):
+            publish_s = None
+            if version == "adapter":
+                t = time.perf_counter()
+                await engine.publish()
+                publish_s = time.perf_counter() - t
+                await run(engine, prompt, 4, 1)  # graphs are recorded per adapter
+            rows[version] = {"publish_s": publish_s,
+                             "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency]}
+            print(mode, version, rows[version], flush=True)
+        if args.profile:
+            await profile(engine, prompt)
+    finally:
+        engine.close()
+    return rows
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="qwen3-4b")
@@ -97,6 +127,8 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--modes", nargs="+", default=["dynamic", "static", "graphs"],
+                    choices=["dynamic", "static", "graphs"])
     ap.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
     args = ap.parse_args()
     sys.setswitchinterval(0.0005)  # as `clawbridge up` runs (server.SWITCH_INTERVAL_S)
@@ -105,39 +137,40 @@ async def main() -> None:
     folder = model_dir(args.arch, Path(tempfile.gettempdir()) / "cb-models", args.tokenizer)
     made = time.perf_counter() - t
     spec = models.resolve(str(folder))
-    engine = Engine(spec, data_dir=root / "data", lora_rank=args.rank, lora_alpha=args.rank,
-                    device=args.device, dtype=torch.bfloat16 if args.device == "cuda" else torch.float32, max_batch=max(args.concurrency))
-    t = time.perf_counter()
-    engine.start()
-    load = time.perf_counter() - t
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt)]
-    try:
-        await run(engine, prompt, 4, 1)  # warm-up
-        rows = {}
-        for version in ("base", "adapter"):
-            publish_s = None
-            if version == "adapter":
-                t = time.perf_counter()
-                await engine.publish()
-                publish_s = time.perf_counter() - t
-            rows[version] = {"publish_s": publish_s,
-                             "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency]}
-            print(version, rows[version], flush=True)
-        if args.device == "cuda" and not args.profile:
-            rows["reference_hf_eager"] = {"runs": [reference(folder, prompt, args.tokens, c) for c in args.concurrency]}
-            print("reference", rows["reference_hf_eager"], flush=True)
-            for i, c in enumerate(args.concurrency):
-                print(f"c{c}: engine {rows['base']['runs'][i]['tokens_per_s']} tok/s vs plain eager "
-                      f"{rows['reference_hf_eager']['runs'][i]['tokens_per_s']} tok/s", flush=True)
-        if args.profile:
-            await profile(engine, prompt)
-            return
-        write_result("gpu_sample", {"arch": args.arch, "dtype": "bfloat16", "prompt": args.prompt,
-                                    "tokens": args.tokens, "model_write_s": round(made, 1),
-                                    "engine_start_s": round(load, 1), **rows})
-    finally:
-        engine.close()
+    result: dict[str, Any] = {"arch": args.arch, "dtype": "bfloat16", "prompt": args.prompt, "tokens": args.tokens,
+                              "model_write_s": round(made, 1)}
+    for mode in args.modes:
+        result[mode] = await sweep(spec, root, args, prompt, mode)
+    if args.profile or args.device != "cuda":
+        return
+    result["reference_hf_eager"] = {"runs": [reference(folder, prompt, args.tokens, c) for c in args.concurrency]}
+    print("reference", result["reference_hf_eager"], flush=True)
+    bandwidth = hbm_bandwidth(device_name())
+    weights = sum(p.numel() for p in torch.nn.Module.parameters(_meta(folder))) * 2  # bf16 bytes
+    limit = bandwidth / weights if bandwidth else None
+    result["bandwidth_limit_tokens_per_s"] = round(limit, 1) if limit else None
+    ratios: dict[str, Any] = {}
+    for mode in args.modes:
+        for i, c in enumerate(args.concurrency):
+            engine_tps = result[mode]["adapter"]["runs"][i]["tokens_per_s"]
+            eager_tps = result["reference_hf_eager"]["runs"][i]["tokens_per_s"]
+            ratios[f"{mode}_c{c}_vs_eager"] = round(engine_tps / eager_tps, 2)
+            if c == 1 and limit:
+                ratios[f"{mode}_c1_of_bandwidth_limit"] = round(engine_tps / limit, 3)
+            print(f"{mode} c{c}: engine (adapter v1) {engine_tps} tok/s vs plain eager {eager_tps} tok/s"
+                  f" = {engine_tps / eager_tps:.2f}x" + (f"; {engine_tps / limit:.1%} of the {limit:.0f} tok/s"
+                                                         " bandwidth limit" if c == 1 and limit else ""), flush=True)
+    result["ratios"] = ratios
+    write_result("gpu_sample", result)
+
+
+def _meta(folder: Path) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
 
 
 if __name__ == "__main__":

@@ -103,9 +103,11 @@ class Engine:
         train_token_budget: int = 2048,
         threads: int | None = None,
         static_cache: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         self.spec = spec
-        self.static_cache = static_cache
+        self.static_cache = static_cache or cuda_graphs
+        self.cuda_graphs = cuda_graphs
         self.threads = threads
         self.data_dir = Path(data_dir)
         self.lora_rank, self.lora_alpha, self.target_modules = lora_rank, lora_alpha, target_modules
@@ -137,7 +139,10 @@ class Engine:
         self._closed = False
 
     def _new_batch(self) -> KVBatch | SlotBatch:
-        return SlotBatch(self.max_batch, self.context_length) if self.static_cache else KVBatch()
+        if not self.static_cache:
+            return KVBatch()
+        return SlotBatch(self.max_batch, self.context_length, bucketed=self.cuda_graphs,
+                         capture=self.cuda_graphs and str(self.device).startswith("cuda"))
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -449,12 +454,15 @@ class Engine:
     def _decode_step(self) -> None:
         try:
             with torch.inference_mode():
-                out = self._forward(
-                    [self._row(s.version) for s in self._active],
-                    **self._batch.step_inputs(),
-                    use_cache=True,
-                )
-                logits = out.logits[:, -1]
+                names = [self._row(s.version) for s in self._active]
+                if isinstance(self._batch, SlotBatch):
+                    unique = set(names)
+                    logits = self._batch.step(
+                        lambda inputs: self._forward(names, **inputs, use_cache=True).logits[:, -1],
+                        unique.pop() if len(unique) == 1 else None,
+                    )
+                else:
+                    logits = self._forward(names, **self._batch.step_inputs(), use_cache=True).logits[:, -1]
                 nexts = [self._take(seq, logits[i]) for i, seq in enumerate(self._active)]
         except BaseException as exc:
             log.exception("decode step failed; failing %d requests", len(self._active))
@@ -547,6 +555,8 @@ class Engine:
         if self._slots.changed:  # PEFT re-points layers when adapters come and go
             self._pointed = STALE
             self._slots.changed = False
+            if isinstance(self._batch, SlotBatch):
+                self._batch.invalidate()  # captured steps read the layers that were replaced
 
     def _release(self, version: int) -> None:
         self._refs[version] -= 1

@@ -21,9 +21,12 @@ PROMPTS = [tuple(torch.randint(100, 4000, (n,), generator=G).tolist()) for n in 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory):
     threads = torch.get_num_threads()  # the engine's setting is process-wide: restored
-    made = {static: Engine(models.resolve(models.TINY), data_dir=Path(tmp_path_factory.mktemp(f"s{static}")),
-                           lora_rank=4, lora_alpha=8, threads=1, static_cache=static, max_batch=4)
-            for static in (False, True)}
+    # "bucketed": the CUDA-graph shapes (power-of-two rows, every allocated column, fixed input
+    # buffers) run eagerly, as they do on a CPU; only the capture itself needs CUDA
+    modes = {"dynamic": {}, "static": {"static_cache": True}, "bucketed": {"cuda_graphs": True}}
+    made = {mode: Engine(models.resolve(models.TINY), data_dir=Path(tmp_path_factory.mktemp(mode)), lora_rank=4,
+                         lora_alpha=8, threads=1, max_batch=4, **kw)  # type: ignore[arg-type]
+            for mode, kw in modes.items()}
     for e in made.values():
         e.start()
     yield made
@@ -48,36 +51,51 @@ def jobs(temperature: float) -> list[tuple[tuple[int, ...], SamplingParams]]:
             for i in range(7)]
 
 
-def test_a_step_writes_each_row_at_its_own_position_and_masks_the_rest():
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_a_step_writes_each_row_at_its_own_position_and_masks_the_rest(bucketed: bool):
     from transformers import DynamicCache
 
-    batch = SlotBatch(slots=3, max_length=1024)
-    for n in (2, 5):
+    batch = SlotBatch(slots=4, max_length=1024, bucketed=bucketed)
+    for n in (2, 5, 3):
         k = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1) + 10 * n
         batch.add(DynamicCache(ddp_cache_data=[(k, k.clone())]), n, next_token=n)
-    inputs = batch.step_inputs()
-    assert inputs["position_ids"].tolist() == [[2], [5]] and batch.capacity == SlotBatch.MIN_LENGTH
-    mask = inputs["attention_mask"][:, 0, 0]
-    assert (mask[0, :3] == 0).all() and (mask[0, 3:] < -1e30).all() and (mask[1, :6] == 0).all()
-    keys, _ = batch.update(torch.tensor([[[[-1.0]]], [[[-2.0]]]]), torch.zeros(2, 1, 1, 1), 0)
-    assert keys.shape == (2, 1, 6, 1)
+    seen: dict[str, torch.Tensor] = {}
+
+    def forward(inputs: dict) -> torch.Tensor:  # one attention layer's view of the step
+        rows = inputs["input_ids"].shape[0]
+        new = -torch.arange(1, rows + 1, dtype=torch.float32).view(rows, 1, 1, 1)
+        seen["keys"], _ = inputs["past_key_values"].update(new, torch.zeros(rows, 1, 1, 1), 0)
+        seen["mask"], seen["positions"] = inputs["attention_mask"][:, 0, 0], inputs["position_ids"]
+        return torch.zeros(rows, 7)
+
+    assert batch.step(forward, None).shape == (3, 7)  # only the live rows' logits
+    keys, mask = seen["keys"], seen["mask"]
+    width = batch.capacity if bucketed else 6
+    assert batch.capacity == SlotBatch.MIN_LENGTH and keys.shape == (4 if bucketed else 3, 1, width, 1)
+    assert seen["positions"].view(-1).tolist() == ([2, 5, 3, 0] if bucketed else [2, 5, 3])
     assert keys[0, 0, :3, 0].tolist() == [20, 21, -1] and keys[1, 0, :6, 0].tolist() == [50, 51, 52, 53, 54, -2]
-    batch.advance([7, 8])
-    batch.keep([1])  # the second row moves into the first
-    assert batch.positions == [6] and batch.keys[0][0, 0, :6, 0].tolist() == [50, 51, 52, 53, 54, -2]
+    assert (mask[0, :3] == 0).all() and (mask[0, 3:] < -1e30).all() and (mask[1, :6] == 0).all()
+    if bucketed:  # the free row rides along on its own column 0, attending only to it
+        assert keys[3, 0, 0, 0] == -4 and (mask[3, 1:] < -1e30).all()
+    batch.advance([7, 8, 9])
+    batch.keep([1, 2])  # the first row finished: the others move down
+    assert batch.positions == [6, 4] and batch.keys[0][0, 0, :6, 0].tolist() == [50, 51, 52, 53, 54, -2]
+    assert batch.keys[0][1, 0, :4, 0].tolist() == [30, 31, 32, -3]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
 async def test_the_static_cache_samples_what_the_dynamic_cache_samples(engines, temperature: float):
-    dynamic = await staggered(engines[False], jobs(temperature))
-    static = await staggered(engines[True], jobs(temperature))
-    for a, b in zip(dynamic, static, strict=True):
-        assert a.tokens == b.tokens
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    dynamic = await staggered(engines["dynamic"], jobs(temperature))
+    for mode in ("static", "bucketed"):
+        static = await staggered(engines[mode], jobs(temperature))
+        for a, b in zip(dynamic, static, strict=True):
+            assert a.tokens == b.tokens, mode
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4, mode
 
 
-async def test_score_reproduces_what_the_static_cache_sampled(engines):
-    engine = engines[True]
+@pytest.mark.parametrize("mode", ["static", "bucketed"])
+async def test_score_reproduces_what_the_static_cache_sampled(engines, mode: str):
+    engine = engines[mode]
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, stop_token_ids=()) for s in range(4)]
     done = await staggered(engine, [(PROMPTS[i], p) for i, p in enumerate(params)])
     for i, c in enumerate(done):
