@@ -39,8 +39,13 @@ SCALINGS: dict[str, dict[str, Any] | None] = {
     # YaRN without its attention temperature (0.1 ln 4 + 1 = 1.14 on q and k), what the embedded
     # model is served with: short prompts keep their answers
     "yarn-t1": models.EMBEDDED_ROPE,
-    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": TRAINED},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": TRAINED,
+    },
     "linear": {"rope_type": "linear", "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 4.0},
 }
@@ -55,15 +60,25 @@ QUESTIONS = [
     ("How many days are in a week?", "There are seven days in a week.", ("seven", "7")),
     ("What color is the sky on a clear day?", "The sky is blue on a clear day.", ("blue",)),
     ("What is 2 + 2?", "2 + 2 = 4.", ("4", "four")),
-    ("What is the largest planet in our solar system?", "Jupiter is the largest planet in our solar system.",
-     ("jupiter",)),
-    ("Who wrote Romeo and Juliet?", "William Shakespeare wrote Romeo and Juliet.", ("shakespeare",)),
+    (
+        "What is the largest planet in our solar system?",
+        "Jupiter is the largest planet in our solar system.",
+        ("jupiter",),
+    ),
+    (
+        "Who wrote Romeo and Juliet?",
+        "William Shakespeare wrote Romeo and Juliet.",
+        ("shakespeare",),
+    ),
     ("What is the chemical symbol for water?", "The chemical symbol for water is H2O.", ("h2o",)),
     ("How many legs does a spider have?", "A spider has eight legs.", ("eight", "8")),
     ("What language is spoken in Spain?", "Spanish is spoken in Spain.", ("spanish",)),
     ("What is the opposite of hot?", "The opposite of hot is cold.", ("cold",)),
-    ("What gas do plants absorb from the air?", "Plants absorb carbon dioxide from the air.",
-     ("carbon dioxide", "co2")),
+    (
+        "What gas do plants absorb from the air?",
+        "Plants absorb carbon dioxide from the air.",
+        ("carbon dioxide", "co2"),
+    ),
 ]
 
 
@@ -72,26 +87,37 @@ def short_answers(model: Any, tok: Any, max_new_tokens: int = 24) -> dict[str, A
     right answer given the question, teacher-forced."""
     right, answers, nll, n_tokens = 0, {}, 0.0, 0
     for question, reference, words in QUESTIONS:
-        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
         ref = [*tok.encode(reference), tok.convert_tokens_to_ids("<|im_end|>")]
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
+            )
             logits = model(torch.tensor([ids + ref])).logits[0, len(ids) - 1 : -1].float()
         nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(ref), reduction="sum"))
         n_tokens += len(ref)
-        answer = tok.decode(out[0][len(ids):], skip_special_tokens=True).strip()
+        answer = tok.decode(out[0][len(ids) :], skip_special_tokens=True).strip()
         first = answer.replace("\n", ". ").split(". ")[0].lower()
         right += any(w in first for w in words)
         answers[question] = answer
-    return {"short_right": f"{right}/{len(QUESTIONS)}", "reference_nll": round(nll / n_tokens, 3),
-            "answers": answers}
+    return {
+        "short_right": f"{right}/{len(QUESTIONS)}",
+        "reference_nll": round(nll / n_tokens, 3),
+        "answers": answers,
+    }
 
 
 def document(tok: Any, n_tokens: int) -> tuple[list[int], list[int]]:
     """(ids, positions of the pass key's digits in the question at the end)."""
     text = "\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
-    head = tok.encode(f"Important: the pass key is {KEY}. Remember it, you will be asked for it.\n\n")
+    head = tok.encode(
+        f"Important: the pass key is {KEY}. Remember it, you will be asked for it.\n\n"
+    )
     question = tok.encode("\n\nWhat was the pass key given at the very beginning? The pass key is")
     answer = tok.encode(f" {KEY}")
     body = tok.encode(text)[: n_tokens - len(head) - len(question) - len(answer)]
@@ -115,7 +141,9 @@ def nll_per_token(model: Any, ids: list[int], chunk: int = 1024) -> torch.Tensor
         return torch.cat(out), greedy
 
 
-def long_document(model: Any, ids: list[int], key_pos: list[int], bucket_edges: list[int]) -> dict[str, Any]:
+def long_document(
+    model: Any, ids: list[int], key_pos: list[int], bucket_edges: list[int]
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     nll, greedy = nll_per_token(model, ids)
     took = time.perf_counter() - t0
@@ -126,15 +154,21 @@ def long_document(model: Any, ids: list[int], key_pos: list[int], bucket_edges: 
             buckets[f"{lo // 1024}-{hi // 1024}K"] = round(float(part.mean()), 3)
     key_nll = [float(nll[p - 1]) for p in key_pos]
     hits = [int(greedy[p - 1 - (len(ids) - 1 - greedy.shape[0])]) == ids[p] for p in key_pos]
-    return {"nll_by_position": buckets, "key_nll": round(sum(key_nll), 2),
-            "key_digits_greedy": f"{sum(hits)}/{len(hits)}", "forward_s": round(took, 1)}
+    return {
+        "nll_by_position": buckets,
+        "key_nll": round(sum(key_nll), 2),
+        "key_digits_greedy": f"{sum(hits)}/{len(hits)}",
+        "forward_s": round(took, 1),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--scalings", nargs="+", default=list(SCALINGS))
-    ap.add_argument("--buckets", type=int, nargs="+", default=[0, 2048, 4096, 8192, 12288, 16384, 32768])
+    ap.add_argument(
+        "--buckets", type=int, nargs="+", default=[0, 2048, 4096, 8192, 12288, 16384, 32768]
+    )
     ap.add_argument("--checks", nargs="+", choices=["long", "short"], default=["long", "short"])
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -147,10 +181,14 @@ def main() -> None:
 
         config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
         if SCALINGS[name] is not None:
-            config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **SCALINGS[name]}
+            config.rope_parameters = {
+                "rope_theta": config.rope_parameters["rope_theta"],
+                **SCALINGS[name],
+            }
             config.max_position_embeddings = TRAINED * 4
-        model = AutoModelForCausalLM.from_pretrained(str(spec.path), config=config, dtype=torch.float32,
-                                                     local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(spec.path), config=config, dtype=torch.float32, local_files_only=True
+        ).eval()
         results[name] = {}
         if "long" in args.checks:
             results[name] |= long_document(model, ids, key_pos, args.buckets)

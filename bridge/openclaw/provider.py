@@ -67,7 +67,11 @@ RUN_TIMEOUT_S = 3600
 
 
 def provider_entry(
-    base_url: str, model: str, *, context_window: int = 32768, max_tokens: int = 512,
+    base_url: str,
+    model: str,
+    *,
+    context_window: int = 32768,
+    max_tokens: int = 512,
     keyed: bool = False,
 ) -> dict[str, Any]:
     """The `models.providers.clawbridge` entry. A keyed server's key is referenced, never
@@ -156,7 +160,10 @@ def with_run_timeout(config: dict[str, Any]) -> dict[str, Any]:
     defaults = config.get("agents", {}).get("defaults")
     if not isinstance(defaults, dict) or "timeoutSeconds" in defaults:
         return config
-    return {**config, "agents": {**config["agents"], "defaults": {**defaults, "timeoutSeconds": RUN_TIMEOUT_S}}}
+    return {
+        **config,
+        "agents": {**config["agents"], "defaults": {**defaults, "timeoutSeconds": RUN_TIMEOUT_S}},
+    }
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -202,8 +209,12 @@ def install_plugin(dest: Path) -> bool:
 
 
 def install(
-    openclaw_home: Path, provider: dict[str, Any], *, set_default: bool = True,
-    with_plugin: bool = True, now: datetime | None = None,
+    openclaw_home: Path,
+    provider: dict[str, Any],
+    *,
+    set_default: bool = True,
+    with_plugin: bool = True,
+    now: datetime | None = None,
 ) -> InstallResult:
     """Merge clawbridge into `openclaw_home`'s openclaw.json and install the plug-in."""
     path = config_path(openclaw_home)
@@ -211,7 +222,9 @@ def install(
     old_text = path.read_text() if path.exists() else None
     config = read_config(path)  # refuses before anything is written
     plugin_changed = install_plugin(plugin_dir) if with_plugin else False
-    merged = merge(config, fragment(provider, plugin_dir if with_plugin else None, set_default=set_default))
+    merged = merge(
+        config, fragment(provider, plugin_dir if with_plugin else None, set_default=set_default)
+    )
     if set_default:  # clawbridge answers this agent's runs: give them time to finish on a CPU
         merged = with_run_timeout(merged)
     new_text = dumps(with_gateway_mode(merged))
