@@ -44,7 +44,7 @@ from clawbridge.backends.base import BackendError, UnknownVersion, require_publi
 from clawbridge.local_gpu import adapters, models
 from clawbridge.local_gpu.kvbatch import KVBatch, SlotBatch
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
-from clawbridge.local_gpu.sampling import draw_token, needs_uniform
+from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
 from clawbridge.types import (
     Completion,
@@ -463,7 +463,7 @@ class Engine:
                     )
                 else:
                     logits = self._forward(names, **self._batch.step_inputs(), use_cache=True).logits[:, -1]
-                nexts = [self._take(seq, logits[i]) for i, seq in enumerate(self._active)]
+                nexts = self._take_all(logits)
         except BaseException as exc:
             log.exception("decode step failed; failing %d requests", len(self._active))
             for seq in self._active:
@@ -484,8 +484,26 @@ class Engine:
         """Draw the next token, stream it; the token to feed next, or None once finished."""
         if seq.cancelled:
             return None
-        u = float(torch.rand((), generator=seq.generator, dtype=torch.float64)) if needs_uniform(seq.params) else 0.0
-        draw = draw_token(logits, seq.params, u)
+        return self._accept(seq, draw_token(logits, seq.params, self._uniform(seq)))
+
+    def _take_all(self, logits: torch.Tensor) -> list[int | None]:
+        """`_take` for every active row of a decode step, drawn together (`draw_tokens`)."""
+        live = [i for i, seq in enumerate(self._active) if not seq.cancelled]
+        if not live:
+            return [None] * len(self._active)
+        rows = logits if len(live) == len(self._active) else logits[torch.tensor(live, device=logits.device)]
+        seqs = [self._active[i] for i in live]
+        draws = draw_tokens(rows, [s.params for s in seqs], [self._uniform(s) for s in seqs])
+        nexts: list[int | None] = [None] * len(self._active)
+        for i, seq, draw in zip(live, seqs, draws, strict=True):
+            nexts[i] = self._accept(seq, draw)
+        return nexts
+
+    @staticmethod
+    def _uniform(seq: _Seq) -> float:
+        return float(torch.rand((), generator=seq.generator, dtype=torch.float64)) if needs_uniform(seq.params) else 0.0
+
+    def _accept(self, seq: _Seq, draw: Draw) -> int | None:
         seq.tokens.append(draw.token)
         finish = self._finish_reason(seq, draw.token)
         seq.emit(
