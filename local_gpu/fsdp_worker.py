@@ -283,8 +283,10 @@ class ShardedLoRATrainer:
 
     def info(self) -> dict[str, Any]:
         n = sum(p.numel() for p in self.model.parameters())  # sharded: local numel of DTensors
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
         return {"world_size": self.world, "device": str(self.device), "steps": self.steps,
-                "trainable": sum(p.numel() for p in self.params), "local_params": n}
+                "trainable": sum(p.numel() for p in self.params), "local_params": n,
+                "peak_memory_gib": round(peak, 2) if peak is not None else None}
 
 
 def serve(trainer: ShardedLoRATrainer, rpc_port: int) -> None:
