@@ -7,11 +7,15 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from clawbridge.demo.tools import ToolsScenario
 
 
 def run_demo_command(
@@ -26,9 +30,18 @@ def run_demo_command(
     seed: int,
 ) -> None:
     from clawbridge.demo import runner as demo
-    from clawbridge.demo import scenario
+    from clawbridge.demo import scenario, tools
 
     console = Console(stderr=as_json)
+    try:
+        agentic = tools.load(scenario_name)
+    except ValueError as e:
+        typer.echo(f"clawbridge demo: {e}", err=True)
+        raise typer.Exit(2) from e
+    if agentic is not None:
+        run_tools_command(agentic, console, model=model, method=method, rounds=rounds, data_dir=data_dir,
+                          out=out, as_json=as_json, seed=seed)
+        return
     try:
         sc = scenario.load(scenario_name)
     except (FileNotFoundError, ValueError) as e:
@@ -68,6 +81,65 @@ def run_demo_command(
     for ex in result.examples[:2]:
         console.print(f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}")
     verdict = "improved" if result.improved else "no significant change"
+    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (sc.name + '.json')}")
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+
+
+def run_tools_command(
+    sc: ToolsScenario,
+    console: Console,
+    *,
+    model: str | None,
+    method: str | None,
+    rounds: int | None,
+    data_dir: str | None,
+    out: str,
+    as_json: bool,
+    seed: int,
+) -> None:
+    """The agentic scenario (`--scenario tools`): groups of tool-calling episodes through the SDK."""
+    from clawbridge.demo import runner as demo
+    from clawbridge.demo import tools
+
+    if method is not None:
+        typer.echo("clawbridge demo: the tools scenario trains from outcomes (GRPO within each group); "
+                   "--method does not apply", err=True)
+        raise typer.Exit(2)
+    if rounds is not None:
+        sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
+    r = sc.recipe
+    folder = Path(data_dir) if data_dir else demo.default_data_dir()
+    settings = tools.tools_settings(sc, folder, model=model, seed=seed)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    console.print(
+        f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
+        f"  model {settings.model} · {r.rounds} rounds of {r.groups} groups × {r.n} episodes · "
+        f"{len(sc.heldout_tasks)} held-out tasks × {r.eval_samples} · data {folder}"
+    )
+    out_dir = Path(out)
+    with Progress(
+        TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as bar:
+        task = bar.add_task("starting the stack", total=2 * r.rounds + 1)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        result = asyncio.run(tools.run_tools_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"))
+        bar.update(task, completed=2 * r.rounds + 1, description="done")
+    summary = result.summary()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{sc.name}.json").write_text(json.dumps(summary, indent=2))
+    table = Table("", "", title=f"held-out tasks the training never saw ({sc.name})")
+    for k, v in tools.result_table(result):
+        table.add_row(k, v)
+    console.print(table)
+    for ex in result.examples[:3]:
+        console.print(f"  [dim]{ex['prompt']} (code {ex['code']})[/]\n    before: {ex['before']}\n    after:  {ex['after']}")
+    lo, _ = result.interval
+    verdict = "improved" if lo > 0 else "no significant change"
     console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (sc.name + '.json')}")
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
