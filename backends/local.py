@@ -133,7 +133,9 @@ class LocalBackend:
     ) -> list[float]:
         if len(prompt_ids) + len(completion_ids) > self.context_length:
             raise ContextLengthExceeded(len(prompt_ids), len(completion_ids), self.context_length)
-        return await self.engine.score(prompt_ids, completion_ids, model=model, temperature=temperature)
+        return await self.engine.score(
+            prompt_ids, completion_ids, model=model, temperature=temperature
+        )
 
     async def train_step(
         self,

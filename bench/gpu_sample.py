@@ -40,9 +40,13 @@ async def run(engine: Engine, prompt: list[int], tokens: int, concurrency: int) 
 
     counts = await asyncio.gather(*(one(i) for i in range(concurrency)))
     wall = time.perf_counter() - started
-    return {"concurrency": concurrency, "tokens": sum(counts), "tokens_per_s": round(sum(counts) / wall, 1),
-            "per_request_tokens_per_s": round(sum(counts) / wall / concurrency, 1),
-            "ttft_ms": round(1000 * sum(firsts) / len(firsts), 1)}
+    return {
+        "concurrency": concurrency,
+        "tokens": sum(counts),
+        "tokens_per_s": round(sum(counts) / wall, 1),
+        "per_request_tokens_per_s": round(sum(counts) / wall / concurrency, 1),
+        "ttft_ms": round(1000 * sum(firsts) / len(firsts), 1),
+    }
 
 
 async def profile(engine: Engine, prompt: list[int], tokens: int = 16) -> None:
@@ -85,17 +89,31 @@ def reference(folder: Path, prompt: list[int], tokens: int, batch: int) -> dict[
             wall = time.perf_counter() - started
     del model, cache, out
     torch.cuda.empty_cache()
-    return {"concurrency": batch, "tokens": tokens * batch, "tokens_per_s": round(tokens * batch / wall, 1),
-            "per_request_tokens_per_s": round(tokens / wall, 1), "ttft_ms": round(1000 * first, 1)}
+    return {
+        "concurrency": batch,
+        "tokens": tokens * batch,
+        "tokens_per_s": round(tokens * batch / wall, 1),
+        "per_request_tokens_per_s": round(tokens / wall, 1),
+        "ttft_ms": round(1000 * first, 1),
+    }
 
 
-async def sweep(spec: models.ModelSpec, root: Path, args: argparse.Namespace, prompt: list[int],
-                mode: str) -> dict[str, Any]:
+async def sweep(
+    spec: models.ModelSpec, root: Path, args: argparse.Namespace, prompt: list[int], mode: str
+) -> dict[str, Any]:
     """The engine in one decode mode (dynamic: the concatenated cache; static: the slotted
     static cache; graphs: static + CUDA graphs), base then a published adapter."""
-    engine = Engine(spec, data_dir=root / mode, lora_rank=args.rank, lora_alpha=args.rank, device=args.device,
-                    dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
-                    max_batch=max(args.concurrency), static_cache=mode != "dynamic", cuda_graphs=mode == "graphs")
+    engine = Engine(
+        spec,
+        data_dir=root / mode,
+        lora_rank=args.rank,
+        lora_alpha=args.rank,
+        device=args.device,
+        dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
+        max_batch=max(args.concurrency),
+        static_cache=mode != "dynamic",
+        cuda_graphs=mode == "graphs",
+    )
     t = time.perf_counter()
     engine.start()
     rows: dict[str, Any] = {"engine_start_s": round(time.perf_counter() - t, 1)}
@@ -108,8 +126,10 @@ async def sweep(spec: models.ModelSpec, root: Path, args: argparse.Namespace, pr
                 await engine.publish()
                 publish_s = time.perf_counter() - t
                 await run(engine, prompt, 4, 1)  # graphs are recorded per adapter
-            rows[version] = {"publish_s": publish_s,
-                             "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency]}
+            rows[version] = {
+                "publish_s": publish_s,
+                "runs": [await run(engine, prompt, args.tokens, c) for c in args.concurrency],
+            }
             print(mode, version, rows[version], flush=True)
         if args.profile:
             await profile(engine, prompt)
@@ -127,8 +147,12 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--modes", nargs="+", default=["dynamic", "static", "graphs"],
-                    choices=["dynamic", "static", "graphs"])
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["dynamic", "static", "graphs"],
+        choices=["dynamic", "static", "graphs"],
+    )
     ap.add_argument("--profile", action="store_true", help="print where a decode step's time goes")
     args = ap.parse_args()
     sys.setswitchinterval(0.0005)  # as `clawbridge up` runs (server.SWITCH_INTERVAL_S)
@@ -139,13 +163,20 @@ async def main() -> None:
     spec = models.resolve(str(folder))
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt)]
-    result: dict[str, Any] = {"arch": args.arch, "dtype": "bfloat16", "prompt": args.prompt, "tokens": args.tokens,
-                              "model_write_s": round(made, 1)}
+    result: dict[str, Any] = {
+        "arch": args.arch,
+        "dtype": "bfloat16",
+        "prompt": args.prompt,
+        "tokens": args.tokens,
+        "model_write_s": round(made, 1),
+    }
     for mode in args.modes:
         result[mode] = await sweep(spec, root, args, prompt, mode)
     if args.profile or args.device != "cuda":
         return
-    result["reference_hf_eager"] = {"runs": [reference(folder, prompt, args.tokens, c) for c in args.concurrency]}
+    result["reference_hf_eager"] = {
+        "runs": [reference(folder, prompt, args.tokens, c) for c in args.concurrency]
+    }
     print("reference", result["reference_hf_eager"], flush=True)
     bandwidth = hbm_bandwidth(device_name())
     weights = sum(p.numel() for p in torch.nn.Module.parameters(_meta(folder))) * 2  # bf16 bytes
@@ -159,9 +190,16 @@ async def main() -> None:
             ratios[f"{mode}_c{c}_vs_eager"] = round(engine_tps / eager_tps, 2)
             if c == 1 and limit:
                 ratios[f"{mode}_c1_of_bandwidth_limit"] = round(engine_tps / limit, 3)
-            print(f"{mode} c{c}: engine (adapter v1) {engine_tps} tok/s vs plain eager {eager_tps} tok/s"
-                  f" = {engine_tps / eager_tps:.2f}x" + (f"; {engine_tps / limit:.1%} of the {limit:.0f} tok/s"
-                                                         " bandwidth limit" if c == 1 and limit else ""), flush=True)
+            print(
+                f"{mode} c{c}: engine (adapter v1) {engine_tps} tok/s vs plain eager {eager_tps} tok/s"
+                f" = {engine_tps / eager_tps:.2f}x"
+                + (
+                    f"; {engine_tps / limit:.1%} of the {limit:.0f} tok/s bandwidth limit"
+                    if c == 1 and limit
+                    else ""
+                ),
+                flush=True,
+            )
     result["ratios"] = ratios
     write_result("gpu_sample", result)
 

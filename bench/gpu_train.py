@@ -23,14 +23,20 @@ from gpu_common import ARCHS, config_dir, device_name, n_params, peak_flops, wri
 
 def batch(n: int, prompt: int, completion: int, vocab: int, seed: int) -> list[Datum]:
     rng = random.Random(seed)
-    return [Datum(tuple(rng.randrange(vocab) for _ in range(prompt)),
-                  tuple(rng.randrange(vocab) for _ in range(completion)),
-                  tuple(-rng.uniform(5, 15) for _ in range(completion)),
-                  tuple(rng.choice((-1.0, 1.0)) for _ in range(completion)))
-            for _ in range(n)]
+    return [
+        Datum(
+            tuple(rng.randrange(vocab) for _ in range(prompt)),
+            tuple(rng.randrange(vocab) for _ in range(completion)),
+            tuple(-rng.uniform(5, 15) for _ in range(completion)),
+            tuple(rng.choice((-1.0, 1.0)) for _ in range(completion)),
+        )
+        for _ in range(n)
+    ]
 
 
-def plain_reference(arch: str, data: list[Datum], steps: int, rank: int, checkpointing: bool) -> dict[str, float]:
+def plain_reference(
+    arch: str, data: list[Datum], steps: int, rank: int, checkpointing: bool
+) -> dict[str, float]:
     """The same step by a plain loop on one GPU: Transformers + PEFT in bf16 (no FSDP, no packing,
     no chunked logprobs), the batch as one padded [B, T] forward, `clawbridge.loss.ppo_loss`,
     AdamW. The trainer's ratio to this is what its machinery adds or costs."""
@@ -45,21 +51,33 @@ def plain_reference(arch: str, data: list[Datum], steps: int, rank: int, checkpo
         base = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     if checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(
+        base, LoraConfig(r=rank, lora_alpha=rank, target_modules="all-linear", lora_dropout=0.0)
+    )
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     width = max(len(d.prompt_ids) + len(d.completion_ids) for d in data)
     ids = torch.zeros((len(data), width), dtype=torch.long, device="cuda")
     for i, d in enumerate(data):
-        ids[i, : len(d.prompt_ids) + len(d.completion_ids)] = torch.tensor(d.prompt_ids + d.completion_ids)
+        ids[i, : len(d.prompt_ids) + len(d.completion_ids)] = torch.tensor(
+            d.prompt_ids + d.completion_ids
+        )
     times = []
     for _ in range(steps + 1):
         torch.cuda.synchronize()
         t = time.perf_counter()
         logits = model(input_ids=ids).logits
-        new = torch.cat([token_logprobs(logits[i, len(d.prompt_ids) - 1 : len(d.prompt_ids) + len(d.completion_ids) - 1],
-                                        ids[i, len(d.prompt_ids) : len(d.prompt_ids) + len(d.completion_ids)])
-                         for i, d in enumerate(data)])
+        new = torch.cat(
+            [
+                token_logprobs(
+                    logits[
+                        i, len(d.prompt_ids) - 1 : len(d.prompt_ids) + len(d.completion_ids) - 1
+                    ],
+                    ids[i, len(d.prompt_ids) : len(d.prompt_ids) + len(d.completion_ids)],
+                )
+                for i, d in enumerate(data)
+            ]
+        )
         old = torch.tensor([x for d in data for x in d.logprobs], device="cuda")
         adv = torch.tensor([x for d in data for x in d.advantages], device="cuda")
         ppo_loss(new, old, adv, torch.ones_like(new), LossSpec()).backward()
@@ -73,8 +91,14 @@ def plain_reference(arch: str, data: list[Datum], steps: int, rank: int, checkpo
     del model, base, optimizer
     torch.cuda.empty_cache()
     steady = sorted(times[1:])[len(times[1:]) // 2]
-    return {"step_s_median": round(steady, 3), "tokens_per_s": round(sum(len(d.prompt_ids) + len(d.completion_ids) for d in data) / steady),
-            "peak_memory_gib": round(peak, 1), "checkpointing": checkpointing}
+    return {
+        "step_s_median": round(steady, 3),
+        "tokens_per_s": round(
+            sum(len(d.prompt_ids) + len(d.completion_ids) for d in data) / steady
+        ),
+        "peak_memory_gib": round(peak, 1),
+        "checkpointing": checkpointing,
+    }
 
 
 async def main() -> None:
@@ -94,9 +118,18 @@ async def main() -> None:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="cb-train-"))
     cfg = config_dir(args.arch, root)
-    extra = ["--token-budget", str(args.token_budget), "--chunk", str(args.chunk)] + (["--no-checkpointing"] if args.no_checkpointing else [])
-    trainer = FSDPTrainer(f"random:{cfg}", nproc=args.nproc, device=args.device, lora_rank=args.lora_rank,
-                          lora_alpha=args.lora_rank, log_file=root / "trainer.log", extra_args=extra)
+    extra = ["--token-budget", str(args.token_budget), "--chunk", str(args.chunk)] + (
+        ["--no-checkpointing"] if args.no_checkpointing else []
+    )
+    trainer = FSDPTrainer(
+        f"random:{cfg}",
+        nproc=args.nproc,
+        device=args.device,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_rank,
+        log_file=root / "trainer.log",
+        extra_args=extra,
+    )
     t0 = time.perf_counter()
     await trainer.start()
     startup = time.perf_counter() - t0
@@ -108,7 +141,10 @@ async def main() -> None:
             t = time.perf_counter()
             m = await trainer.train_step(data, LossSpec(), OptimSpec())
             times.append(time.perf_counter() - t)
-            print(f"step {i}: {times[-1]:.3f} s (worker {m.seconds:.3f} s) loss {m.loss:.4f}", flush=True)
+            print(
+                f"step {i}: {times[-1]:.3f} s (worker {m.seconds:.3f} s) loss {m.loss:.4f}",
+                flush=True,
+            )
         t = time.perf_counter()
         await trainer.save_adapter(root / "adapter")
         save_s = time.perf_counter() - t
@@ -118,18 +154,29 @@ async def main() -> None:
         peak = peak_flops(device_name())
         mfu = 4 * n * tps / (peak * args.nproc) if peak else None
         result = {
-            "arch": args.arch, "params": n, "nproc": args.nproc, "lora_rank": args.lora_rank,
-            "batch": args.batch, "seq": args.prompt + args.completion, "tokens_per_step": tokens,
-            "checkpointing": not args.no_checkpointing, "startup_s": round(startup, 1),
-            "step_s_median": round(steady, 3), "tokens_per_s": round(tps), "mfu_4N": round(mfu, 3) if mfu else None,
-            "adapter_gather_and_write_s": round(save_s, 3), "step_times": [round(x, 3) for x in times],
+            "arch": args.arch,
+            "params": n,
+            "nproc": args.nproc,
+            "lora_rank": args.lora_rank,
+            "batch": args.batch,
+            "seq": args.prompt + args.completion,
+            "tokens_per_step": tokens,
+            "checkpointing": not args.no_checkpointing,
+            "startup_s": round(startup, 1),
+            "step_s_median": round(steady, 3),
+            "tokens_per_s": round(tps),
+            "mfu_4N": round(mfu, 3) if mfu else None,
+            "adapter_gather_and_write_s": round(save_s, 3),
+            "step_times": [round(x, 3) for x in times],
             "peak_memory_gib": (await trainer.info()).get("peak_memory_gib"),
         }
     finally:
         await trainer.close()
     if args.device == "cuda" and not args.no_reference:
         try:
-            ref = plain_reference(args.arch, data, args.steps, args.lora_rank, not args.no_checkpointing)
+            ref = plain_reference(
+                args.arch, data, args.steps, args.lora_rank, not args.no_checkpointing
+            )
         except Exception as e:  # an out-of-memory reference is a result too
             ref = {"error": f"{type(e).__name__}: {e}"[:300]}
         result["reference_plain_peft"] = ref

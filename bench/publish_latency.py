@@ -39,7 +39,9 @@ from gpu_common import model_dir, write_result
 
 async def first_token(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     t = time.perf_counter()
-    async for chunk in engine.sample_stream(prompt, SamplingParams(max_tokens=1, stop_token_ids=())):
+    async for chunk in engine.sample_stream(
+        prompt, SamplingParams(max_tokens=1, stop_token_ids=())
+    ):
         return time.perf_counter() - t, chunk.version
     raise RuntimeError("no token")
 
@@ -63,7 +65,9 @@ def med(xs: list[float]) -> float:
 async def measure(spec: models.ModelSpec, rank: int, repeat: int, device: str) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="cb-pub-"))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    engine = Engine(spec, data_dir=root, lora_rank=rank, lora_alpha=rank, device=device, dtype=dtype)
+    engine = Engine(
+        spec, data_dir=root, lora_rank=rank, lora_alpha=rank, device=device, dtype=dtype
+    )
     engine.start()
     prompt = list(range(100, 164))
     before: dict[str, list[float]] = {"publish": [], "first": [], "total": []}
@@ -90,7 +94,8 @@ async def measure(spec: models.ModelSpec, rank: int, repeat: int, device: str) -
             after["publish"].append(p)
             after["first"].append(f)
             after["total"].append(p + f)
-            await engine.publish()  # let the writer finish before the next round (it shares the cores)
+            # let the writer finish before the next round (it shares the cores)
+            await engine.publish()
 
             t = time.perf_counter()
             await engine.publish()
@@ -112,7 +117,9 @@ async def measure(spec: models.ModelSpec, rank: int, repeat: int, device: str) -
 
 async def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine-model", default=models.TINY, help="registry name, HF folder, or arch:NAME")
+    ap.add_argument(
+        "--engine-model", default=models.TINY, help="registry name, HF folder, or arch:NAME"
+    )
     ap.add_argument("--tokenizer", type=Path, default=None, help="for arch:NAME models")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=5)
@@ -123,11 +130,25 @@ async def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = args.engine_model
     if model.startswith("arch:"):
-        model = str(model_dir(model.removeprefix("arch:"), Path(tempfile.gettempdir()) / "cb-models", args.tokenizer))
+        model = str(
+            model_dir(
+                model.removeprefix("arch:"),
+                Path(tempfile.gettempdir()) / "cb-models",
+                args.tokenizer,
+            )
+        )
     spec = models.resolve(model)
     result = await measure(spec, args.rank, args.repeat, device)
-    write_result("publish_latency", {"path": "torch engine", "model": args.engine_model,
-                                     "engine_device": device, "lora_rank": args.rank, **result})
+    write_result(
+        "publish_latency",
+        {
+            "path": "torch engine",
+            "model": args.engine_model,
+            "engine_device": device,
+            "lora_rank": args.rank,
+            **result,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -86,7 +86,9 @@ def config_json(peft_model: Any, adapter: str) -> str:
     """The adapter_config.json PEFT's `save_pretrained` writes for `adapter`."""
     config = copy.deepcopy(peft_model.peft_config[adapter])
     if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = peft_model.base_model.model.__dict__.get("name_or_path") or None
+        config.base_model_name_or_path = (
+            peft_model.base_model.model.__dict__.get("name_or_path") or None
+        )
     config.inference_mode = True
     out = config.to_dict()
     out = {k: sorted(v) if isinstance(v, set) else v for k, v in out.items()}
@@ -105,7 +107,9 @@ class Slots:
     layers and flips `requires_grad`; both are put back: the trainable adapter stays the only
     one with gradients, and the caller must re-point its layers (`changed` says when)."""
 
-    def __init__(self, model: Any, trainable: str, layers: list[Any], trainable_active: list[Any]) -> None:
+    def __init__(
+        self, model: Any, trainable: str, layers: list[Any], trainable_active: list[Any]
+    ) -> None:
         self.model, self.trainable = model, trainable
         self.layers, self.trainable_active = layers, trainable_active
         self.spare: list[str] = []
@@ -119,7 +123,9 @@ class Slots:
     def _params_of(self, name: str) -> dict[str, torch.nn.Parameter]:
         marker = re.compile(rf"\.{re.escape(name)}(?=\.|$)")
         return {
-            marker.sub("", n): p for n, p in self.model.named_parameters() if marker.search(n) and "lora_" in n
+            marker.sub("", n): p
+            for n, p in self.model.named_parameters()
+            if marker.search(n) and "lora_" in n
         }
 
     @contextmanager
@@ -141,7 +147,10 @@ class Slots:
         self._count += 1
         config = copy.deepcopy(self.model.peft_config[self.trainable])
         config.inference_mode = True
-        with self._structural(), torch.random.fork_rng(devices=[]):  # LoRA init must not draw from global RNG
+        with (
+            self._structural(),
+            torch.random.fork_rng(devices=[]),
+        ):  # LoRA init must not draw from global RNG
             self.model.add_adapter(name, config, autocast_adapter_dtype=False)
             self.params[name] = self._params_of(name)
         return name
@@ -155,9 +164,14 @@ class Slots:
         params = self.params[name]
         if weights.keys() != params.keys():
             self.spare.append(name)
-            missing, extra = sorted(params.keys() - weights.keys()), sorted(weights.keys() - params.keys())
-            raise ValueError(f"adapter weights do not fit the model's LoRA layers: missing {missing[:3]}, "
-                             f"unexpected {extra[:3]}")
+            missing, extra = (
+                sorted(params.keys() - weights.keys()),
+                sorted(weights.keys() - params.keys()),
+            )
+            raise ValueError(
+                f"adapter weights do not fit the model's LoRA layers: missing {missing[:3]}, "
+                f"unexpected {extra[:3]}"
+            )
         with torch.no_grad():
             for key, p in params.items():
                 p.copy_(weights[key])

@@ -128,7 +128,9 @@ class Engine:
         self._slots: adapters.Slots | None = None
         self._served: dict[int, str] = {}  # published version -> the slot serving it (in memory)
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # versions still being persisted
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clawbridge-persist")
+        self._writer = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="clawbridge-persist"
+        )
         self._adapter_config = ""
         self._inbox: queue.Queue[_Seq | _Job | None] = queue.Queue()
         self._waiting: deque[_Seq] = deque()
@@ -141,8 +143,12 @@ class Engine:
     def _new_batch(self) -> KVBatch | SlotBatch:
         if not self.static_cache:
             return KVBatch()
-        return SlotBatch(self.max_batch, self.context_length, bucketed=self.cuda_graphs,
-                         capture=self.cuda_graphs and str(self.device).startswith("cuda"))
+        return SlotBatch(
+            self.max_batch,
+            self.context_length,
+            bucketed=self.cuda_graphs,
+            capture=self.cuda_graphs and str(self.device).startswith("cuda"),
+        )
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -236,7 +242,10 @@ class Engine:
 
         return list(
             await asyncio.gather(
-                *(collect(self.sample_stream(prompt_ids, nth(i), version=version)) for i in range(n))
+                *(
+                    collect(self.sample_stream(prompt_ids, nth(i), version=version))
+                    for i in range(n)
+                )
             )
         )
 
@@ -248,7 +257,9 @@ class Engine:
         model: Literal["policy", "base"] = "policy",
         temperature: float = 1.0,
     ) -> list[float]:
-        return await self._call(self._score, tuple(prompt_ids), tuple(completion_ids), model, temperature)
+        return await self._call(
+            self._score, tuple(prompt_ids), tuple(completion_ids), model, temperature
+        )
 
     async def train_step(
         self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()
@@ -462,7 +473,9 @@ class Engine:
                         unique.pop() if len(unique) == 1 else None,
                     )
                 else:
-                    logits = self._forward(names, **self._batch.step_inputs(), use_cache=True).logits[:, -1]
+                    logits = self._forward(
+                        names, **self._batch.step_inputs(), use_cache=True
+                    ).logits[:, -1]
                 nexts = self._take_all(logits)
         except BaseException as exc:
             log.exception("decode step failed; failing %d requests", len(self._active))
@@ -491,7 +504,11 @@ class Engine:
         live = [i for i, seq in enumerate(self._active) if not seq.cancelled]
         if not live:
             return [None] * len(self._active)
-        rows = logits if len(live) == len(self._active) else logits[torch.tensor(live, device=logits.device)]
+        rows = (
+            logits
+            if len(live) == len(self._active)
+            else logits[torch.tensor(live, device=logits.device)]
+        )
         seqs = [self._active[i] for i in live]
         draws = draw_tokens(rows, [s.params for s in seqs], [self._uniform(s) for s in seqs])
         nexts: list[int | None] = [None] * len(self._active)
@@ -501,7 +518,11 @@ class Engine:
 
     @staticmethod
     def _uniform(seq: _Seq) -> float:
-        return float(torch.rand((), generator=seq.generator, dtype=torch.float64)) if needs_uniform(seq.params) else 0.0
+        return (
+            float(torch.rand((), generator=seq.generator, dtype=torch.float64))
+            if needs_uniform(seq.params)
+            else 0.0
+        )
 
     def _accept(self, seq: _Seq, draw: Draw) -> int | None:
         seq.tokens.append(draw.token)
@@ -550,13 +571,17 @@ class Engine:
         self._refs[version] = self._refs.get(version, 0) + 1
         return version
 
-    def _weights_of(self, version: int, error: Callable[[str], Exception]) -> dict[str, torch.Tensor]:
+    def _weights_of(
+        self, version: int, error: Callable[[str], Exception]
+    ) -> dict[str, torch.Tensor]:
         """A published version's weights: still in memory while being persisted, else its folder."""
         if version in self._pending:
             return self._pending[version]
         path = self._adapter_dir(version)
         if not (path / adapters.WEIGHTS).exists():
-            raise error(f"policy@v{version} is no longer available ({path / adapters.WEIGHTS} is missing)")
+            raise error(
+                f"policy@v{version} is no longer available ({path / adapters.WEIGHTS} is missing)"
+            )
         return adapters.read(path, str(self.device))
 
     def _serve(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -612,11 +637,15 @@ class Engine:
         self._collect()
         written = self._writer.submit(adapters.write, root, version, weights, self._adapter_config)
         persisted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        written.add_done_callback(lambda f: self._inbox.put(_Job(self._persisted, (version, previous, f), persisted)))
+        written.add_done_callback(
+            lambda f: self._inbox.put(_Job(self._persisted, (version, previous, f), persisted))
+        )
         log.info("policy@v%d serves; persisting it to %s", version, self._adapter_dir(version))
         return PolicyVersion(version, str(self._adapter_dir(version))), persisted
 
-    def _persisted(self, version: int, previous: int, written: concurrent.futures.Future[Path]) -> None:
+    def _persisted(
+        self, version: int, previous: int, written: concurrent.futures.Future[Path]
+    ) -> None:
         """On the scheduler thread once `version`'s write ended; its error is the publish's."""
         self._pending.pop(version, None)
         error = written.exception()
@@ -624,7 +653,9 @@ class Engine:
             return
         # Nothing may rely on weights that are not on disk: new requests go back to the previous
         # version; the number stays taken (its reservation), rows already on it finish on it.
-        log.error("persisting policy@v%d failed (%s); serving policy@v%d again", version, error, previous)
+        log.error(
+            "persisting policy@v%d failed (%s); serving policy@v%d again", version, error, previous
+        )
         if self._newest == version:
             self._newest = previous
             self._collect()
@@ -639,7 +670,9 @@ class Engine:
         if version == 0:
             weights = self._initial
         else:
-            weights = self._weights_of(version, lambda why: UnknownVersion(version, self._newest, why))
+            weights = self._weights_of(
+                version, lambda why: UnknownVersion(version, self._newest, why)
+            )
         self._set_trainable(weights)  # Adam's moments belonged to the weights rolled away from
         published, persisted = self._publish()
         log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
@@ -708,7 +741,9 @@ class Engine:
             at += n
         return torch.cat(parts)
 
-    def _train_step(self, batch: tuple[Datum, ...], loss: LossSpec, optim: OptimSpec) -> StepMetrics:
+    def _train_step(
+        self, batch: tuple[Datum, ...], loss: LossSpec, optim: OptimSpec
+    ) -> StepMetrics:
         if not batch:
             raise ValueError("train_step needs at least one Datum")
         started = time.perf_counter()
@@ -729,8 +764,12 @@ class Engine:
                 with torch.no_grad():
                     base = self._batch_logprobs(group, BASE)
             new = self._batch_logprobs(group)
-            old = torch.tensor([x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype)
-            adv = torch.tensor([x for d in group for x in d.advantages], device=new.device, dtype=new.dtype)
+            old = torch.tensor(
+                [x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype
+            )
+            adv = torch.tensor(
+                [x for d in group for x in d.advantages], device=new.device, dtype=new.dtype
+            )
             terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
             part = terms.loss.sum() / total  # token-mean over the WHOLE batch
             part.backward()
@@ -772,8 +811,13 @@ class Engine:
         self._model.save_pretrained(str(tmp / "adapter"), selected_adapters=[TRAIN])
         optimizer = self._optimizer.state_dict() if self._optimizer is not None else None
         torch.save({"optimizer": optimizer}, tmp / "optimizer.pt")
-        meta = {"version": self._newest, "steps": self._steps, "lora_rank": self.lora_rank,
-                "lora_alpha": self.lora_alpha, "model": self.spec.name}
+        meta = {
+            "version": self._newest,
+            "steps": self._steps,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "model": self.spec.name,
+        }
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
@@ -796,7 +840,11 @@ class Engine:
             folder = Path(path) if path else self._adapter_dir(version)
             file = folder / adapters.WEIGHTS
             if not file.exists():
-                raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
+                raise UnknownVersion(
+                    version,
+                    self._newest,
+                    f"policy@v{version}'s weights are gone ({file} is missing)",
+                )
             self._set_trainable(adapters.read(folder, str(self.device)))
         self._newest = version
         self._release(self._acquire(None))  # loads the newest version's adapter if missing
@@ -808,7 +856,9 @@ class Engine:
         if not (path / "state.json").exists():
             raise BackendError(f"no checkpoint at {path}")
         meta = json.loads((path / "state.json").read_text())
-        self._set_trainable(load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device)))
+        self._set_trainable(
+            load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
+        )
         saved = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
         if saved["optimizer"] is not None:
             self._get_optimizer().load_state_dict(saved["optimizer"])

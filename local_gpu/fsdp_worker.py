@@ -49,7 +49,9 @@ KEY_ENV = "CLAWBRIDGE_TRAINER_KEY"  # the RPC auth key travels by environment, n
 
 def _peft_key(name: str) -> str:
     """A trainable parameter's name as PEFT saves it: `...lora_A.weight`, without the adapter."""
-    return re.sub(rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", name.removeprefix("peft."))
+    return re.sub(
+        rf"\.(lora_[AB]|lora_embedding_[AB])\.{ADAPTER}\.", r".\1.", name.removeprefix("peft.")
+    )
 
 
 class ChunkedLogprobs(nn.Module):
@@ -65,8 +67,14 @@ class ChunkedLogprobs(nn.Module):
     def causal_lm(self) -> Any:
         return self.peft.base_model.model
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
-                targets: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        keep: torch.Tensor,
+        targets: torch.Tensor,
+        temps: torch.Tensor,
+    ) -> torch.Tensor:
         """logprobs [K] of `targets` at the flattened positions `keep` of packed rows `ids`
         [R, W] (`packing.stack`: positions restart per sample, so transformers' packed-sequence
         mask keeps samples apart; no attention mask). `temps` [K]: each target's temperature."""
@@ -75,19 +83,31 @@ class ChunkedLogprobs(nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1])[keep]
         parts = []
         for s in range(0, hidden.shape[0], self.chunk):
-            h, t, k = hidden[s : s + self.chunk], targets[s : s + self.chunk], temps[s : s + self.chunk]
+            h, t, k = (
+                hidden[s : s + self.chunk],
+                targets[s : s + self.chunk],
+                temps[s : s + self.chunk],
+            )
             if torch.is_grad_enabled():
-                parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, k, use_reentrant=False))
+                parts.append(
+                    torch.utils.checkpoint.checkpoint(
+                        self._chunk_logprobs, h, t, k, use_reentrant=False
+                    )
+                )
             else:
                 parts.append(self._chunk_logprobs(h, t, k))
         return torch.cat(parts)
 
-    def _chunk_logprobs(self, h: torch.Tensor, t: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    def _chunk_logprobs(
+        self, h: torch.Tensor, t: torch.Tensor, temps: torch.Tensor
+    ) -> torch.Tensor:
         logits = self.causal_lm().lm_head(h).float() / temps[:, None]
         return torch.log_softmax(logits, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
 
 
-def load_base(model: str, cache_dir: Path | None, device: torch.device, seed: int) -> tuple[Any, str]:
+def load_base(
+    model: str, cache_dir: Path | None, device: torch.device, seed: int
+) -> tuple[Any, str]:
     """The fp32 base. `random:CONFIG.json` builds a randomly initialised model of that
     architecture directly on the device (benchmarks: speed does not depend on the weights, and a
     4 B model need not be written to disk first)."""
@@ -100,13 +120,26 @@ def load_base(model: str, cache_dir: Path | None, device: torch.device, seed: in
             base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return base, model
     spec = models.resolve(model, cache_dir)
-    return models.load_model(spec, dtype=torch.float32, device="cpu", seed=seed), str(spec.path or spec.name)
+    return models.load_model(spec, dtype=torch.float32, device="cpu", seed=seed), str(
+        spec.path or spec.name
+    )
 
 
 class ShardedLoRATrainer:
-    def __init__(self, model: str, *, lora_rank: int, lora_alpha: int, seed: int, device: str,
-                 cache_dir: Path | None, chunk: int = 1024, token_budget: int = 8192,
-                 checkpointing: bool = True, compute_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        lora_rank: int,
+        lora_alpha: int,
+        seed: int,
+        device: str,
+        cache_dir: Path | None,
+        chunk: int = 1024,
+        token_budget: int = 8192,
+        checkpointing: bool = True,
+        compute_dtype: str = "auto",
+    ) -> None:
         from peft import LoraConfig, get_peft_model
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -115,20 +148,26 @@ class ShardedLoRATrainer:
         self.device = torch.device(device)
         self.token_budget = token_budget
         base, self.base_name = load_base(model, cache_dir, self.device, seed)
-        config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear",
-                            lora_dropout=0.0)
+        config = LoraConfig(
+            r=lora_rank, lora_alpha=lora_alpha, target_modules="all-linear", lora_dropout=0.0
+        )
         with torch.random.fork_rng(devices=[]):  # the engine's init: same seed, same adapter
             torch.manual_seed(seed)
             peft_model: Any = get_peft_model(base, config, adapter_name=ADAPTER)
         self.peft_config = peft_model.peft_config[ADAPTER]  # target_modules resolved
         if checkpointing:
             peft_model.base_model.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         peft_model.to(self.device)
         peft_model.train()  # checkpointing is active in train mode; LoRA dropout is 0
         mesh = init_device_mesh(self.device.type, (self.world,))
         bf16 = compute_dtype == "bf16" or (compute_dtype == "auto" and self.device.type == "cuda")
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
         for layer in peft_model.base_model.model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         self.model: Any = ChunkedLogprobs(peft_model, chunk)
@@ -145,11 +184,20 @@ class ShardedLoRATrainer:
         """New logprobs of every completion token of `rows`, concatenated (row by row, datum by
         datum): each row packed without padding as the CPU engine packs it, the rows stacked."""
         packed = stack(rows)
-        temps = [d.temperature if d.temperature > 0 else 1.0 for row in rows for d in row for _ in d.completion_ids]
+        temps = [
+            d.temperature if d.temperature > 0 else 1.0
+            for row in rows
+            for d in row
+            for _ in d.completion_ids
+        ]
         dev = self.device
-        return self.model(torch.tensor(packed.ids, device=dev), torch.tensor(packed.positions, device=dev),
-                          torch.tensor(packed.keep, device=dev), torch.tensor(packed.targets, device=dev),
-                          torch.tensor(temps, device=dev))
+        return self.model(
+            torch.tensor(packed.ids, device=dev),
+            torch.tensor(packed.positions, device=dev),
+            torch.tensor(packed.keep, device=dev),
+            torch.tensor(packed.targets, device=dev),
+            torch.tensor(temps, device=dev),
+        )
 
     def train_step(self, batch: list[Datum], loss: LossSpec, optim: OptimSpec) -> dict[str, Any]:
         started = time.perf_counter()
@@ -163,8 +211,12 @@ class ShardedLoRATrainer:
         weights = [1.0] * len(groups) + [0.0] * (int(count) - len(groups))
         groups += [[[batch[0]]]] * (int(count) - len(groups))
         for g in self.optimizer.param_groups:
-            g.update(lr=optim.learning_rate, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                     weight_decay=optim.weight_decay)
+            g.update(
+                lr=optim.learning_rate,
+                betas=(optim.beta1, optim.beta2),
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, clipped, kl
         for group, w in zip(groups, weights, strict=True):
@@ -174,13 +226,22 @@ class ShardedLoRATrainer:
                     base = self._logprobs(group)
             new = self._logprobs(group)
             datums = [d for row in group for d in row]
-            old = torch.tensor([x for d in datums for x in d.logprobs], device=new.device, dtype=new.dtype)
-            adv = torch.tensor([x for d in datums for x in d.advantages], device=new.device, dtype=new.dtype)
+            old = torch.tensor(
+                [x for d in datums for x in d.logprobs], device=new.device, dtype=new.dtype
+            )
+            adv = torch.tensor(
+                [x for d in datums for x in d.advantages], device=new.device, dtype=new.dtype
+            )
             terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
             part = terms.loss.sum() / total
             (part * (w * self.world)).backward()
-            sums += w * torch.stack([part.detach().double(), terms.clipped.sum().double(),
-                                     terms.approx_kl.sum().double()])
+            sums += w * torch.stack(
+                [
+                    part.detach().double(),
+                    terms.clipped.sum().double(),
+                    terms.approx_kl.sum().double(),
+                ]
+            )
         dist.all_reduce(sums)
         max_norm = optim.grad_clip_norm if optim.grad_clip_norm > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
@@ -189,10 +250,18 @@ class ShardedLoRATrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         loss_sum, clipped, kl = (float(x) for x in sums.tolist())
-        return asdict(StepMetrics(loss=loss_sum, clip_fraction=clipped / total, approx_kl=kl / total,
-                                  grad_norm=grad_norm, tokens=total, samples=len(batch),
-                                  seconds=time.perf_counter() - started,
-                                  extra={"world_size": float(self.world)}))
+        return asdict(
+            StepMetrics(
+                loss=loss_sum,
+                clip_fraction=clipped / total,
+                approx_kl=kl / total,
+                grad_norm=grad_norm,
+                tokens=total,
+                samples=len(batch),
+                seconds=time.perf_counter() - started,
+                extra={"world_size": float(self.world)},
+            )
+        )
 
     # --- adapters and checkpoints -----------------------------------------------------------
 
@@ -201,8 +270,12 @@ class ShardedLoRATrainer:
         PEFT saves them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
+        full = get_model_state_dict(
+            self.model,
+            options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+            ),
+        )
         out = {}
         for key, value in full.items():
             if "lora_" not in key:  # a tied (frozen) lm_head can slip through ignore_frozen_params
@@ -246,7 +319,9 @@ class ShardedLoRATrainer:
         with torch.no_grad():
             for p, value in zip(self.params, values, strict=True):
                 if isinstance(p, DTensor) and not isinstance(value, DTensor):
-                    value = distribute_tensor(value.to(p.device_mesh.device_type, p.dtype), p.device_mesh, p.placements)
+                    value = distribute_tensor(
+                        value.to(p.device_mesh.device_type, p.dtype), p.device_mesh, p.placements
+                    )
                 p.copy_(value)
         self.optimizer = self._fresh_optimizer()
 
@@ -254,8 +329,9 @@ class ShardedLoRATrainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        msd, osd = get_state_dict(self.model, self.optimizer,
-                                  options=StateDictOptions(ignore_frozen_params=True))
+        msd, osd = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(ignore_frozen_params=True)
+        )
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
         if self.rank == 0:
             (Path(path) / "trainer.json").write_text(json.dumps({"steps": self.steps}))
@@ -269,24 +345,39 @@ class ShardedLoRATrainer:
             set_state_dict,
         )
 
-        if not (Path(path) / "trainer.json").exists():  # checked by every rank, before any collective
+        if not (
+            Path(path) / "trainer.json"
+        ).exists():  # checked by every rank, before any collective
             raise FileNotFoundError(f"no trainer checkpoint at {path}")
         options = StateDictOptions(ignore_frozen_params=True)
         msd, osd = get_state_dict(self.model, self.optimizer, options=options)
         state: dict[str, Any] = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=path)
         # strict=False: the checkpoint holds the LoRA weights only; the frozen base is the model's
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"],
-                       options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
         self.steps = int(json.loads((Path(path) / "trainer.json").read_text())["steps"])
 
     def info(self) -> dict[str, Any]:
         n = sum(p.numel() for p in self.model.parameters())  # sharded: local numel of DTensors
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
-        return {"world_size": self.world, "device": str(self.device), "steps": self.steps,
-                "trainable": sum(p.numel() for p in self.params), "local_params": n,
-                "peak_memory_gib": round(peak, 2) if peak is not None else None}
+        peak = (
+            torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.device.type == "cuda"
+            else None
+        )
+        return {
+            "world_size": self.world,
+            "device": str(self.device),
+            "steps": self.steps,
+            "trainable": sum(p.numel() for p in self.params),
+            "local_params": n,
+            "peak_memory_gib": round(peak, 2) if peak is not None else None,
+        }
 
 
 def serve(trainer: ShardedLoRATrainer, rpc_port: int) -> None:
@@ -340,11 +431,17 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         trainer = ShardedLoRATrainer(
-            args.model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, seed=args.seed,
+            args.model,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            seed=args.seed,
             device="cuda" if args.device == "cuda" else "cpu",
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None, chunk=args.chunk,
-            token_budget=args.token_budget, checkpointing=not args.no_checkpointing,
-            compute_dtype=args.compute_dtype)
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            chunk=args.chunk,
+            token_budget=args.token_budget,
+            checkpointing=not args.no_checkpointing,
+            compute_dtype=args.compute_dtype,
+        )
         serve(trainer, args.rpc_port)
     finally:
         dist.destroy_process_group()

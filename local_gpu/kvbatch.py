@@ -142,14 +142,17 @@ class SlotBatch:
 
     MIN_LENGTH = 256
 
-    def __init__(self, slots: int, max_length: int, *, bucketed: bool = False, capture: bool = False) -> None:
+    def __init__(
+        self, slots: int, max_length: int, *, bucketed: bool = False, capture: bool = False
+    ) -> None:
         self.slots, self.max_length = slots, max_length
         self.bucketed, self.capture = bucketed, capture and bucketed
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.positions: list[int] = []  # position of each row's next input (= its cached length)
         self.next_tokens: list[int] = []
-        self._ids = self._pos = self._rows = torch.zeros(0, dtype=torch.long)  # step inputs, fixed addresses
+        # the step's inputs, at fixed addresses
+        self._ids = self._pos = self._rows = torch.zeros(0, dtype=torch.long)
         self._steps: dict[tuple[str, int, int], tuple[Any, torch.Tensor]] = {}  # captured graphs
         self._pool: Any = None
         self._write = torch.zeros(0, dtype=torch.long)  # the column each running row writes
@@ -167,7 +170,9 @@ class SlotBatch:
         """Forget captured steps (the adapters' layers were rebuilt: the graphs read old tensors)."""
         self._steps.clear()
 
-    def _reserve(self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def _reserve(
+        self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> None:
         """Make every row hold at least `length` columns (keeping what is cached)."""
         if length <= self.capacity:
             return
@@ -213,11 +218,19 @@ class SlotBatch:
         self._write = pos
         seen = torch.arange(self._attend, device=pos.device)[None, :] <= pos[:, None]
         dtype = self.keys[0].dtype  # additive, as every attention implementation reads a 4-D mask
-        mask = torch.zeros(seen.shape, dtype=dtype, device=pos.device).masked_fill_(~seen, torch.finfo(dtype).min)
-        return {"input_ids": self._ids[:rows].view(-1, 1), "position_ids": pos.view(-1, 1),
-                "past_key_values": self, "attention_mask": mask[:, None, None, :]}
+        mask = torch.zeros(seen.shape, dtype=dtype, device=pos.device).masked_fill_(
+            ~seen, torch.finfo(dtype).min
+        )
+        return {
+            "input_ids": self._ids[:rows].view(-1, 1),
+            "position_ids": pos.view(-1, 1),
+            "past_key_values": self,
+            "attention_mask": mask[:, None, None, :],
+        }
 
-    def step(self, forward: Callable[[dict[str, Any]], torch.Tensor], adapter: str | None) -> torch.Tensor:
+    def step(
+        self, forward: Callable[[dict[str, Any]], torch.Tensor], adapter: str | None
+    ) -> torch.Tensor:
         """One decode step of every row: `forward(inputs)` -> last-position logits [rows, V]; the
         live rows' logits come back. `adapter`: the one adapter every row runs on (None: several,
         which is never captured: the mixed-batch path is not graph-safe)."""
@@ -239,7 +252,9 @@ class SlotBatch:
         graph.replay()
         return logits[: self.size]
 
-    def _record(self, forward: Callable[[dict[str, Any]], torch.Tensor], rows: int) -> tuple[Any, torch.Tensor]:
+    def _record(
+        self, forward: Callable[[dict[str, Any]], torch.Tensor], rows: int
+    ) -> tuple[Any, torch.Tensor]:
         """Capture one step as a CUDA graph. The warm-up runs are real steps on the same inputs:
         they write the same keys the replay writes."""
         side = torch.cuda.Stream()
@@ -255,7 +270,9 @@ class SlotBatch:
             logits = forward(self._inputs(rows))
         return graph, logits
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer: int, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer: int, *_: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Called by attention layer `layer` with the step's new keys and values [rows, H, 1, D]:
         each row's are written at its own column; the rows' attended columns come back."""
         rows = key.shape[0]

@@ -59,6 +59,7 @@ def packed_micro_batches(batch: Sequence[Datum], token_budget: int) -> list[list
     max(longest sample, MIN_ROW) tokens and at most `token_budget` (a longer sample forms its own
     row). Each row is one packed forward; the loss is a token mean over the whole batch, so the
     order does not matter."""
+
     def size(d: Datum) -> int:
         return len(d.prompt_ids) + len(d.completion_ids)
 
@@ -95,7 +96,10 @@ class Stacked:
 def stack(rows: Sequence[Sequence[Datum]], pad_id: int = 0) -> Stacked:
     packed = [pack(row) for row in rows]
     width = max(len(p.ids) for p in packed)
-    ids, positions, keep, targets = [], [], [], []
+    ids: list[list[int]] = []
+    positions: list[list[int]] = []
+    keep: list[int] = []
+    targets: list[int] = []
     for r, p in enumerate(packed):
         pad = width - len(p.ids)
         ids.append(p.ids + [pad_id] * pad)
@@ -109,6 +113,7 @@ def stacked_micro_batches(batch: Sequence[Datum], token_budget: int) -> list[lis
     """`packed_micro_batches`' rows, consecutive rows stacked while rows × longest row stays within
     `token_budget` (at least one row each): on a GPU one [R, W] forward of short rows keeps the
     matmuls large and gathers the sharded weights once instead of R times."""
+
     def size(row: list[Datum]) -> int:
         return sum(len(d.prompt_ids) + len(d.completion_ids) for d in row)
 

@@ -41,7 +41,8 @@ def draw_token(logits: torch.Tensor, params: SamplingParams, u: float) -> Draw:
     if params.top_logprobs > 0:
         values, ids = torch.topk(logp, min(params.top_logprobs, logp.shape[-1]))
         top = tuple(
-            TokenLogprob(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            TokenLogprob(int(i), float(v))
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
         )
     return Draw(token, float(logp[token]), top)
 
@@ -92,14 +93,21 @@ def draw_tokens(logits: torch.Tensor, params: list[SamplingParams], us: list[flo
     if plain:
         index = torch.tensor(plain, device=logits.device)
         rows = logits.index_select(0, index).float()
-        temps = torch.tensor([params[i].temperature if params[i].temperature > 0 else 1.0 for i in plain],
-                             device=logits.device)
+        temps = torch.tensor(
+            [params[i].temperature if params[i].temperature > 0 else 1.0 for i in plain],
+            device=logits.device,
+        )
         logp = torch.log_softmax(rows / temps[:, None], dim=-1)
         greedy = torch.tensor([params[i].temperature <= 0 for i in plain], device=logits.device)
         # the same inverse CDF as `_inverse_cdf` without truncation, row by row
         cdf = torch.cumsum(logp.double().exp(), dim=-1)
-        target = torch.tensor([us[i] for i in plain], dtype=cdf.dtype, device=cdf.device)[:, None] * cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, target, right=True).clamp(max=logp.shape[-1] - 1).squeeze(-1)
+        target = (
+            torch.tensor([us[i] for i in plain], dtype=cdf.dtype, device=cdf.device)[:, None]
+            * cdf[:, -1:]
+        )
+        drawn = (
+            torch.searchsorted(cdf, target, right=True).clamp(max=logp.shape[-1] - 1).squeeze(-1)
+        )
         tokens = torch.where(greedy, logp.argmax(dim=-1), drawn)
         chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
         for i, token, logprob in zip(plain, tokens.tolist(), chosen.tolist(), strict=True):

@@ -63,7 +63,8 @@ async def test_stop_string_ends_on_the_token_that_completes_it(tiny: LocalBacken
     free = await one(tiny, SamplingParams(max_tokens=30, seed=9, stop_token_ids=()))
     # a stop string made of the tail of a plain-ASCII token some way into the completion
     i = next(
-        i for i in range(4, 30)
+        i
+        for i in range(4, 30)
         if (piece := tok.decode(free.tokens[i : i + 1])).isascii() and len(piece.strip()) >= 3
     )
     stop = tok.decode(free.tokens[i : i + 1]).strip()[-3:]
@@ -90,12 +91,16 @@ async def test_top_logprobs_lists_the_most_likely_alternatives(tiny: LocalBacken
     for token, lp, alternatives in zip(c.tokens, c.logprobs, c.top_logprobs, strict=True):
         assert len(alternatives) == 3
         assert alternatives[0].token_id == token and alternatives[0].logprob == pytest.approx(lp)
-        assert [a.logprob for a in alternatives] == sorted((a.logprob for a in alternatives), reverse=True)
+        assert [a.logprob for a in alternatives] == sorted(
+            (a.logprob for a in alternatives), reverse=True
+        )
 
 
 async def test_concurrent_requests_get_the_tokens_they_get_alone(tiny: LocalBackend) -> None:
     prompts = [PROMPT, PROMPT[:3], (1, 4093, 314, 2201, 28, 690, 11, 12, 13, 14, 15)]
-    params = [SamplingParams(max_tokens=10 + 5 * i, temperature=0.8, seed=100 + i) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=10 + 5 * i, temperature=0.8, seed=100 + i) for i in range(6)
+    ]
     jobs = [(prompts[i % 3], p) for i, p in enumerate(params)]
     alone = [await one(tiny, p, prompt) for prompt, p in jobs]
 
@@ -103,7 +108,9 @@ async def test_concurrent_requests_get_the_tokens_they_get_alone(tiny: LocalBack
         await asyncio.sleep(0.02 * i)  # join a batch that is already decoding
         return await one(tiny, p, prompt)
 
-    together = await asyncio.gather(*(staggered(i, prompt, p) for i, (prompt, p) in enumerate(jobs)))
+    together = await asyncio.gather(
+        *(staggered(i, prompt, p) for i, (prompt, p) in enumerate(jobs))
+    )
     for a, b in zip(alone, together, strict=True):
         assert a.tokens == b.tokens
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
@@ -138,7 +145,9 @@ async def test_prompt_plus_max_tokens_over_the_context_is_refused(tiny: LocalBac
             pass
 
 
-async def test_old_versions_are_dropped_when_unused_and_reload_by_number(tiny: LocalBackend) -> None:
+async def test_old_versions_are_dropped_when_unused_and_reload_by_number(
+    tiny: LocalBackend,
+) -> None:
     c = await one(tiny, SamplingParams(max_tokens=5, seed=12))
     datum = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
     start = tiny.version
@@ -148,7 +157,9 @@ async def test_old_versions_are_dropped_when_unused_and_reload_by_number(tiny: L
     assert tiny.version == start + 2
     assert tiny.engine.loaded_versions == {start + 2}
     assert (tiny.engine.data_dir / "adapters" / f"v{start + 1}" / "adapter_config.json").exists()
-    rollback = (await tiny.sample(PROMPT, SamplingParams(max_tokens=5, seed=12), version=start + 1))[0]
+    rollback = (
+        await tiny.sample(PROMPT, SamplingParams(max_tokens=5, seed=12), version=start + 1)
+    )[0]
     assert rollback.version == start + 1
     with pytest.raises(BackendError):
         await tiny.sample(PROMPT, SamplingParams(max_tokens=2), version=start + 3)
@@ -183,11 +194,17 @@ async def test_a_published_adapter_serves_in_the_models_dtype(tmp_path: Path) ->
     every LoRA layer cast each token's activations up and back: ~500 extra kernels a token on
     a GPU). The trainable adapter stays fp32."""
     threads = torch.get_num_threads()  # the engine's setting is process-wide: restored
-    backend = LocalBackend("tiny-random", tmp_path, lora_rank=4, lora_alpha=4, dtype=torch.bfloat16, threads=1)
+    backend = LocalBackend(
+        "tiny-random", tmp_path, lora_rank=4, lora_alpha=4, dtype=torch.bfloat16, threads=1
+    )
     backend.engine.start()
     try:
         published = await backend.publish()
-        c = (await backend.sample(PROMPT, SamplingParams(max_tokens=3, seed=1), version=published.version))[0]
+        c = (
+            await backend.sample(
+                PROMPT, SamplingParams(max_tokens=3, seed=1), version=published.version
+            )
+        )[0]
         assert c.version == published.version
         params = dict(backend.engine._model.named_parameters())
         slot = backend.engine._served[published.version]

@@ -21,7 +21,9 @@ RANK, ALPHA, SEED = 8, 16, 0
 # uneven lengths and temperatures, more datums than ranks, one rank gets two micro-batches' worth
 BATCH_1 = [
     Datum((1, 2, 3, 4), (5, 6, 7), (-1.0, -2.0, -3.0), (1.0, -1.0, 0.5)),
-    Datum((1, 2), (9, 10, 11, 12), (-11.0, -10.5, -11.2, -10.9), (0.5, 0.5, 0.5, 0.5), temperature=0.7),
+    Datum(
+        (1, 2), (9, 10, 11, 12), (-11.0, -10.5, -11.2, -10.9), (0.5, 0.5, 0.5, 0.5), temperature=0.7
+    ),
     Datum((3, 4, 5), (6,), (-10.8,), (1.0,)),
 ]
 BATCH_2 = [
@@ -34,9 +36,19 @@ OPTIM = OptimSpec(learning_rate=1e-2, grad_clip_norm=1.0)
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def trainers(tmp_path_factory) -> AsyncIterator[tuple[FSDPTrainer, FSDPTrainer]]:
     logs = tmp_path_factory.mktemp("fsdp-logs")
-    one, two = (FSDPTrainer("tiny-random", nproc=n, lora_rank=RANK, lora_alpha=ALPHA, seed=SEED,
-                            threads=1, log_file=logs / f"world{n}.log", start_timeout_s=240)
-                for n in (1, 2))
+    one, two = (
+        FSDPTrainer(
+            "tiny-random",
+            nproc=n,
+            lora_rank=RANK,
+            lora_alpha=ALPHA,
+            seed=SEED,
+            threads=1,
+            log_file=logs / f"world{n}.log",
+            start_timeout_s=240,
+        )
+        for n in (1, 2)
+    )
     try:
         await asyncio.gather(one.start(), two.start())
         yield one, two
@@ -61,20 +73,30 @@ async def test_two_ranks_make_the_same_update_as_one_and_as_the_cpu_engine(train
 
     one, two = trainers
     assert (await two.info())["world_size"] == 2
-    engine = Engine(models.resolve(models.TINY), data_dir=tmp_path / "engine", lora_rank=RANK,
-                    lora_alpha=ALPHA, seed=SEED, threads=1)
+    engine = Engine(
+        models.resolve(models.TINY),
+        data_dir=tmp_path / "engine",
+        lora_rank=RANK,
+        lora_alpha=ALPHA,
+        seed=SEED,
+        threads=1,
+    )
     engine.start()
     try:
         for batch in (BATCH_1, BATCH_2):  # step 1 moves only B (B starts at 0); step 2 moves A too
-            me, m1, m2 = await asyncio.gather(engine.train_step(batch, LossSpec(), OPTIM),
-                                              one.train_step(batch, LossSpec(), OPTIM),
-                                              two.train_step(batch, LossSpec(), OPTIM))
+            me, m1, m2 = await asyncio.gather(
+                engine.train_step(batch, LossSpec(), OPTIM),
+                one.train_step(batch, LossSpec(), OPTIM),
+                two.train_step(batch, LossSpec(), OPTIM),
+            )
             assert m2.tokens == m1.tokens == me.tokens == sum(len(d.completion_ids) for d in batch)
             for m in (m1, me):
                 assert m2.loss == pytest.approx(m.loss, rel=1e-5, abs=1e-7)
                 assert m2.clip_fraction == pytest.approx(m.clip_fraction)
                 assert m2.grad_norm == pytest.approx(m.grad_norm, rel=1e-4)
-        a1, a2 = await asyncio.gather(adapter(one, tmp_path / "one"), adapter(two, tmp_path / "two"))
+        a1, a2 = await asyncio.gather(
+            adapter(one, tmp_path / "one"), adapter(two, tmp_path / "two")
+        )
         # one rank is the engine to the bit; two ranks sum gradients in another order, and
         # Adam's normalisation lifts that fp32 rounding to ~1e-5 after two steps at lr 1e-2
         assert_same(await engine.trainable_state(), a1, atol=1e-7)
@@ -122,10 +144,14 @@ async def test_load_adapter_restores_a_saved_adapter_and_the_initial_one(trainer
     await two.train_step(BATCH_1, LossSpec(), OPTIM)
     kept = await adapter(two, tmp_path / "kept")
     await two.train_step(BATCH_2, LossSpec(), OPTIM)
-    assert any(float((v - kept[k]).abs().max()) > 0 for k, v in (await adapter(two, tmp_path / "moved")).items())
+    assert any(
+        float((v - kept[k]).abs().max()) > 0
+        for k, v in (await adapter(two, tmp_path / "moved")).items()
+    )
     await two.load_adapter(tmp_path / "kept")
     assert_same(await adapter(two, tmp_path / "restored"), kept, atol=0)
-    await two.load_adapter(None)  # version 0: the initial adapter, B = 0 (the base model's function)
+    # version 0: the initial adapter, B = 0 (the base model's function)
+    await two.load_adapter(None)
     initial = await adapter(two, tmp_path / "initial")
     assert all(float(v.abs().max()) == 0 for k, v in initial.items() if "lora_B" in k)
     assert any(float(v.abs().max()) > 0 for k, v in initial.items() if "lora_A" in k)
@@ -152,19 +178,27 @@ def unpacked_loss_and_gradient(weights: dict[str, torch.Tensor], batch: list[Dat
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
     base = models.load_model(models.resolve(models.TINY), seed=SEED)
-    model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(
+        base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0)
+    )
     set_peft_model_state_dict(model, weights)
     new = []
     for d in batch:
-        logits = model(input_ids=torch.tensor([d.prompt_ids + d.completion_ids])).logits[0, len(d.prompt_ids) - 1 : -1]
+        logits = model(input_ids=torch.tensor([d.prompt_ids + d.completion_ids])).logits[
+            0, len(d.prompt_ids) - 1 : -1
+        ]
         new.append(token_logprobs(logits, torch.tensor(d.completion_ids), d.temperature))
     new_t = torch.cat(new)
     old = torch.tensor([x for d in batch for x in d.logprobs])
     adv = torch.tensor([x for d in batch for x in d.advantages])
     loss = ppo_loss(new_t, old, adv, torch.ones_like(new_t), LossSpec())
     loss.backward()
-    grads = {n.replace(".default", ""): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return float(loss), grads
+    grads = {
+        n.replace(".default", ""): p.grad.detach().clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return float(loss.detach()), grads
 
 
 async def test_packed_rows_give_the_loss_and_gradient_of_unpacked_samples(trainers, tmp_path):
@@ -175,11 +209,15 @@ async def test_packed_rows_give_the_loss_and_gradient_of_unpacked_samples(traine
 
     batch = mixed_batch()
     rows = stacked_micro_batches(batch, 8192)
-    assert len(rows) == 1 and len(rows[0]) == 3 and all(len(r) == 2 for r in rows[0])  # it does pack
-    probe = OptimSpec(learning_rate=1e6, beta1=0.0, beta2=0.0, eps=1e6, weight_decay=0.0, grad_clip_norm=0.0)
+    # it does pack: three rows of two samples, stacked in one forward
+    assert len(rows) == 1 and len(rows[0]) == 3 and all(len(r) == 2 for r in rows[0])
+    probe = OptimSpec(
+        learning_rate=1e6, beta1=0.0, beta2=0.0, eps=1e6, weight_decay=0.0, grad_clip_norm=0.0
+    )
     for t in trainers:
         await t.load_adapter(None)
-        await t.train_step(batch, LossSpec(), OPTIM)  # lora_B moves off 0: every matrix has a gradient
+        # lora_B moves off 0: every matrix has a gradient
+        await t.train_step(batch, LossSpec(), OPTIM)
         before = await adapter(t, tmp_path / f"before{t.nproc}")
         metrics = await t.train_step(batch, LossSpec(), probe)
         after = await adapter(t, tmp_path / f"after{t.nproc}")
@@ -188,4 +226,6 @@ async def test_packed_rows_give_the_loss_and_gradient_of_unpacked_samples(traine
         assert set(grads) == set(before)
         scale = max(float(g.abs().max()) for g in grads.values())
         for name, grad in grads.items():
-            torch.testing.assert_close(before[name] - after[name], grad, rtol=1e-3, atol=1e-4 * scale, msg=name)
+            torch.testing.assert_close(
+                before[name] - after[name], grad, rtol=1e-3, atol=1e-4 * scale, msg=name
+            )

@@ -27,13 +27,18 @@ def test_pack_lays_samples_end_to_end_and_keeps_the_positions_that_predict_compl
     assert p.targets == [7, 8, 10, 11, 12]
 
 
-def test_rows_fill_up_to_the_longest_sample_first_fit_by_decreasing_length(monkeypatch: pytest.MonkeyPatch):
+def test_rows_fill_up_to_the_longest_sample_first_fit_by_decreasing_length(
+    monkeypatch: pytest.MonkeyPatch,
+):
     from clawbridge.local_gpu import packing
 
     monkeypatch.setattr(packing, "MIN_ROW", 1)
     lengths = [57, 113, 170, 227, 284, 341, 398, 455]  # 1 : 2 : ... : 8
     batch = [datum([1] * (n - n // 2), [2] * (n // 2)) for n in lengths]
-    rows = [[len(d.prompt_ids) + len(d.completion_ids) for d in row] for row in packed_micro_batches(batch, 4096)]
+    rows = [
+        [len(d.prompt_ids) + len(d.completion_ids) for d in row]
+        for row in packed_micro_batches(batch, 4096)
+    ]
     assert rows == [[455], [398, 57], [341, 113], [284, 170], [227]]
     assert packed_micro_batches(batch, 300)[0] == [batch[-1]]  # longer than the budget: alone
 
@@ -45,7 +50,9 @@ def test_short_samples_share_a_row_of_at_least_min_row_tokens():
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
-    e = Engine(models.resolve(models.TINY), data_dir=Path(tmp_path_factory.mktemp("pack")), lora_rank=8)
+    e = Engine(
+        models.resolve(models.TINY), data_dir=Path(tmp_path_factory.mktemp("pack")), lora_rank=8
+    )
     e.start()
     yield e
     e.close()
@@ -63,7 +70,9 @@ async def test_packed_logprobs_equal_each_sample_scored_alone(engine: Engine):
     packed = await engine._call(engine._batch_logprobs, group)
     alone = []
     for d in group:
-        alone += await engine.score(d.prompt_ids, d.completion_ids, model="base", temperature=d.temperature)
+        alone += await engine.score(
+            d.prompt_ids, d.completion_ids, model="base", temperature=d.temperature
+        )
     assert packed.shape == (19,)
     assert torch.allclose(packed.detach(), torch.tensor(alone), atol=1e-5)
 
@@ -81,9 +90,11 @@ def test_stack_pads_each_row_with_a_segment_of_its_own_and_indexes_the_flat_posi
 def test_rows_stack_while_rows_times_the_longest_stay_within_the_budget():
     from clawbridge.local_gpu.packing import stacked_micro_batches
 
-    batch = [datum([1] * 100, [2] * 100) for _ in range(5)]  # 200-token samples: one per 256-token row
+    # 200-token samples: one per 256-token row
+    batch = [datum([1] * 100, [2] * 100) for _ in range(5)]
     assert [len(f) for f in stacked_micro_batches(batch, 600)] == [3, 2]
-    assert [len(f) for f in stacked_micro_batches(batch, 100)] == [1] * 5  # a row alone may exceed it
+    # a row alone may exceed the budget
+    assert [len(f) for f in stacked_micro_batches(batch, 100)] == [1] * 5
 
 
 async def test_stacked_rows_give_each_sample_its_logprobs_alone(engine: Engine):
@@ -102,7 +113,11 @@ async def test_stacked_rows_give_each_sample_its_logprobs_alone(engine: Engine):
 
     def forward() -> torch.Tensor:
         with torch.no_grad(), engine._model.disable_adapter():
-            out = engine._model(input_ids=torch.tensor(s.ids), position_ids=torch.tensor(s.positions), use_cache=False)
+            out = engine._model(
+                input_ids=torch.tensor(s.ids),
+                position_ids=torch.tensor(s.positions),
+                use_cache=False,
+            )
         flat = out.logits.reshape(-1, out.logits.shape[-1])[torch.tensor(s.keep)]
         return token_logprobs(flat, torch.tensor(s.targets))
 

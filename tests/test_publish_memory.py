@@ -27,7 +27,14 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=())
 def engine_on(data_dir: Path, dtype: torch.dtype = torch.float32) -> Engine:
     from clawbridge.local_gpu import models
 
-    engine = Engine(models.resolve("tiny-random"), data_dir=data_dir, lora_rank=4, lora_alpha=8, dtype=dtype, threads=1)
+    engine = Engine(
+        models.resolve("tiny-random"),
+        data_dir=data_dir,
+        lora_rank=4,
+        lora_alpha=8,
+        dtype=dtype,
+        threads=1,
+    )
     engine.start()
     return engine
 
@@ -41,7 +48,9 @@ def threads():
 
 async def learn(engine: Engine, lr: float = 5e-2) -> None:
     """One step that moves the adapter (a fresh LoRA adapter has B = 0: it changes nothing)."""
-    c = await collect(engine.sample_stream(PROMPT, SamplingParams(max_tokens=5, seed=3, stop_token_ids=())))
+    c = await collect(
+        engine.sample_stream(PROMPT, SamplingParams(max_tokens=5, seed=3, stop_token_ids=()))
+    )
     datum = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
     await engine.train_step([datum], LossSpec(), OptimSpec(learning_rate=lr))
 
@@ -61,7 +70,9 @@ class Held:
         monkeypatch.setattr(adapters, "write", held)
 
 
-async def test_a_version_serves_before_its_weights_reach_the_disk(tmp_path: Path, threads, monkeypatch) -> None:
+async def test_a_version_serves_before_its_weights_reach_the_disk(
+    tmp_path: Path, threads, monkeypatch
+) -> None:
     engine = engine_on(tmp_path)
     held = Held(monkeypatch)
     try:
@@ -79,7 +90,11 @@ async def test_a_version_serves_before_its_weights_reach_the_disk(tmp_path: Path
         v2 = await engine.publish(durable=False)
         assert v2.version == 2 and engine.loaded_versions == {2}
         again = await collect(engine.sample_stream(PROMPT, GREEDY, version=1))
-        assert again.version == 1 and again.tokens == served.tokens and again.logprobs == served.logprobs
+        assert (
+            again.version == 1
+            and again.tokens == served.tokens
+            and again.logprobs == served.logprobs
+        )
         held.release.set()
         assert (await durable).version == 1
         assert (root / "v1" / adapters.WEIGHTS).exists() and not (root / ".v1.tmp").exists()
@@ -90,7 +105,9 @@ async def test_a_version_serves_before_its_weights_reach_the_disk(tmp_path: Path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-async def test_what_serves_from_memory_is_what_a_restart_loads(tmp_path: Path, threads, dtype) -> None:
+async def test_what_serves_from_memory_is_what_a_restart_loads(
+    tmp_path: Path, threads, dtype
+) -> None:
     engine = engine_on(tmp_path, dtype)
     try:
         await learn(engine)
@@ -124,7 +141,9 @@ async def test_the_persisted_folder_is_what_peft_writes_and_loads(tmp_path: Path
         await engine._call(lambda: model.save_pretrained(str(reference), selected_adapters=[TRAIN]))
     finally:
         engine.close()
-    ours, theirs = (json.loads((d / adapters.CONFIG).read_text()) for d in (Path(published.path), reference))
+    ours, theirs = (
+        json.loads((d / adapters.CONFIG).read_text()) for d in (Path(published.path), reference)
+    )
     assert set(ours.pop("target_modules")) == set(theirs.pop("target_modules"))
     assert ours == theirs
     mine, peft = adapters.read(Path(published.path), "cpu"), adapters.read(reference, "cpu")
@@ -133,7 +152,9 @@ async def test_the_persisted_folder_is_what_peft_writes_and_loads(tmp_path: Path
     assert "check" in loaded.peft_config
 
 
-async def test_a_failed_persist_takes_the_version_back_and_burns_its_number(tmp_path: Path, threads, monkeypatch) -> None:
+async def test_a_failed_persist_takes_the_version_back_and_burns_its_number(
+    tmp_path: Path, threads, monkeypatch
+) -> None:
     engine = engine_on(tmp_path)
     try:
         held = Held(monkeypatch, fail=True)
@@ -171,13 +192,17 @@ asyncio.run(main())
 """
 
 
-async def test_a_crash_between_serving_and_persisting_leaves_the_number_taken(tmp_path: Path, threads) -> None:
+async def test_a_crash_between_serving_and_persisting_leaves_the_number_taken(
+    tmp_path: Path, threads
+) -> None:
     """The version served a request, then the process died before its weights reached the disk.
     It was never recorded (the caller records after a durable publish), so a restart serves the
     version before it; the lost number is never given to other weights."""
     code = CHILD.format(tests=str(Path(__file__).parent), data=str(tmp_path))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
     assert "SERVED 1" in child.stdout
     root = tmp_path / "adapters"

@@ -24,9 +24,18 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     # "bucketed": the CUDA-graph shapes (power-of-two rows, every allocated column, fixed input
     # buffers) run eagerly, as they do on a CPU; only the capture itself needs CUDA
     modes = {"dynamic": {}, "static": {"static_cache": True}, "bucketed": {"cuda_graphs": True}}
-    made = {mode: Engine(models.resolve(models.TINY), data_dir=Path(tmp_path_factory.mktemp(mode)), lora_rank=4,
-                         lora_alpha=8, threads=1, max_batch=4, **kw)  # type: ignore[arg-type]
-            for mode, kw in modes.items()}
+    made = {
+        mode: Engine(
+            models.resolve(models.TINY),
+            data_dir=Path(tmp_path_factory.mktemp(mode)),
+            lora_rank=4,
+            lora_alpha=8,
+            threads=1,
+            max_batch=4,
+            **kw,  # type: ignore[arg-type]
+        )
+        for mode, kw in modes.items()
+    }
     for e in made.values():
         e.start()
     yield made
@@ -35,9 +44,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
     torch.set_num_threads(threads)
 
 
-async def staggered(engine: Engine, jobs: list[tuple[tuple[int, ...], SamplingParams]]) -> list[Completion]:
+async def staggered(
+    engine: Engine, jobs: list[tuple[tuple[int, ...], SamplingParams]]
+) -> list[Completion]:
     """Requests joining a batch that is already decoding, more of them than the batch has rows,
     finishing at different steps (rows leave from the middle of the batch)."""
+
     async def one(i: int, prompt: tuple[int, ...], params: SamplingParams) -> Completion:
         await asyncio.sleep(0.01 * i)
         return await collect(engine.sample_stream(prompt, params))
@@ -46,9 +58,15 @@ async def staggered(engine: Engine, jobs: list[tuple[tuple[int, ...], SamplingPa
 
 
 def jobs(temperature: float) -> list[tuple[tuple[int, ...], SamplingParams]]:
-    return [(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=6 + 5 * (i % 4), temperature=temperature,
-                                                       seed=40 + i, stop_token_ids=()))
-            for i in range(7)]
+    return [
+        (
+            PROMPTS[i % len(PROMPTS)],
+            SamplingParams(
+                max_tokens=6 + 5 * (i % 4), temperature=temperature, seed=40 + i, stop_token_ids=()
+            ),
+        )
+        for i in range(7)
+    ]
 
 
 @pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
@@ -71,15 +89,34 @@ def test_a_step_writes_each_row_at_its_own_position_and_masks_the_rest(bucketed:
     assert batch.step(forward, None).shape == (3, 7)  # only the live rows' logits
     keys, mask = seen["keys"], seen["mask"]
     width = batch.capacity if bucketed else 6
-    assert batch.capacity == SlotBatch.MIN_LENGTH and keys.shape == (4 if bucketed else 3, 1, width, 1)
+    assert batch.capacity == SlotBatch.MIN_LENGTH and keys.shape == (
+        4 if bucketed else 3,
+        1,
+        width,
+        1,
+    )
     assert seen["positions"].view(-1).tolist() == ([2, 5, 3, 0] if bucketed else [2, 5, 3])
-    assert keys[0, 0, :3, 0].tolist() == [20, 21, -1] and keys[1, 0, :6, 0].tolist() == [50, 51, 52, 53, 54, -2]
+    assert keys[0, 0, :3, 0].tolist() == [20, 21, -1] and keys[1, 0, :6, 0].tolist() == [
+        50,
+        51,
+        52,
+        53,
+        54,
+        -2,
+    ]
     assert (mask[0, :3] == 0).all() and (mask[0, 3:] < -1e30).all() and (mask[1, :6] == 0).all()
     if bucketed:  # the free row rides along on its own column 0, attending only to it
         assert keys[3, 0, 0, 0] == -4 and (mask[3, 1:] < -1e30).all()
     batch.advance([7, 8, 9])
     batch.keep([1, 2])  # the first row finished: the others move down
-    assert batch.positions == [6, 4] and batch.keys[0][0, 0, :6, 0].tolist() == [50, 51, 52, 53, 54, -2]
+    assert batch.positions == [6, 4] and batch.keys[0][0, 0, :6, 0].tolist() == [
+        50,
+        51,
+        52,
+        53,
+        54,
+        -2,
+    ]
     assert batch.keys[0][1, 0, :4, 0].tolist() == [30, 31, 32, -3]
 
 
@@ -96,7 +133,10 @@ async def test_the_static_cache_samples_what_the_dynamic_cache_samples(engines, 
 @pytest.mark.parametrize("mode", ["static", "bucketed"])
 async def test_score_reproduces_what_the_static_cache_sampled(engines, mode: str):
     engine = engines[mode]
-    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, stop_token_ids=()) for s in range(4)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=s, stop_token_ids=())
+        for s in range(4)
+    ]
     done = await staggered(engine, [(PROMPTS[i], p) for i, p in enumerate(params)])
     for i, c in enumerate(done):
         scored = await engine.score(PROMPTS[i], c.tokens, model="base", temperature=0.8)
