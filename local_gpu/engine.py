@@ -593,6 +593,11 @@ class Engine:
         self._served[version] = self._slots.fill(weights)
         self._restale()
 
+    def _ensure_spare(self) -> None:
+        assert self._slots is not None
+        self._slots.ensure_spare()
+        self._restale()
+
     def _restale(self) -> None:
         assert self._slots is not None
         if self._slots.changed:  # PEFT re-points layers when adapters come and go
@@ -635,6 +640,9 @@ class Engine:
         self._pending[version] = weights
         previous, self._newest = self._newest, version
         self._collect()
+        # the next publish must find a slot ready: make one after this iteration's admissions
+        # and decode step (the new version's first tokens), if freeing none left one spare
+        self._jobs.append(_Job(self._ensure_spare, (), concurrent.futures.Future()))
         written = self._writer.submit(adapters.write, root, version, weights, self._adapter_config)
         persisted: concurrent.futures.Future[None] = concurrent.futures.Future()
         written.add_done_callback(

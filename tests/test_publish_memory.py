@@ -104,6 +104,33 @@ async def test_a_version_serves_before_its_weights_reach_the_disk(
     assert (tmp_path / "adapters" / "v2" / adapters.WEIGHTS).exists()  # close waits for the writer
 
 
+async def test_every_publish_finds_a_serving_slot_ready(tmp_path: Path, threads) -> None:
+    """No publish creates LoRA layers while it switches versions: a spare slot is made after
+    the previous publish, off the hot path, and a freed slot is kept for the next one."""
+    engine = engine_on(tmp_path)
+    try:
+        slots = engine._slots
+        assert slots is not None and len(slots.spare) == 1
+        created: list[int] = []
+        make, publish = slots._create, engine._publish
+        slots._create = lambda: created.append(1) or make()  # type: ignore[method-assign]
+        during: list[int] = []
+
+        def counted():  # type: ignore[no-untyped-def]
+            before = len(created)
+            out = publish()
+            during.append(len(created) - before)
+            return out
+
+        engine._publish = counted  # type: ignore[method-assign]
+        for _ in range(4):
+            await engine.publish()
+        assert during == [0, 0, 0, 0] and created == [1]  # one spare made, between publishes
+        assert len(slots.params) == 2  # the one serving and one spare
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 async def test_what_serves_from_memory_is_what_a_restart_loads(
     tmp_path: Path, threads, dtype
