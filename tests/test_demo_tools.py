@@ -5,6 +5,7 @@ step, the gate, the held-out evaluation). The learning run on the embedded model
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,7 @@ TINY = {
     "gate_probes": 2,
     "extra_groups": 2,
     "lora_rank": 4,
+    "hint": "Call lookup first, with {name}.",
 }
 
 
@@ -155,6 +157,14 @@ async def test_the_tools_demo_runs_end_to_end_on_the_tiny_model(
     assert len(s["examples"]) == 3 and all("answer [" in ex["before"] for ex in s["examples"])
     assert Path(s["plot"]).exists()
     json.dumps(s)
+    # no episode looked the name up: each first step got the agent's hint, and trained with hint OPD
+    with sqlite3.connect(tmp_path / "data" / "clawbridge.db") as db:
+        hints = db.execute("SELECT hint FROM judgments WHERE kind = 'feedback'").fetchall()
+        opd = db.execute(
+            "SELECT count(*) FROM samples WHERE teacher_logprobs IS NOT NULL"
+        ).fetchone()[0]
+    assert hints and all(h.startswith("Call lookup first, with ") for (h,) in hints)
+    assert opd >= 1
 
 
 @pytest.mark.slow

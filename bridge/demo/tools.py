@@ -161,6 +161,12 @@ class ToolsRecipe(BaseModel):
         description="Outcome of an episode that looked up the "
         "right name but did not answer with the code (1.0 for a solved task, else 0).",
     )
+    hint: str | None = Field(
+        None,
+        description="A hint the agent gives on the first step of an episode that did not look up the "
+        "right name ({name}: the person); with it, that step trains with hint OPD on top of its group "
+        "advantage (docs/agents.md#hints-opd). None: outcomes alone.",
+    )
     eval_samples: int = Field(
         4, ge=1, description="Episodes per held-out task at each evaluated version."
     )
@@ -332,6 +338,9 @@ class Transcript:
     calls: list[Call] = field(default_factory=list)
     answer: str = ""
     finish: str | None = None  # of the final model call ("tool_calls" when the steps ran out)
+    turn_ids: list[str] = field(
+        default_factory=list
+    )  # each model call's stored turn (choices[0].turn_id)
 
     def text(self) -> str:
         parts = [
@@ -381,6 +390,9 @@ async def attempt(client: AsyncOpenAI, model: str, sc: ToolsScenario, task: Task
         choice = resp.choices[0]
         msg = choice.message
         out.finish = choice.finish_reason
+        turn_id = (choice.model_extra or {}).get("turn_id")
+        if isinstance(turn_id, str):
+            out.turn_ids.append(turn_id)
         if not msg.tool_calls:
             out.answer = msg.content or ""
             return out
@@ -409,10 +421,28 @@ class Agent:
         async with self.sem:
             t = await attempt(ep, self.model, self.sc, task)
         g = grade(t, self.sc.recipe.partial_credit)
+        hint = self.sc.recipe.hint
+        if hint and not g.looked_up and t.turn_ids:
+            # what the first step should have done: hint OPD on it (before the outcome settles the group)
+            await self._post(
+                "/v1/feedback",
+                {
+                    "session_id": ep.session_id,
+                    "turn_id": t.turn_ids[0],
+                    "hint": hint.replace("{name}", task.name),
+                },
+            )
         await ep.outcome(g.reward)
         self.episodes += 1
         self.solved += g.success
         return g
+
+    async def _post(self, path: str, body: dict[str, Any]) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.cb.timeout) as h:
+            r = await h.post(self.cb.base_url + path, json=body, headers=self.cb._auth())
+            r.raise_for_status()
 
     async def group(self, task: Task) -> list[Grade]:
         """n attempts at one training task as a group; leaving the block closes it."""
