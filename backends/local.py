@@ -52,6 +52,7 @@ class LocalBackend:
         train_token_budget: int = 2048,
         threads: int | None = None,
         static_cache: bool = False,
+        prefix_cache_mb: int = 2048,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -71,6 +72,7 @@ class LocalBackend:
             train_token_budget=train_token_budget,
             threads=threads,
             static_cache=static_cache,
+            prefix_cache_mb=prefix_cache_mb,
         )
 
     @classmethod

@@ -3,7 +3,8 @@
 Every verb (sample, score, train_step, publish, save/load) runs on that thread, so the model is
 never mutated mid-forward. Sampling is continuously batched: new requests are prefilled and
 merged into the running batch between decode steps (`kvbatch.KVBatch`); other jobs run one per
-iteration between decode steps. Results reach asyncio callers through thread-safe futures and
+iteration between decode steps. A prompt that shares a prefix with a recent one on the same
+version prefills only the rest (`kvbatch.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe futures and
 per-request queues.
 
 Versions. The trainable adapter is PEFT's "default" and is never served. Version 0 is the base
@@ -42,7 +43,7 @@ from typing import Any, Literal
 import torch
 from clawbridge.backends.base import BackendError, UnknownVersion, require_published
 from clawbridge.local_gpu import adapters, models
-from clawbridge.local_gpu.kvbatch import KVBatch, SlotBatch
+from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
@@ -104,6 +105,7 @@ class Engine:
         threads: int | None = None,
         static_cache: bool = False,
         cuda_graphs: bool = False,
+        prefix_cache_mb: int = 2048,
     ) -> None:
         self.spec = spec
         self.static_cache = static_cache or cuda_graphs
@@ -137,6 +139,7 @@ class Engine:
         self._jobs: deque[_Job] = deque()
         self._active: list[_Seq] = []
         self._batch = self._new_batch()
+        self._prefixes = PrefixCache(max(0, prefix_cache_mb) << 20)
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -201,6 +204,11 @@ class Engine:
     def active_requests(self) -> int:
         """Requests admitted or waiting (read from another thread: a snapshot)."""
         return len(self._active) + len(self._waiting) + self._inbox.qsize()
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The cached prompts' KV (read from another thread: a snapshot)."""
+        return self._prefixes
 
     @property
     def loaded_versions(self) -> set[int]:
@@ -446,11 +454,9 @@ class Engine:
                 continue
             try:
                 with torch.inference_mode():
-                    ids = torch.tensor([seq.prompt], device=self.device)
-                    out = self._forward(
-                        [self._row(seq.version)], input_ids=ids, use_cache=True, logits_to_keep=1
-                    )
+                    out = self._prefill(seq)
                     token = self._take(seq, out.logits[0, -1])
+                    self._prefixes.store(seq.version, seq.prompt, out.past_key_values)
                     if token is not None:
                         self._batch.add(out.past_key_values, len(seq.prompt), token)
             except BaseException as exc:
@@ -461,6 +467,24 @@ class Engine:
                 self._release(seq.version)
             else:
                 self._active.append(seq)
+
+    def _prefill(self, seq: _Seq) -> Any:
+        """The forward over `seq`'s prompt, alone (no padding), with its cache; the prompt's
+        longest prefix cached on the same version is reused and only the rest is computed."""
+        cached = self._prefixes.lookup(seq.version, seq.prompt) if self._prefixes.budget else None
+        start = 0 if cached is None else cached.get_seq_length()
+        inputs: dict[str, Any] = {
+            "input_ids": torch.tensor([seq.prompt[start:]], device=self.device),
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        if cached is not None:
+            log.debug("prefix cache: %d of %d prompt tokens reused", start, len(seq.prompt))
+            inputs["past_key_values"] = cached
+            inputs["position_ids"] = torch.arange(start, len(seq.prompt), device=self.device).view(
+                1, -1
+            )
+        return self._forward([self._row(seq.version)], **inputs)
 
     def _decode_step(self) -> None:
         try:
@@ -618,6 +642,10 @@ class Engine:
                 self._slots.free(self._served.pop(version))
                 self._refs.pop(version, None)
         self._restale()
+        # cached prompts are keys computed through a version's weights: only its requests reuse
+        # them, so a version nobody is served on any more takes its entries along
+        live = {self._newest, *self._served, *(v for v, n in self._refs.items() if n > 0)}
+        self._prefixes.keep_versions(live)
 
     def _adapter_dir(self, version: int) -> Path:
         return adapters.folder(self.data_dir / "adapters", version)
@@ -854,6 +882,7 @@ class Engine:
                     f"policy@v{version}'s weights are gone ({file} is missing)",
                 )
             self._set_trainable(adapters.read(folder, str(self.device)))
+        self._prefixes.clear()  # a version number read back from disk: cache nothing across
         self._newest = version
         self._release(self._acquire(None))  # loads the newest version's adapter if missing
 
@@ -871,6 +900,7 @@ class Engine:
         if saved["optimizer"] is not None:
             self._get_optimizer().load_state_dict(saved["optimizer"])
         self._steps = int(meta["steps"])
+        self._prefixes.clear()
         self._newest = int(meta["version"])
         self._release(self._acquire(None))  # loads the newest version's adapter if missing
 
