@@ -36,12 +36,13 @@ def judged_samples(store: Store, n: int, method: str = "combine") -> list[int]:
 def test_step_record_summarises_the_batch():
     m = StepMetrics(loss=0.5, clip_fraction=0.1, approx_kl=0.01, grad_norm=2.0, tokens=10, samples=2, seconds=1.0)
 
-    class S:  # the two fields step_record reads
-        def __init__(self, reward: float, adv: tuple[float, ...], hint: str | None) -> None:
-            self.reward, self.advantages, self.hint = reward, adv, hint
+    class S:  # the fields step_record reads
+        def __init__(self, reward: float, adv: tuple[float, ...], hint: str | None, rewrite: object = None) -> None:
+            self.reward, self.advantages, self.hint, self.rewrite = reward, adv, hint, rewrite
 
-    rec = step_record(m, [S(1.0, (1.0, 1.0), None), S(-1.0, (-1.0, 0.0), "shorter")])  # type: ignore[list-item]
+    rec = step_record(m, [S(1.0, (1.0, 1.0), None), S(-1.0, (-1.0, 0.0), "shorter", "a rewrite")])  # type: ignore[list-item]
     assert rec["mean_reward"] == 0.0 and rec["mean_advantage"] == 0.25 and rec["hinted"] == 1.0
+    assert rec["rewrites"] == 1.0
     assert rec["loss"] == 0.5 and rec["tokens"] == 10.0
 
 

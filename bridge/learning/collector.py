@@ -3,6 +3,7 @@
     turn with a next state ──► sample `pending` (one per turn and method, created first)
                           ──► judges (only the kinds still missing) ──► judgments stored
                           ──► teacher logprobs: backend.score on the hint-augmented prompt
+                          ──► (rewrites > 0) the teacher's own answer as a demonstration
                           ──► advantages ──► sample `judged` (or `dropped`, with the reason)
 
 The store is the source of truth, so a crash anywhere resumes exactly: the sample row exists
@@ -26,6 +27,7 @@ from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.judges import Judgment as JudgeReward
 from clawbridge.learning.advantages import anchored, sample_advantages
+from clawbridge.learning.rewrite import write_rewrite
 from clawbridge.store import JudgeVote, Judgment, Sample, Store, StoredTurn
 from clawbridge.types import Method
 
@@ -159,9 +161,15 @@ class Collector:
             await store.run(store.mark_samples, [sample_id], "dropped", reason)
             self.stats.dropped += 1
             return
+        rewrite = None
+        if teacher_lp is not None and self.settings.rewrites > 0 and signal.hint is not None:
+            rewrite = await write_rewrite(
+                self.backend, self.renderer, turn, signal.hint, samples=self.settings.rewrites,
+                weight=self.settings.w_rewrite, teacher=self.settings.teacher,
+            )
         await store.run(
             store.set_sample_advantages, sample_id, advantages,
-            teacher_logprobs=teacher_lp, reward=signal.reward, hint=signal.hint,
+            teacher_logprobs=teacher_lp, reward=signal.reward, hint=signal.hint, rewrite=rewrite,
         )
         self.stats.samples += 1
 

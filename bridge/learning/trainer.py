@@ -38,6 +38,7 @@ PERMANENT_FAILURES = 3  # a batch refused this many times in a row by a permanen
 
 
 def to_datum(s: Sample) -> Datum:
+    """The turn's own answer, exactly as sampled, with the sample's advantages."""
     if s.advantages is None:
         raise ValueError(f"sample {s.id} has no advantages yet (state {s.state})")
     return Datum(
@@ -47,6 +48,19 @@ def to_datum(s: Sample) -> Datum:
         advantages=s.advantages,
         temperature=s.temperature,
     )
+
+
+def to_datums(s: Sample) -> list[Datum]:
+    """What one sample trains: the turn's answer, and its hint-guided rewrite when it has one
+    (the teacher's answer under the turn's own prompt, docs/methods.md). Both in the same step,
+    so a sample is trained exactly once whatever it carries."""
+    out = [to_datum(s)]
+    if s.rewrite is not None:
+        out.append(Datum(
+            prompt_ids=s.prompt_ids, completion_ids=s.rewrite.ids, logprobs=s.rewrite.logprobs,
+            advantages=s.rewrite.advantages, temperature=s.temperature,
+        ))
+    return out
 
 
 def step_record(metrics: StepMetrics, batch: Sequence[Sample]) -> dict[str, float]:
@@ -64,6 +78,7 @@ def step_record(metrics: StepMetrics, batch: Sequence[Sample]) -> dict[str, floa
         "mean_reward": sum(rewards) / len(rewards) if rewards else 0.0,
         "mean_advantage": sum(advantages) / len(advantages) if advantages else 0.0,
         "hinted": float(sum(1 for s in batch if s.hint)),
+        "rewrites": float(sum(1 for s in batch if s.rewrite is not None)),
         **metrics.extra,
     }
 
@@ -178,7 +193,7 @@ class Trainer:
         untrainable = getattr(self.backend, "untrainable", None)
         while True:
             batch = await store.run(store.pending_samples, s.batch_size, method=s.method)
-            unfit = {x.id: why for x in batch if untrainable and (why := untrainable(to_datum(x)))}
+            unfit = {x.id: why for x in batch if untrainable and (why := next(filter(None, map(untrainable, to_datums(x))), None))}
             if not unfit:
                 break
             for sid, why in unfit.items():
@@ -229,7 +244,7 @@ class Trainer:
         s = self.settings
         key = tuple(x.id for x in batch)
         try:
-            metrics = await self.backend.train_step([to_datum(x) for x in batch], s.loss, s.optim)
+            metrics = await self.backend.train_step([d for x in batch for d in to_datums(x)], s.loss, s.optim)
         except TransientBackendError:
             raise
         except BackendError as e:

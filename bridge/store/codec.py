@@ -12,6 +12,7 @@ from clawbridge.store.records import (
     JSONObject,
     JudgeVote,
     Judgment,
+    Rewrite,
     Sample,
     StoredTurn,
     TurnRecord,
@@ -120,6 +121,9 @@ def sample_from_row(r: Any) -> Sample:
         temperature=float(r.sampling.get("temperature", 1.0)),
         created_at=r.created_at,
         updated_at=r.updated_at,
+        rewrite=None if r.rewrite_ids is None else Rewrite(
+            unpack_ids(r.rewrite_ids), unpack_floats(r.rewrite_logprobs), unpack_floats(r.rewrite_advantages)
+        ),
     )
 
 

@@ -152,6 +152,24 @@ class Judgment:
 
 
 # --- samples ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rewrite:
+    """A hint-guided rewrite trained beside a turn's own answer: the teacher's answer (the model
+    with the hint in its prompt) as token ids, the policy's logprobs of them under the turn's
+    own prompt (log pi_old for the ratio), and one advantage per token."""
+
+    ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    advantages: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.ids or not len(self.ids) == len(self.logprobs) == len(self.advantages):
+            raise ValueError(
+                f"a rewrite needs one logprob and one advantage per token, got {len(self.ids)} "
+                f"ids, {len(self.logprobs)} logprobs, {len(self.advantages)} advantages"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sample:
     """A turn turned into a training sample for one method. The token sequences come from the
@@ -174,6 +192,7 @@ class Sample:
     temperature: float
     created_at: datetime
     updated_at: datetime
+    rewrite: Rewrite | None = None
 
 
 # --- training -----------------------------------------------------------------------------------

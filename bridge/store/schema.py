@@ -140,6 +140,11 @@ samples = sa.Table(
     sa.Column("step", sa.Integer),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
+    # A hint-guided rewrite trained beside the turn (0005): ids, the policy's logprobs of them
+    # under the turn's prompt, one advantage per token. All three or none.
+    sa.Column("rewrite_ids", sa.LargeBinary),
+    sa.Column("rewrite_logprobs", sa.LargeBinary),
+    sa.Column("rewrite_advantages", sa.LargeBinary),
     # A turn can never yield two samples of the same kind.
     sa.UniqueConstraint("turn_id", "method"),
     sa.Index(None, "state", "id"),

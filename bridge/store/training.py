@@ -16,9 +16,11 @@ from clawbridge.store.base import SampleStateError, StoreBase, StoreError, Versi
 from clawbridge.store.records import (
     Judgment,
     PolicyVersionRow,
+    Rewrite,
     Sample,
     TrainingStep,
     pack_floats,
+    pack_ids,
     utcnow,
 )
 from clawbridge.types import SampleState
@@ -134,8 +136,10 @@ class TrainingStore(StoreBase):
         teacher_logprobs: Sequence[float] | None = None,
         reward: float | None = None,
         hint: str | None = None,
+        rewrite: Rewrite | None = None,
     ) -> None:
-        """Complete a pending sample (e.g. once the teacher scored it): pending -> judged."""
+        """Complete a pending sample (e.g. once the teacher scored it): pending -> judged. A
+        hint-guided `rewrite` is stored with it, in the same write."""
         with self._write() as conn:
             n = conn.execute(
                 sa.select(t.turns.c.n_completion)
@@ -155,6 +159,10 @@ class TrainingStore(StoreBase):
                 values["reward"] = reward
             if hint is not None:
                 values["hint"] = hint
+            if rewrite is not None:
+                values["rewrite_ids"] = pack_ids(rewrite.ids)
+                values["rewrite_logprobs"] = pack_floats(rewrite.logprobs)
+                values["rewrite_advantages"] = pack_floats(rewrite.advantages)
             res = conn.execute(
                 sa.update(t.samples)
                 .where(t.samples.c.id == sample_id, t.samples.c.state == "pending")

@@ -1,0 +1,102 @@
+"""Hint-guided rewrites (bridge/learning/rewrite.py): which draw is kept, that the store keeps
+it with its sample across a reopen, and that a corrected turn trains its rewrite beside its own
+answer in one step, through the real local backend (tiny random model, rules judge, SQLite)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from clawbridge.backends.local import LocalBackend
+from clawbridge.chat.renderer import Renderer
+from clawbridge.judges import build_judges
+from clawbridge.learning.collector import Collector
+from clawbridge.learning.rewrite import Draw, pick
+from clawbridge.learning.trainer import Trainer, to_datums
+from clawbridge.local_gpu import models
+from clawbridge.store import Rewrite, Store, TurnRecord
+from clawbridge.types import SamplingParams
+from test_collector import record_turns, settings_for
+
+
+def short_turns(store: Store, replies: list[str]) -> list[str]:
+    """Main turns asked with max_tokens 8 (a rewrite never writes more than the turn asked for),
+    each with the user's reply as its next state."""
+    tok = models.load_tokenizer(models.resolve(models.TINY))
+    renderer = Renderer(tok)
+    ids = []
+    for i, reply in enumerate(replies):
+        messages = [{"role": "user", "content": f"Question number {i}?"}]
+        completion = tuple(tok.encode(f" An answer to question {i}."))
+        tid = store.record_turn(TurnRecord(
+            session_id=f"s{i}", messages=messages, prompt_ids=tuple(renderer.render(messages)),
+            completion_ids=completion, logprobs=tuple(-1.5 for _ in completion), version=0,
+            finish_reason="stop", response={"role": "assistant", "content": f"An answer to question {i}."},
+            sampling=SamplingParams(max_tokens=8, temperature=1.0),
+        ))
+        store.attach_next_state(tid, [{"role": "user", "content": reply}])
+        ids.append(tid)
+    return ids
+
+
+def test_pick_keeps_the_teachers_surest_draw_that_is_not_the_turns_own_answer():
+    draws = [Draw((1, 2), (-2.0, -2.0)), Draw((3,), (-0.1,)), Draw((4, 5), (-0.5, -0.7)), Draw((), ())]
+    assert pick(draws) == 1
+    assert pick(draws, own=(3,)) == 2  # the surest is what the policy already said
+    assert pick([Draw((), ())]) is None
+    assert pick([Draw((7,), (-1.0,))], own=(7,)) is None
+
+
+def test_a_rewrite_needs_one_logprob_and_one_advantage_per_token():
+    with pytest.raises(ValueError, match="one logprob and one advantage per token"):
+        Rewrite((1, 2), (-1.0,), (1.0, 1.0))
+    with pytest.raises(ValueError):
+        Rewrite((), (), ())
+
+
+def test_the_store_keeps_a_rewrite_with_its_sample(data_dir: Path):
+    settings = settings_for(data_dir)
+    with Store.open(settings.db_url) as store:
+        tid, plain = record_turns(store, 2)
+        sid, _ = store.create_sample(tid, "combine", state="pending")
+        n = len(store.get_turn(tid).completion_ids)
+        rw = Rewrite((5, 6, 7), (-0.5, -1.25, -2.0), (1.0, 1.0, 1.0))
+        store.set_sample_advantages(sid, (0.5,) * n, reward=-1.0, hint="shorter", rewrite=rw)
+        other, _ = store.create_sample(plain, "combine", state="pending")
+        store.set_sample_advantages(other, (1.0,) * len(store.get_turn(plain).completion_ids), reward=1.0)
+    with Store.open(settings.db_url) as store:  # a new process reads the same
+        s, t = store.get_samples([sid, other])
+        assert s.rewrite == rw and t.rewrite is None
+        own, demo = to_datums(s)
+        assert own.completion_ids == s.completion_ids and own.advantages == (0.5,) * n
+        assert (demo.prompt_ids, demo.completion_ids, demo.logprobs) == (s.prompt_ids, rw.ids, rw.logprobs)
+        assert len(to_datums(t)) == 1
+
+
+async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answer(data_dir: Path):
+    settings = settings_for(data_dir, rewrites=3, w_rewrite=0.5, batch_size=2, gate="off")
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        turns = short_turns(store, ["Thanks, that's perfect.", "Too long. Please answer in one short sentence."])
+        collector = Collector(settings, backend, store, build_judges(settings))
+        assert await collector.run_once() == 2
+        thanked, corrected = (next(s for s in store.pending_samples() if s.turn_id == t) for t in turns)
+        assert thanked.hint is None and thanked.rewrite is None
+        rw = corrected.rewrite
+        assert corrected.hint and rw is not None
+        assert rw.advantages == (0.5,) * len(rw.ids) and rw.ids != corrected.completion_ids
+        assert 1 <= len(rw.ids) <= 8
+        # log pi_old of the rewrite is the policy's, under the turn's own prompt (no hint)
+        again = await backend.score(corrected.prompt_ids, rw.ids, model="policy", temperature=1.0)
+        assert again == pytest.approx(rw.logprobs, abs=1e-4)
+
+        result = await Trainer(settings, backend, store).step_once()
+        assert result is not None and result.metrics["rewrites"] == 1.0
+        own_tokens = sum(len(s.completion_ids) for s in (thanked, corrected))
+        assert result.metrics["tokens"] == own_tokens + len(rw.ids)  # the rewrite trained too
+        assert {s.state for s in store.get_samples([thanked.id, corrected.id])} == {"trained"}
+    finally:
+        await backend.close()
+        store.close()
