@@ -21,30 +21,29 @@ from clawbridge.judges.votes import MIN_HINT_CHARS, choose_hint, hint_candidates
 
 log = logging.getLogger(__name__)
 
-HINT_HEADER = "[user's hint / instruction]"
+# The teacher reads the hint as a system instruction. Measured with the embedded model on the
+# concise scenario's held-out prompts (20 x 4 draws, docs/methods.md#the-teacher-prompt): the
+# hint in a system message gave 49 % truly satisfied teacher answers, appended to the user's
+# message under a "[user's hint / instruction]" header 29 % (the header leaked into answers).
+HINT_SYSTEM = "The user gave this feedback on your previous answer; follow it in this answer: {hint}"
 Selection = Literal["longest", "overlap"]
 HintScorer = Callable[[TurnContext, str], Awaitable[float]]
 
 
 def teacher_messages(messages: Sequence[Message], hint: str) -> list[dict[str, Any]]:
-    """A copy of the prompt with the hint appended to the LAST user message as
-    `\\n\\n[user's hint / instruction]\\n{hint}`. The input is never mutated. Content parts get
-    the hint on their last text part (or a new one); a prompt with no user message gets one."""
+    """A copy of the prompt with the hint as a system instruction (`HINT_SYSTEM`): appended to
+    the first message when it is a system (or developer) message, else a new system message in
+    front. The input is never mutated; content parts get it as a last text part."""
     out = [copy.deepcopy(dict(m)) for m in messages]
-    suffix = f"\n\n{HINT_HEADER}\n{hint}"
-    last_user = next((m for m in reversed(out) if m.get("role") == "user"), None)
-    if last_user is None:
-        out.append({"role": "user", "content": suffix.lstrip("\n")})
-        return out
-    content = last_user.get("content")
+    line = HINT_SYSTEM.format(hint=hint)
+    first = out[0] if out else None
+    if first is None or first.get("role") not in ("system", "developer"):
+        return [{"role": "system", "content": line}, *out]
+    content = first.get("content")
     if isinstance(content, list):
-        texts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if texts:
-            texts[-1]["text"] = str(texts[-1].get("text", "")) + suffix
-        else:
-            content.append({"type": "text", "text": suffix.lstrip("\n")})
+        content.append({"type": "text", "text": f"\n\n{line}"})
     else:
-        last_user["content"] = (content or "") + suffix
+        first["content"] = f"{content}\n\n{line}" if content else line
     return out
 
 

@@ -29,6 +29,7 @@ from clawbridge.judges import (
     build_judges,
     teacher_messages,
 )
+from clawbridge.judges.hints import HINT_SYSTEM
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER, judge_messages, truncate
 from clawbridge.judges.rules import classify
 from clawbridge.judges.types import HintVote, Message
@@ -158,7 +159,7 @@ def test_truncate_keeps_head_and_tail() -> None:
     assert cut.startswith("A" * 20) and cut.endswith("Z" * 10) and "170 characters cut" in cut
 
 
-def test_the_hint_is_appended_to_the_last_user_message_of_a_copy() -> None:
+def test_the_hint_is_a_system_instruction_in_a_copy_of_the_prompt() -> None:
     messages = [
         {"role": "user", "content": "first"},
         {"role": "assistant", "content": "ok"},
@@ -167,18 +168,19 @@ def test_the_hint_is_appended_to_the_last_user_message_of_a_copy() -> None:
     ]
     before = json.dumps(messages)
     out = teacher_messages(messages, "Use Celsius.")
-    assert out[2]["content"] == "weather in Paris?\n\n[user's hint / instruction]\nUse Celsius."
-    assert out[0]["content"] == "first" and out[3] == messages[3]
+    assert out[0] == {"role": "system", "content": HINT_SYSTEM.format(hint="Use Celsius.")}
+    assert out[1:] == messages  # everything else as it was
     assert json.dumps(messages) == before  # the original is untouched
 
 
-def test_the_hint_goes_to_the_last_text_part_of_multipart_content() -> None:
-    messages: list[Message] = [{"role": "user", "content": [
-        {"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": "x"}},
-    ]}]
+def test_the_hint_joins_an_existing_system_message_even_one_of_parts() -> None:
+    out = teacher_messages([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"}], "Be brief.")
+    assert out[0]["content"] == "You are terse.\n\n" + HINT_SYSTEM.format(hint="Be brief.") and len(out) == 2
+    messages: list[Message] = [{"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+                               {"role": "user", "content": "describe"}]
     out = teacher_messages(messages, "Be brief.")
-    assert out[0]["content"][0]["text"] == "describe\n\n[user's hint / instruction]\nBe brief."
-    assert messages[0]["content"][0]["text"] == "describe"
+    assert out[0]["content"][-1]["text"] == "\n\n" + HINT_SYSTEM.format(hint="Be brief.")
+    assert messages[0]["content"] == [{"type": "text", "text": "You are terse."}]
 
 
 # --- the rules judge -----------------------------------------------------------------------------
