@@ -77,10 +77,17 @@ def _cli_flags() -> set[str]:
     return flags
 
 
+def _script_flags() -> set[str]:
+    """Every flag the scripts under bench/ and scripts/ define (argparse `add_argument`)."""
+    sources = [*ROOT.glob("bench/**/*.py"), *ROOT.glob("scripts/*.py")]
+    pattern = re.compile(r"add_argument\(\s*(?:\"-\w\",\s*)?\"(--[a-z][a-z0-9-]*)\"")
+    return {flag for src in sources for flag in pattern.findall(src.read_text())}
+
+
 def test_every_flag_the_docs_name_exists():
     """A flag in the docs that the CLI lacks sends a user to an error; settings without a flag
     are named by their setting (configuration.md lists them all)."""
-    known = _cli_flags() | OTHER_TOOLS_FLAGS
+    known = _cli_flags() | _script_flags() | OTHER_TOOLS_FLAGS
     pages = [*DOCS.glob("*.md"), ROOT / "README.md"]
     missing = sorted(
         {f"{page.name}: {flag}" for page in pages
