@@ -455,8 +455,9 @@ class Engine:
             try:
                 with torch.inference_mode():
                     out = self._prefill(seq)
-                    token = self._take(seq, out.logits[0, -1])
+                    # kept before the first token goes out: a caller that has it sees the entry
                     self._prefixes.store(seq.version, seq.prompt, out.past_key_values)
+                    token = self._take(seq, out.logits[0, -1])
                     if token is not None:
                         self._batch.add(out.past_key_values, len(seq.prompt), token)
             except BaseException as exc:
