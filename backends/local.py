@@ -85,6 +85,7 @@ class LocalBackend:
             lora_rank=settings.lora_rank,
             lora_alpha=settings.lora_alpha,
             seed=settings.seed,
+            prefix_cache_mb=settings.prefix_cache_mb,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

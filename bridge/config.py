@@ -74,6 +74,7 @@ class Settings(BaseSettings):
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate of the LoRA parameters.")
     lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
+    prefix_cache_mb: int = Field(2048, ge=0, description="Torch engine: memory for the KV of recent prompts, reused when a new prompt shares their prefix (0: off).")
     clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO clip above: ratio <= 1 + clip_high.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")

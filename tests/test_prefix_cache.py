@@ -218,3 +218,15 @@ async def test_the_embedded_model_greedy_equals_with_and_without_the_cache(tmp_p
         on.close()
         off.close()
         torch.set_num_threads(threads)
+
+
+def test_the_setting_reaches_the_engine(tmp_path: Path) -> None:
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.config import Settings
+
+    def budget(**kw: object) -> int:
+        settings = Settings(model="tiny-random", data_dir=tmp_path, **kw)  # type: ignore[arg-type]
+        return LocalBackend.from_settings(settings).engine._prefixes.budget
+
+    assert budget() == 2048 << 20
+    assert budget(prefix_cache_mb=0) == 0
