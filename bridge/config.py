@@ -81,6 +81,7 @@ class Settings(BaseSettings):
     grad_clip_norm: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables it.")
     rewrites: int = Field(0, ge=0, le=16, description="Hint-guided rewrites: the teacher (the model with the hint) writes this many answers to a hinted turn's prompt, and the one the policy finds likeliest is trained as a demonstration beside the turn (docs/methods.md); 0 turns it off.")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of every token of a hint-guided rewrite.")
+    w_negative: float = Field(1.0, ge=0, description="Scale of the negative advantages on a turn's own answer (0: learn only from approved answers, the teacher's gains and rewrites, never push a sampled token down; docs/methods.md).")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model carried in the advantages: A_t -= kl_anchor * (log pi_old - log pi_base), identical on every backend; 0 turns it off (docs/methods.md).")
     gate: Literal["on", "off"] = Field("on", description="Compare every trained candidate with the serving version on probes before it serves (off: publish at once).")
     gate_probes: int = Field(24, ge=0, le=50, description="Questions of the general probe set the gate asks each version (0: only the caller's probes).")

@@ -12,6 +12,7 @@ from clawbridge.learning.advantages import (
     opd_advantages,
     overlong_penalty,
     sample_advantages,
+    scale_negatives,
 )
 from clawbridge.loss import objective
 from clawbridge.types import LossSpec
@@ -141,3 +142,11 @@ def test_an_accepted_hint_without_teacher_logprobs_is_an_error() -> None:
 def test_sample_weights_and_clip_reach_the_advantages() -> None:
     adv = sample_advantages("combine", 1, True, [-0.5], [-2.3], w_opd=2.0, w_rl=0.5, clip=None)
     assert rounded(adv or ()) == [4.1]
+
+
+def test_scale_negatives_keeps_the_gains_and_scales_the_push_down():
+    assert scale_negatives([0.5, -1.0, 2.0], 0.25) == (0.5, -0.25, 2.0)
+    assert scale_negatives([0.5, -1.0, 2.0], 0.0) == (0.5, 0.0, 2.0)
+    assert scale_negatives([-1.0, -2.0], 1.0) == (-1.0, -2.0)
+    with pytest.raises(ValueError):
+        scale_negatives([1.0], -0.5)

@@ -100,3 +100,27 @@ async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answe
     finally:
         await backend.close()
         store.close()
+
+
+async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: Path):
+    """Nothing the model said is pushed down: the corrected answer's own tokens (all negative in
+    combine: r = -1) weigh 0 and leave the batch, its rewrite trains; the thanked answer trains."""
+    settings = settings_for(data_dir, rewrites=2, w_negative=0.0, batch_size=2, gate="off")
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        turns = short_turns(store, ["Thanks, that's perfect.", "Too long. Please answer in one short sentence."])
+        assert await Collector(settings, backend, store, build_judges(settings)).run_once() == 2
+        thanked, corrected = (next(s for s in store.pending_samples() if s.turn_id == t) for t in turns)
+        assert corrected.advantages is not None and min(corrected.advantages) >= 0.0
+        assert corrected.rewrite is not None and min(thanked.advantages or (0.0,)) > 0
+        own_negative_only = not any(corrected.advantages)
+        datums = to_datums(corrected)
+        assert datums[-1].completion_ids == corrected.rewrite.ids
+        assert len(datums) == (1 if own_negative_only else 2)
+        result = await Trainer(settings, backend, store).step_once()
+        assert result is not None and result.metrics["rewrites"] == 1.0
+    finally:
+        await backend.close()
+        store.close()

@@ -106,6 +106,7 @@ class Recipe(BaseModel):
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
     rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
+    w_negative: float = Field(1.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
     gate: bool = Field(True, description="Gate every candidate before it serves.")
     gate_probes: int = Field(16, ge=0, le=50, description="General probe questions the gate asks.")
     gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")

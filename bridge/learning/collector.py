@@ -26,7 +26,7 @@ from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.judges import Judgment as JudgeReward
-from clawbridge.learning.advantages import anchored, sample_advantages
+from clawbridge.learning.advantages import anchored, sample_advantages, scale_negatives
 from clawbridge.learning.rewrite import write_rewrite
 from clawbridge.store import JudgeVote, Judgment, Sample, Store, StoredTurn
 from clawbridge.types import Method
@@ -156,17 +156,22 @@ class Collector:
                 turn.prompt_ids, turn.completion_ids, model="base", temperature=turn.sampling.temperature,
             )
             advantages = anchored(advantages, turn.logprobs, base_lp, self.settings.kl_anchor)
-        if advantages is None:
-            reason = f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)"
-            await store.run(store.mark_samples, [sample_id], "dropped", reason)
-            self.stats.dropped += 1
-            return
+        if advantages is not None and self.settings.w_negative != 1.0:
+            advantages = scale_negatives(advantages, self.settings.w_negative)
         rewrite = None
         if teacher_lp is not None and self.settings.rewrites > 0 and signal.hint is not None:
             rewrite = await write_rewrite(
                 self.backend, self.renderer, turn, signal.hint, samples=self.settings.rewrites,
                 weight=self.settings.w_rewrite, teacher=self.settings.teacher,
             )
+        if rewrite is None and (advantages is None or not any(advantages)):
+            reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None
+                      else f"only negative advantages, scaled by w_negative {self.settings.w_negative:g}")
+            await store.run(store.mark_samples, [sample_id], "dropped", reason)
+            self.stats.dropped += 1
+            return
+        if advantages is None:  # a rewrite alone: the turn's own answer trains nothing
+            advantages = (0.0,) * len(turn.completion_ids)
         await store.run(
             store.set_sample_advantages, sample_id, advantages,
             teacher_logprobs=teacher_lp, reward=signal.reward, hint=signal.hint, rewrite=rewrite,

@@ -54,7 +54,10 @@ def to_datums(s: Sample) -> list[Datum]:
     """What one sample trains: the turn's answer, and its hint-guided rewrite when it has one
     (the teacher's answer under the turn's own prompt, docs/methods.md). Both in the same step,
     so a sample is trained exactly once whatever it carries."""
-    out = [to_datum(s)]
+    if s.rewrite is None:
+        return [to_datum(s)]
+    # an own answer whose advantages are all zero adds no gradient, only tokens to the mean
+    out = [to_datum(s)] if any(s.advantages or ()) else []
     if s.rewrite is not None:
         out.append(Datum(
             prompt_ids=s.prompt_ids, completion_ids=s.rewrite.ids, logprobs=s.rewrite.logprobs,
