@@ -560,16 +560,20 @@ async def _waiting(running: Running) -> int:
     return int(st.samples.get("judged", 0))
 
 
-async def _settled(cb: Client, group_ids: Sequence[str]) -> bool:
-    """Whether the learner settled every group (trained or dropped), asked over HTTP."""
+async def _settled(cb: Client, group_ids: Sequence[str], known: set[str]) -> bool:
+    """Whether the learner settled every group (trained or dropped), asked over HTTP; `known`
+    holds the groups already seen settled, which are not asked again."""
     import httpx
 
     async with httpx.AsyncClient(timeout=60) as h:
         for gid in group_ids:
+            if gid in known:
+                continue
             r = await h.get(f"{cb.base_url}/v1/groups/{gid}", headers=cb._auth())
             r.raise_for_status()
             if r.json()["state"] not in ("trained", "dropped"):
                 return False
+            known.add(gid)
     return True
 
 
@@ -613,6 +617,7 @@ async def run_tools_demo(
     total = r.rounds * 2 + 1
     versions: list[VersionEval] = []
     examples: dict[int, list[dict[str, Any]]] = {}
+    settled: set[str] = set()
     try:
         report("evaluating policy@v0", 0, total)
         ev, ex = await agent.evaluate(served.version, probe=r.probe)
@@ -640,7 +645,7 @@ async def run_tools_demo(
                     deadline = time.monotonic() + step_timeout_s
                     await asyncio.sleep(0.2)
                     continue
-                if not await _settled(cb, agent.groups):
+                if not await _settled(cb, agent.groups, settled):
                     await asyncio.sleep(0.2)
                     continue
                 waiting = await _waiting(running)
