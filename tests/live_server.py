@@ -55,6 +55,11 @@ class LiveServer:
         assert self.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def settle(self) -> None:
+        """Wait for the proxy's background writes (a next state is attached just after the
+        response that carried it), so the store can be read as of the last response."""
+        self.call(self.proxy.settle())
+
     @property
     def url(self) -> str:
         assert self.running is not None

@@ -27,6 +27,7 @@ def client(live: LiveServer) -> openai.OpenAI:
 
 
 def turns(live: LiveServer, session_id: str) -> list[StoredTurn]:
+    live.settle()
     return live.running.store.session_turns(session_id)  # type: ignore[union-attr]
 
 

@@ -39,6 +39,7 @@ def client(live: LiveServer) -> anthropic.Anthropic:
 
 
 def turn_of(live: LiveServer, message_id: str) -> StoredTurn:
+    live.settle()
     turn = live.running.store.get_turn("turn-" + message_id.removeprefix("msg_"))  # type: ignore[union-attr]
     assert turn is not None
     return turn

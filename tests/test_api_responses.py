@@ -39,6 +39,7 @@ def client(live: LiveServer) -> openai.OpenAI:
 
 
 def turn_of(live: LiveServer, response_id: str) -> StoredTurn:
+    live.settle()
     turn = live.running.store.get_turn("turn-" + response_id.removeprefix("resp_"))  # type: ignore[union-attr]
     assert turn is not None
     return turn

@@ -105,6 +105,7 @@ def test_replayed_tool_call_with_rewritten_id_continues_the_untagged_session(liv
     client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)  # type: ignore[arg-type]
     proxy = live.proxy
     assert proxy.sessions.counts["matched"] >= 1
+    live.settle()
     store = live.running.store  # type: ignore[union-attr]
     with store.engine.connect() as conn:
         import sqlalchemy as sa

@@ -282,6 +282,12 @@ class Proxy:
         if ns is not None:
             self._spawn(self._attach(ns))
 
+    async def settle(self) -> None:
+        """Wait until the writes this proxy started in the background (next states attached
+        after a response went out) are done: a reader right after a response sees them."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
