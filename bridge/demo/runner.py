@@ -15,12 +15,13 @@ Nothing here trains directly: the demo is a user of the public API, like any age
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,15 +269,23 @@ async def run_demo(
     plot_path: Path | None = None,
     step_timeout_s: float = 300.0,
 ) -> DemoResult:
-    from clawbridge.backends.local import LocalBackend
     from clawbridge.learning.learner import Learner
-    from clawbridge.server import learner_hooks, learner_task, serve
 
     t0 = time.monotonic()
     report = progress or (lambda phase, done, total: None)
-    r = scenario.recipe
-    backend = LocalBackend.from_settings(settings, threads=_threads())
     learner = Learner(settings, poll_s=0.2, probes=gate_probes(scenario))
+    async with demo_stack(settings, learner) as running:
+        return await _play(scenario, settings, learner, running, report, plot_path, step_timeout_s, t0)
+
+
+@contextlib.asynccontextmanager
+async def demo_stack(settings: Settings, learner: Learner) -> AsyncIterator[Running]:
+    """The whole stack in-process on a free loopback port (local backend, store, proxy, the
+    learner's loops), stopped on the way out; raises why it could not start."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.server import learner_hooks, learner_task, serve
+
+    backend = LocalBackend.from_settings(settings, threads=_threads())
     ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(
         serve(settings, backend=backend, hooks=learner_hooks(learner), background=[learner_task(learner)],
@@ -287,6 +296,18 @@ async def run_demo(
     if server in done_first:
         await server  # raises why it could not start
     running = ready.result()
+    try:
+        yield running
+    finally:
+        running.server.should_exit = True
+        await asyncio.wait_for(server, 120)
+
+
+async def _play(
+    scenario: Scenario, settings: Settings, learner: Learner, running: Running, report: Progress,
+    plot_path: Path | None, step_timeout_s: float, t0: float,
+) -> DemoResult:
+    r = scenario.recipe
     served = running.backend  # what the proxy serves (the gate may hold a newer candidate back)
     client = _client(running.base_url)
     model = running.proxy.model_name
@@ -337,8 +358,6 @@ async def run_demo(
                 report(f"held back by the gate: still policy@v{served.version}", 2 * rnd + 3, total)
     finally:
         await client.close()
-        running.server.should_exit = True
-        await asyncio.wait_for(server, 120)
     before, after = versions[0], versions[-1]
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
     _, tlo, thi = paired_interval(before.truly_per_prompt, after.truly_per_prompt)

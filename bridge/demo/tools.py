@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from clawbridge.config import Settings
-from clawbridge.demo.runner import DemoResult, Progress, VersionEval, _step_of, _steps, _threads
+from clawbridge.demo.runner import DemoResult, Progress, VersionEval, _step_of, _steps, demo_stack
 from clawbridge.demo.scenario import paired_interval
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
+    from clawbridge.learning.learner import Learner
     from clawbridge.sdk.client import Client
     from clawbridge.server import Running
     from openai import AsyncOpenAI
@@ -585,32 +586,22 @@ async def run_tools_demo(
     plot_path: Path | None = None,
     step_timeout_s: float = 600.0,
 ) -> DemoResult:
-    from clawbridge.backends.local import LocalBackend
     from clawbridge.learning.learner import Learner
-    from clawbridge.sdk.client import Client
-    from clawbridge.server import learner_hooks, learner_task, serve
 
     t0 = time.monotonic()
     report = progress or (lambda phase, done, total: None)
-    r = sc.recipe
-    backend = LocalBackend.from_settings(settings, threads=_threads())
     learner = Learner(settings, poll_s=0.2)
-    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(
-        serve(
-            settings,
-            backend=backend,
-            hooks=learner_hooks(learner),
-            background=[learner_task(learner)],
-            quiet=True,
-            started=ready.set_result,
-        )
-    )
-    racing: set[asyncio.Future[Any]] = {server, ready}
-    done_first, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-    if server in done_first:
-        await server  # raises why it could not start
-    running = ready.result()
+    async with demo_stack(settings, learner) as running:
+        return await _play(sc, settings, learner, running, report, plot_path, step_timeout_s, t0)
+
+
+async def _play(
+    sc: ToolsScenario, settings: Settings, learner: Learner, running: Running, report: Progress,
+    plot_path: Path | None, step_timeout_s: float, t0: float,
+) -> DemoResult:
+    from clawbridge.sdk.client import Client
+
+    r = sc.recipe
     served = running.backend
     cb = Client(running.base_url, timeout=1800)
     agent = Agent(cb, running.proxy.model_name, sc)
@@ -618,65 +609,61 @@ async def run_tools_demo(
     versions: list[VersionEval] = []
     examples: dict[int, list[dict[str, Any]]] = {}
     settled: set[str] = set()
-    try:
-        report("evaluating policy@v0", 0, total)
-        ev, ex = await agent.evaluate(served.version, probe=r.probe)
-        versions.append(ev)
-        examples[ev.version] = ex
-        order = sc.train_tasks
-        asked = 0
-        for rnd in range(r.rounds):
+    report("evaluating policy@v0", 0, total)
+    ev, ex = await agent.evaluate(served.version, probe=r.probe)
+    versions.append(ev)
+    examples[ev.version] = ex
+    order = sc.train_tasks
+    asked = 0
+    for rnd in range(r.rounds):
+        report(
+            f"round {rnd + 1}/{r.rounds}: {r.groups} groups × {r.n} episodes",
+            2 * rnd + 1,
+            total,
+        )
+        steps_before = _step_of(learner)
+        batch = [order[(asked + j) % len(order)] for j in range(r.groups)]
+        asked += len(batch)
+        await asyncio.gather(*(agent.group(t) for t in batch))
+        report(f"round {rnd + 1}/{r.rounds}: settling, training, gate", 2 * rnd + 2, total)
+        deadline = time.monotonic() + step_timeout_s
+        extra = 0
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no training step within {step_timeout_s:.0f} s")
+            if learner.lock.locked():  # a step (and its gate) is under way: slow, not stuck
+                deadline = time.monotonic() + step_timeout_s
+                await asyncio.sleep(0.2)
+                continue
+            if not await _settled(cb, agent.groups, settled):
+                await asyncio.sleep(0.2)
+                continue
+            waiting = await _waiting(running)
+            if waiting >= r.batch_size:  # the trainer is about to take a batch
+                await asyncio.sleep(0.2)
+                continue
+            if _step_of(learner) > steps_before:
+                break  # every full batch of this round trained
+            if extra >= r.extra_groups:
+                log.warning("round %d: no training step after %d more groups", rnd + 1, extra)
+                break
+            # groups that all failed (or all succeeded) gave nothing to train: one more task
+            await agent.group(order[asked % len(order)])
+            asked += 1
+            extra += 1
+        last = rnd == r.rounds - 1
+        if last or r.evaluate_each_round:
+            async with learner.lock:  # no step publishes while a version is measured
+                ev, ex = await agent.evaluate(served.version, probe=last and r.probe)
+            versions.append(ev)
+            examples[ev.version] = ex
+            report(f"policy@v{ev.version}: held-out success {ev.rate:.0%}", 2 * rnd + 3, total)
+        else:
             report(
-                f"round {rnd + 1}/{r.rounds}: {r.groups} groups × {r.n} episodes",
-                2 * rnd + 1,
+                f"round {rnd + 1}/{r.rounds}: policy@v{served.version} serving",
+                2 * rnd + 3,
                 total,
             )
-            steps_before = _step_of(learner)
-            batch = [order[(asked + j) % len(order)] for j in range(r.groups)]
-            asked += len(batch)
-            await asyncio.gather(*(agent.group(t) for t in batch))
-            report(f"round {rnd + 1}/{r.rounds}: settling, training, gate", 2 * rnd + 2, total)
-            deadline = time.monotonic() + step_timeout_s
-            extra = 0
-            while True:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no training step within {step_timeout_s:.0f} s")
-                if learner.lock.locked():  # a step (and its gate) is under way: slow, not stuck
-                    deadline = time.monotonic() + step_timeout_s
-                    await asyncio.sleep(0.2)
-                    continue
-                if not await _settled(cb, agent.groups, settled):
-                    await asyncio.sleep(0.2)
-                    continue
-                waiting = await _waiting(running)
-                if waiting >= r.batch_size:  # the trainer is about to take a batch
-                    await asyncio.sleep(0.2)
-                    continue
-                if _step_of(learner) > steps_before:
-                    break  # every full batch of this round trained
-                if extra >= r.extra_groups:
-                    log.warning("round %d: no training step after %d more groups", rnd + 1, extra)
-                    break
-                # groups that all failed (or all succeeded) gave nothing to train: one more task
-                await agent.group(order[asked % len(order)])
-                asked += 1
-                extra += 1
-            last = rnd == r.rounds - 1
-            if last or r.evaluate_each_round:
-                async with learner.lock:  # no step publishes while a version is measured
-                    ev, ex = await agent.evaluate(served.version, probe=last and r.probe)
-                versions.append(ev)
-                examples[ev.version] = ex
-                report(f"policy@v{ev.version}: held-out success {ev.rate:.0%}", 2 * rnd + 3, total)
-            else:
-                report(
-                    f"round {rnd + 1}/{r.rounds}: policy@v{served.version} serving",
-                    2 * rnd + 3,
-                    total,
-                )
-    finally:
-        running.server.should_exit = True
-        await asyncio.wait_for(server, 120)
     before, after = versions[0], versions[-1]
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
     _, tlo, thi = paired_interval(before.truly_per_prompt, after.truly_per_prompt)
