@@ -93,7 +93,8 @@ def _transcript(
         ),  # the example's code
         ("1234 or 4821", "stop", (("Steve", True),), False, False, True, 0.2),  # two codes: no
         ("Code 12345.", "stop", (("Steve", True),), False, False, True, 0.2),  # not the number
-        ("", "tool_calls", (("Steve", True),), False, False, True, 0.2),  # the steps ran out
+        ("", "tool_calls", (("Steve", True),), False, False, True, 0.0),  # the steps ran out: no credit
+        ("", "tool_calls", (("Steve", True), ("Steve", True)), False, False, True, 0.0),  # a loop
         ("Steve's secret code is 1234.", "stop", (("Zack", True),), True, True, False, 1.0),
     ],
 )
@@ -168,6 +169,7 @@ async def test_the_tools_demo_runs_end_to_end_on_the_tiny_model(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(7200)  # the full demo: 30-60 min on 2 busy cores
 async def test_the_embedded_model_learns_to_use_the_tool(tmp_path: Path):
     sc = ToolsScenario()
     result = await tools.run_tools_demo(sc, tools.tools_settings(sc, tmp_path / "data"))

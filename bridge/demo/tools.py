@@ -159,8 +159,9 @@ class ToolsRecipe(BaseModel):
         0.2,
         ge=0,
         lt=1,
-        description="Outcome of an episode that looked up the "
-        "right name but did not answer with the code (1.0 for a solved task, else 0).",
+        description="Outcome of an episode that looked up the right name and then answered, "
+        "but not with the code (1.0 for a solved task, else 0: an episode whose steps ran out "
+        "earns nothing, so repeating the lookup is never paid).",
     )
     hint: str | None = Field(
         None,
@@ -371,7 +372,8 @@ def grade(t: Transcript, partial_credit: float) -> Grade:
     answered = t.finish != "tool_calls"
     success = answered and set(CODE.findall(t.answer)) == {t.task.code}
     clean = success and t.finish == "stop" and all(c.valid for c in t.calls)
-    reward = 1.0 if success else partial_credit if looked_up else 0.0
+    # partial credit only for an episode that answered: a lookup loop that runs out of steps gets 0
+    reward = 1.0 if success else partial_credit if looked_up and answered else 0.0
     return Grade(success, clean, looked_up, reward)
 
 
