@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from clawbridge.learning.advantages import anchored
-from clawbridge.learning.gate import GroupFigures, _t_sf, decide, paired_worse
+from clawbridge.learning.gate import GroupFigures, _t_sf, decide, doubtful, paired_worse
 
 
 def test_the_t_tail_matches_the_tables():
@@ -33,6 +33,15 @@ def test_a_candidate_is_held_back_only_when_worse_beyond_the_margin_and_signific
     assert decide({"probe vs serving": bad}, 0.05, 0.1)[0] == "rejected"
     assert "probe vs serving" in decide({"probe vs serving": bad}, 0.05, 0.1)[1]
     assert decide({"a": noisy, "b": small}, 0.05, 0.1)[0] == "accepted"
+
+
+def test_doubt_is_a_worse_mean_the_gate_did_not_reject():
+    noisy = GroupFigures(0.5, 0.6, -0.1, 0.3)  # worse, not beyond doubt: ask more probes
+    better = GroupFigures(0.7, 0.6, 0.1, 0.9)
+    bad = GroupFigures(0.2, 0.9, -0.7, 0.001)  # already rejected: nothing to resolve
+    assert doubtful({"a": better, "b": noisy}, 0.05, 0.1)
+    assert not doubtful({"a": better}, 0.05, 0.1)
+    assert not doubtful({"a": bad, "b": noisy}, 0.05, 0.1)
 
 
 def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():

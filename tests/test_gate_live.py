@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.chat.renderer import Renderer
@@ -101,6 +102,46 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         assert await pending_candidate(store) is None and backend.pinned is None
         assert await _answers(backend, renderer, params, 2) == v0
         assert await restarted.judge_pending() is None  # decided once: nothing pending
+    finally:
+        await backend.close()
+        store.close()
+
+
+@pytest.mark.parametrize("reserve", [False, True])
+async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserve: bool):
+    """Four first probes see the wrecked candidate worse on one (not beyond doubt: accepted on
+    them alone); with a reserve of six more, the gate asks them too and holds the candidate back."""
+    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
+    store = Store.open(settings.db_url)
+    backend = PinnedBackend(LocalBackend.from_settings(settings))
+    await backend.start()
+    try:
+        renderer = Renderer(backend.tokenizer())
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+        questions = [*PROMPTS, "What is ice?", "Why is grass green?", "What is a dog?", "Where is Chad?"]
+        plain = {q: renderer.parse((await backend.sample(
+            renderer.render([{"role": "user", "content": q}]), params, version=0))[0].tokens, "length").content or ""
+            for q in questions}
+
+        def probe(q: str, check_v0: bool) -> GateProbe:
+            check = (lambda text, _f: 1.0 if text == plain[q] else 0.0) if check_v0 else (lambda _t, _f: 1.0)
+            return GateProbe("probe", ({"role": "user", "content": q},), check)
+
+        first = [probe(questions[0], True)] + [probe(q, False) for q in questions[1:4]]
+        more = [probe(q, True) for q in questions[4:]]
+        gate = Gate(backend, renderer, first, params=params, margin=0.05, alpha=0.1, reserve=more if reserve else ())
+        record_turns(store, 2)
+        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        trainer = Trainer(settings, backend, store, gate=gate)
+        assert await trainer.step_once() is not None
+        [decision] = trainer.decisions
+        if reserve:
+            assert decision.decision == "rejected", decision
+            assert decision.figures["probes_asked"] == 10
+            assert decision.figures["probe_candidate"] < 0.5
+        else:
+            assert decision.decision == "accepted", decision  # one probe in four: not beyond doubt
+            assert decision.figures["probes_asked"] == 4 and decision.figures["probe_candidate"] == 0.75
     finally:
         await backend.close()
         store.close()

@@ -14,6 +14,14 @@ The decision is pure (`decide`): for each group, the per-probe difference candid
 tested with a one-sided paired t-test. A candidate is held back when, in some group, the mean
 difference is below −margin AND the test says it is worse (p < alpha). It is compared with the
 serving version and with v0, the base, so small losses cannot add up step after step.
+
+Probes come in two tiers. The first is always asked; the reserve (the rest of the general probe
+set) only when the first leaves doubt (`doubtful`: some comparison is worse than its reference
+but not beyond doubt), and then the decision is taken again on both tiers. Sixteen probes cannot
+tell a 10-point drift from noise; fifty often can, and a candidate that looks as good as its
+references never pays for them. Both versions answer each probe with the same sampling seed, so
+their answers are coupled (the engines draw by inverse CDF from the seed's uniform numbers) and
+the paired differences are mostly the versions', not the dice's.
 """
 
 from __future__ import annotations
@@ -125,6 +133,14 @@ def paired_worse(candidate: Sequence[float], reference: Sequence[float]) -> Grou
     return GroupFigures(c_rate, r_rate, mean, 1.0 - _t_sf(t, n - 1))
 
 
+def doubtful(comparisons: dict[str, GroupFigures], margin: float, alpha: float) -> bool:
+    """Accepted, but some comparison is worse than its reference (a negative mean difference):
+    more probes should decide."""
+    return decide(comparisons, margin, alpha)[0] == "accepted" and any(
+        g.delta < 0 for g in comparisons.values()
+    )
+
+
 def decide(
     comparisons: dict[str, GroupFigures], margin: float, alpha: float
 ) -> tuple[Decision, str]:
@@ -154,27 +170,36 @@ class Gate:
         margin: float = 0.05,
         alpha: float = 0.1,
         pairwise: PairwiseJudge | None = None,
+        reserve: Sequence[GateProbe] = (),
     ) -> None:
         if not probes and pairwise is None:
             raise ValueError("the gate needs probes or a pairwise judge")
         self.pairwise = pairwise
         self.backend = backend
         self.renderer = renderer
-        self.probes = list(probes)
+        self.tiers = [list(probes), list(reserve)] if reserve else [list(probes)]
         self.params = params
         self.samples = samples
         self.margin = margin
         self.alpha = alpha
-        self._scores: dict[int, list[float]] = {}
-        self.answers: dict[int, list[str]] = {}  # the first answer per probe (for reading)
+        self._scores: dict[int, list[list[float]]] = {}  # version -> scores of each tier asked
+        self.answers: dict[int, list[str]] = {}  # the first answer per probe asked (for reading)
 
-    async def scores(self, version: int) -> list[float]:
-        """One score per probe in [0, 1]: the mean check over `samples` answers."""
-        if version not in self._scores:
-            rated = await asyncio.gather(*(self._score(p, version) for p in self.probes))
-            self._scores[version] = [s for s, _ in rated]
-            self.answers[version] = [a for _, a in rated]
-        return self._scores[version]
+    @property
+    def probes(self) -> list[GateProbe]:
+        """The first tier: asked of every candidate."""
+        return self.tiers[0]
+
+    async def scores(self, version: int, tiers: int = 1) -> list[float]:
+        """One score per probe of the first `tiers` tiers, in [0, 1]: the mean check over
+        `samples` answers. A tier is asked of a version once."""
+        have = self._scores.setdefault(version, [])
+        self.answers.setdefault(version, [])
+        while len(have) < tiers:
+            rated = await asyncio.gather(*(self._score(p, version) for p in self.tiers[len(have)]))
+            have.append([s for s, _ in rated])
+            self.answers[version].extend(a for _, a in rated)
+        return [x for tier in have[:tiers] for x in tier]
 
     async def _score(self, probe: GateProbe, version: int) -> tuple[float, str]:
         prompt = self.renderer.render(list(probe.messages))
@@ -218,13 +243,31 @@ class Gate:
             comparisons["recent vs serving"] = fig
             figures.update(recent_candidate=fig.candidate, recent_n=float(len(wins)),
                            recent_p_vs_serving=fig.p_worse)
-        cand = await self.scores(candidate)
-        refs = {"serving": await self.scores(serving)}
+        asked = 1
+        probe_figures = await self._probe_figures(candidate, serving, base, asked)
+        while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha):
+            asked += 1
+            probe_figures = await self._probe_figures(candidate, serving, base, asked)
+        comparisons.update(probe_figures[0])
+        figures.update(probe_figures[1])
+        figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:asked]))
+        decision, reason = decide(comparisons, self.margin, self.alpha)
+        figures["seconds"] = time.monotonic() - t0
+        return GateDecision(candidate, serving, decision, reason, figures)
+
+    async def _probe_figures(
+        self, candidate: int, serving: int, base: int, tiers: int
+    ) -> tuple[dict[str, GroupFigures], dict[str, float]]:
+        """The paired comparisons per probe group on the first `tiers` tiers."""
+        comparisons: dict[str, GroupFigures] = {}
+        figures: dict[str, float] = {}
+        probes = [p for tier in self.tiers[:tiers] for p in tier]
+        cand = await self.scores(candidate, tiers)
+        refs = {"serving": await self.scores(serving, tiers)}
         if base != serving:
-            refs["v0"] = await self.scores(base)
-        groups = sorted({p.group for p in self.probes})
-        for g in groups:
-            idx = [i for i, p in enumerate(self.probes) if p.group == g]
+            refs["v0"] = await self.scores(base, tiers)
+        for g in sorted({p.group for p in probes}):
+            idx = [i for i, p in enumerate(probes) if p.group == g]
             c = [cand[i] for i in idx]
             figures[f"{g}_candidate"] = sum(c) / len(c)
             for ref_name, ref in refs.items():
@@ -233,9 +276,7 @@ class Gate:
                 comparisons[f"{g} vs {ref_name}"] = fig
                 figures[f"{g}_{ref_name}"] = fig.reference
                 figures[f"{g}_p_vs_{ref_name}"] = fig.p_worse
-        decision, reason = decide(comparisons, self.margin, self.alpha)
-        figures["seconds"] = time.monotonic() - t0
-        return GateDecision(candidate, serving, decision, reason, figures)
+        return comparisons, figures
 
 
 def probe_check(answered: Callable[[str], bool]) -> Check:
@@ -244,4 +285,5 @@ def probe_check(answered: Callable[[str], bool]) -> Check:
     return lambda text, _finish: 1.0 if answered(text) else 0.0
 
 
-__all__ = ["GATE_KEY", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "paired_worse", "probe_check"]
+__all__ = ["GATE_KEY", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "paired_worse",
+           "probe_check"]

@@ -23,7 +23,7 @@ from clawbridge.judges.pairwise import PairwiseJudge
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import Gate, GateProbe, probe_check
-from clawbridge.learning.probes import general_probes
+from clawbridge.learning.probes import Probe, general_probes
 from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
 from clawbridge.types import SamplingParams
 
@@ -79,15 +79,20 @@ class Learner:
         pool = general_probes()
         k = min(s.gate_probes, len(pool))
         chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
-        probes = [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
-                  for p in chosen] + self.extra_probes
+        rest = [p for p in pool if p not in chosen][: max(0, min(s.gate_probes_max, len(pool)) - k)]
+
+        def ask(qs: list[Probe]) -> list[GateProbe]:
+            return [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
+                    for p in qs]
+
+        probes = ask(chosen) + self.extra_probes
         if s.gate_recent == 0:
             pairwise = None
         if not probes and pairwise is None:
             return None
         params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
         return Gate(backend, Renderer(backend.tokenizer()), probes, params=params, samples=s.gate_samples,
-                    margin=s.gate_margin, alpha=s.gate_alpha, pairwise=pairwise)
+                    margin=s.gate_margin, alpha=s.gate_alpha, pairwise=pairwise, reserve=ask(rest))
 
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
