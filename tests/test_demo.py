@@ -90,6 +90,24 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
 
 
+@pytest.mark.timeout(280)
+def test_the_demo_command_prints_the_table_and_writes_the_summary(tmp_path: Path):
+    """`clawbridge demo` end to end through the CLI (a scenario file, the tiny model, one step)."""
+    from clawbridge.cli.main import app
+    from typer.testing import CliRunner
+
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["demo", "--scenario", str(tmp_path / "tiny.json"), "--model", "tiny-random",
+                                   "--rounds", "1", "--out", str(out), "--json",
+                                   "--data-dir", str(tmp_path / "data")], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["scenario"] == "tiny" and summary["steps"] == 1
+    assert json.loads((out / "tiny.json").read_text()) == summary
+    assert "held-out prompts the training never saw (tiny)" in res.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 async def test_the_default_demo_improves_held_out_prompts(tmp_path: Path):

@@ -6,8 +6,9 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -15,6 +16,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from clawbridge.demo.runner import DemoResult
+    from clawbridge.demo.runner import Progress as ProgressFn
     from clawbridge.demo.tools import ToolsScenario
 
 
@@ -60,30 +63,14 @@ def run_demo_command(
         f"{sc.recipe.eval_samples} · data {folder}"
     )
     out_dir = Path(out)
-    with Progress(
-        TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=console, transient=False,
-    ) as bar:
-        task = bar.add_task("starting the stack", total=2 * sc.recipe.rounds + 1)
-
-        def progress(phase: str, done: int, total: int) -> None:
-            bar.update(task, description=phase, completed=done, total=total)
-
-        result = asyncio.run(demo.run_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"))
-        bar.update(task, completed=2 * sc.recipe.rounds + 1, description="done")
-    summary = result.summary()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{sc.name}.json").write_text(json.dumps(summary, indent=2))
-    table = Table("", "", title=f"held-out prompts the training never saw ({sc.name})")
-    for k, v in demo.result_table(result):
-        table.add_row(k, v)
-    console.print(table)
-    for ex in result.examples[:2]:
-        console.print(f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}")
-    verdict = "improved" if result.improved else "no significant change"
-    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (sc.name + '.json')}")
-    if as_json:
-        sys.stdout.write(json.dumps(summary) + "\n")
+    result = _with_progress(
+        console, 2 * sc.recipe.rounds + 1,
+        lambda progress: demo.run_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"),
+    )
+    lines = [f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}"
+             for ex in result.examples[:2]]
+    _report(console, result, sc.name, out_dir, f"held-out prompts the training never saw ({sc.name})",
+            demo.result_table(result), lines, improved=result.improved, as_json=as_json)
 
 
 def run_tools_command(
@@ -118,28 +105,49 @@ def run_tools_command(
         f"{len(sc.heldout_tasks)} held-out tasks × {r.eval_samples} · data {folder}"
     )
     out_dir = Path(out)
+    result = _with_progress(
+        console, 2 * r.rounds + 1,
+        lambda progress: tools.run_tools_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"),
+    )
+    lines = [f"  [dim]{ex['prompt']} (code {ex['code']})[/]\n    before: {ex['before']}\n    after:  {ex['after']}"
+             for ex in result.examples[:3]]
+    _report(console, result, sc.name, out_dir, f"held-out tasks the training never saw ({sc.name})",
+            tools.result_table(result), lines, improved=result.interval[0] > 0, as_json=as_json)
+
+
+def _with_progress(
+    console: Console, total: int, run: Callable[[ProgressFn], Coroutine[Any, Any, DemoResult]]
+) -> DemoResult:
+    """Run a demo under a progress bar of `total` phases."""
     with Progress(
         TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=False,
     ) as bar:
-        task = bar.add_task("starting the stack", total=2 * r.rounds + 1)
+        task = bar.add_task("starting the stack", total=total)
 
         def progress(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        result = asyncio.run(tools.run_tools_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"))
-        bar.update(task, completed=2 * r.rounds + 1, description="done")
+        result = asyncio.run(run(progress))
+        bar.update(task, completed=total, description="done")
+    return result
+
+
+def _report(
+    console: Console, result: DemoResult, name: str, out_dir: Path, title: str,
+    rows: Iterable[tuple[str, str]], examples: Iterable[str], *, improved: bool, as_json: bool,
+) -> None:
+    """Write the summary JSON, print the table, a few examples and the verdict (and the JSON line)."""
     summary = result.summary()
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{sc.name}.json").write_text(json.dumps(summary, indent=2))
-    table = Table("", "", title=f"held-out tasks the training never saw ({sc.name})")
-    for k, v in tools.result_table(result):
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2))
+    table = Table("", "", title=title)
+    for k, v in rows:
         table.add_row(k, v)
     console.print(table)
-    for ex in result.examples[:3]:
-        console.print(f"  [dim]{ex['prompt']} (code {ex['code']})[/]\n    before: {ex['before']}\n    after:  {ex['after']}")
-    lo, _ = result.interval
-    verdict = "improved" if lo > 0 else "no significant change"
-    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (sc.name + '.json')}")
+    for line in examples:
+        console.print(line)
+    verdict = "improved" if improved else "no significant change"
+    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (name + '.json')}")
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
