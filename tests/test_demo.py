@@ -108,6 +108,45 @@ def test_the_demo_command_prints_the_table_and_writes_the_summary(tmp_path: Path
     assert "held-out prompts the training never saw (tiny)" in res.stderr
 
 
+@pytest.mark.timeout(280)
+def test_a_signal_stops_the_demo_cleanly_and_keeps_what_it_captured(tmp_path: Path):
+    """Ctrl-C or SIGTERM mid-demo: the CLI says where the data is and exits 130, without a
+    traceback, and every turn it captured is in the store."""
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "tiny.json").write_text(json.dumps({**TINY, "recipe": {**TINY["recipe"], "rounds": 50}}))
+    data = tmp_path / "data"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "clawbridge"), "demo", "--scenario", str(tmp_path / "tiny.json"),
+         "--model", "tiny-random", "--out", str(tmp_path / "out"), "--data-dir", str(data)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 200
+        turns = 0
+        while turns < 4:  # the simulated user is talking to the server
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.5)
+            try:
+                with sqlite3.connect(data / "clawbridge.db") as db:
+                    turns = db.execute("SELECT count(*) FROM turns").fetchone()[0]
+            except sqlite3.Error:
+                pass
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "stopped by a signal" in err and str(data) in err and "Traceback" not in err, err
+    with sqlite3.connect(data / "clawbridge.db") as db:
+        assert db.execute("SELECT count(*) FROM turns").fetchone()[0] >= turns
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 async def test_the_default_demo_improves_held_out_prompts(tmp_path: Path):

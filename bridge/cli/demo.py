@@ -119,6 +119,8 @@ def _with_progress(
     console: Console, total: int, run: Callable[[ProgressFn], Coroutine[Any, Any, DemoResult]]
 ) -> DemoResult:
     """Run a demo under a progress bar of `total` phases."""
+    from clawbridge.demo.runner import DemoStopped
+
     with Progress(
         TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=False,
@@ -128,7 +130,12 @@ def _with_progress(
         def progress(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        result = asyncio.run(run(progress))
+        try:
+            result = asyncio.run(run(progress))
+        except DemoStopped as e:
+            bar.stop()
+            typer.echo(f"clawbridge demo: {e}", err=True)
+            raise typer.Exit(130) from None
         bar.update(task, completed=total, description="done")
     return result
 

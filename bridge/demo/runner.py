@@ -296,11 +296,31 @@ async def demo_stack(settings: Settings, learner: Learner) -> AsyncIterator[Runn
     if server in done_first:
         await server  # raises why it could not start
     running = ready.result()
+    body = asyncio.current_task()
+    stopped = asyncio.Event()
+
+    async def watch() -> None:  # a signal (Ctrl-C, SIGTERM) told the server to exit: stop playing
+        while not running.server.should_exit:
+            await asyncio.sleep(0.2)
+        stopped.set()
+        if body is not None:
+            body.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
         yield running
+    except BaseException:  # the cancel, or what a client saw while the server went away
+        if stopped.is_set():
+            raise DemoStopped(f"stopped by a signal; what was captured and trained is in {settings.data_dir}") from None
+        raise
     finally:
+        watcher.cancel()
         running.server.should_exit = True
         await asyncio.wait_for(server, 120)
+
+
+class DemoStopped(Exception):
+    """The demo was stopped from outside (a signal) before it finished."""
 
 
 async def _play(
