@@ -6,8 +6,10 @@ after, the paired 95 % interval, the wall time, and a few held-out episodes befo
     .venv/bin/python bench/tools_demo.py --base-rate --set eval_samples=8       # v0 only, no training
 
 `--base-rate` evaluates policy@v0 alone (what the untrained model does on the held-out tasks:
-success, clean success, right lookups) and prints every episode's transcript. Run it under
-`nice`: on 2 shared CPU cores one seed of the default recipe takes minutes.
+success, clean success, right lookups) and prints every episode's transcript. Each phase goes to
+stderr with the seconds since the start and the load average (where the wall time goes). Run it
+under `nice` with `OMP_NUM_THREADS=1` on a shared machine: one seed of the default recipe takes
+8-10 minutes on 2 busy cores, and two torch threads there stalled a run for minutes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from clawbridge.demo import tools
+from clawbridge.demo.runner import Progress
 
 
 def _recipe(sc: tools.ToolsScenario, sets: list[str]) -> tools.ToolsScenario:
@@ -83,6 +87,22 @@ async def _all(
     return [g for g, _ in rated], [t for _, t in rated]
 
 
+def _progress(seed: int) -> Progress:
+    """Each phase with the seconds since the start and the load average, on stderr: where the
+    wall time goes (the evaluations, each round's episodes, its training steps and gate)."""
+    t0 = time.monotonic()
+
+    def report(phase: str, done: int, total: int) -> None:
+        load = os.getloadavg()[0]
+        print(
+            f"  seed {seed} [{time.monotonic() - t0:6.0f} s, load {load:.1f}] {phase}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -105,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             data = Path(tempfile.mkdtemp(prefix=f"cb-tools-{seed}-"))
             result = asyncio.run(
                 tools.run_tools_demo(
-                    sc, tools.tools_settings(sc, data, model=args.model, seed=seed)
+                    sc,
+                    tools.tools_settings(sc, data, model=args.model, seed=seed),
+                    progress=_progress(seed),
                 )
             )
             row = {"seed": seed, **result.summary()}

@@ -103,6 +103,19 @@ def test_the_outcome_checker(answer, finish, calls, success, clean, looked_up, r
     assert (g.success, g.clean, g.looked_up, g.reward) == (success, clean, looked_up, reward)
 
 
+def test_the_recipe_gates_on_its_own_probes_and_never_asks_the_rest(tmp_path: Path):
+    settings = tools.tools_settings(SC, tmp_path)
+    assert settings.gate_probes == settings.gate_probes_max == SC.recipe.gate_probes
+    wider = SC.model_copy(update={"recipe": SC.recipe.model_copy(update={"gate_probes_max": 50})})
+    assert tools.tools_settings(wider, tmp_path).gate_probes_max == 50
+
+
+def test_an_episode_is_a_lookup_and_an_answer_so_a_second_lookup_runs_out_of_steps():
+    assert SC.recipe.max_steps == 2
+    looped = _transcript("", "tool_calls", (("Steve", True), ("Steve", True)))
+    assert grade(looped, SC.recipe.partial_credit).reward == 0.0
+
+
 TINY = {
     "n": 2,
     "groups": 2,
@@ -169,7 +182,7 @@ async def test_the_tools_demo_runs_end_to_end_on_the_tiny_model(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(7200)  # the full demo: 30-60 min on 2 busy cores
+@pytest.mark.timeout(3600)  # the full demo: about 10-12 min on 2 busy cores (docs/learning.md)
 async def test_the_embedded_model_learns_to_use_the_tool(tmp_path: Path):
     sc = ToolsScenario()
     result = await tools.run_tools_demo(sc, tools.tools_settings(sc, tmp_path / "data"))

@@ -147,14 +147,19 @@ class ToolsRecipe(BaseModel):
     n: int = Field(8, ge=2, description="Episodes (attempts) per group, i.e. per training task.")
     groups: int = Field(4, ge=1, description="Groups (training tasks) per round.")
     rounds: int = Field(
-        4, ge=1, description="Rounds; a round ends once the trainer took every full batch."
+        2, ge=1, description="Rounds; a round ends once the trainer took every full batch."
     )
     batch_size: int = Field(16, ge=1, description="Samples (assistant turns) per training step.")
     learning_rate: float = Field(2e-3, gt=0)
     lora_rank: int = Field(16, ge=1)
     temperature: float = Field(0.8, gt=0)
     max_tokens: int = Field(40, ge=1, description="max_tokens of each model call.")
-    max_steps: int = Field(3, ge=1, description="Model calls per episode at most.")
+    max_steps: int = Field(
+        2,
+        ge=1,
+        description="Model calls per episode at most: a lookup and the answer (a second lookup "
+        "runs out of steps and earns nothing).",
+    )
     partial_credit: float = Field(
         0.2,
         ge=0,
@@ -170,7 +175,7 @@ class ToolsRecipe(BaseModel):
         "advantage (docs/agents.md#hints-opd). None: outcomes alone.",
     )
     eval_samples: int = Field(
-        4, ge=1, description="Episodes per held-out task at each evaluated version."
+        3, ge=1, description="Episodes per held-out task at each evaluated version."
     )
     evaluate_each_round: bool = Field(
         False, description="Also evaluate the versions between the first and last."
@@ -184,6 +189,13 @@ class ToolsRecipe(BaseModel):
         True, description="Gate every candidate (on the general probe set) before it serves."
     )
     gate_probes: int = Field(16, ge=1, le=50)
+    gate_probes_max: int | None = Field(
+        None,
+        ge=1,
+        le=50,
+        description="General probes the gate asks in all when the first gate_probes leave doubt; "
+        "None: gate_probes, never more (asking all 50 cost about 100 s of a 12-minute run).",
+    )
     probe: bool = Field(
         True, description="Ask the general probe set of v0 and of the last version."
     )
@@ -550,6 +562,7 @@ def tools_settings(sc: ToolsScenario, data_dir: Path, **overrides: Any) -> Setti
         kl_anchor=r.kl_anchor,
         gate="on" if r.gate else "off",
         gate_probes=r.gate_probes,
+        gate_probes_max=r.gate_probes if r.gate_probes_max is None else r.gate_probes_max,
         gate_samples=1,
         gate_max_tokens=48,
         gate_temperature=r.temperature,
@@ -655,6 +668,7 @@ async def _play(
             extra += 1
         last = rnd == r.rounds - 1
         if last or r.evaluate_each_round:
+            report(f"evaluating policy@v{served.version}", 2 * rnd + 2, total)
             async with learner.lock:  # no step publishes while a version is measured
                 ev, ex = await agent.evaluate(served.version, probe=last and r.probe)
             versions.append(ev)
