@@ -157,7 +157,7 @@ async def test_the_default_demo_improves_held_out_prompts(tmp_path: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(5400)  # two demos; about 25 min on 2 idle cores, far more on busy ones
 async def test_a_harmful_run_serves_nothing_worse_than_v0(tmp_path: Path):
     """A careless user who thanks any short answer (echoes and dodges too) and a learning rate 20x
     the demo's: the gate must hold back every candidate that answers fewer questions than v0, so
