@@ -79,7 +79,10 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     result = await run_demo(sc, settings, plot_path=tmp_path / "tiny.png")
     summary = json.loads(json.dumps(result.summary()))
     assert {"before", "after", "interval", "steps", "versions", "seconds", "truly_before", "truly_after",
-            "truly_interval", "on_topic_before", "on_topic_after", "probe_before", "probe_after", "gate"} <= set(summary)
+            "truly_interval", "on_topic_before", "on_topic_after", "probe_before", "probe_after", "probe_interval",
+            "gate"} <= set(summary)
+    plo, phi = summary["probe_interval"]
+    assert -1 <= plo <= summary["probe_after"] - summary["probe_before"] <= phi <= 1
     assert 0 <= summary["probe_before"] <= 1 and 0 <= summary["probe_after"] <= 1
     assert [g["version"] for g in summary["gate"]] == [1, 2]  # every step was judged by the gate
     assert all(g["decision"] in ("accepted", "rejected") and g["figures"] for g in summary["gate"])
@@ -88,6 +91,22 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert -1 <= lo <= summary["delta"] <= hi <= 1
     assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
+
+
+def test_the_probe_interval_pairs_the_questions():
+    from clawbridge.demo.runner import DemoResult, VersionEval
+
+    def ev(version: int, probe: tuple[float, ...]) -> VersionEval:
+        return VersionEval(version, 0.0, (0.0,), 1, 0.0, probe=sum(probe) / len(probe), probe_per_prompt=probe)
+
+    b, a = (1.0, 1.0, 0.0, 0.0), (1.0, 0.0, 0.0, 0.0)  # d = [0, -1, 0, 0]: mean -0.25, sd 0.5
+    result = DemoResult("s", "m", "combine", 0, 0, 0, (0, 0), 1, [ev(0, b), ev(1, a)], 0, 0, 0, 1, 1)
+    lo, hi = result.probe_interval or (0.0, 0.0)
+    assert (lo, hi) == pytest.approx((-1.0, -0.25 + 3.182 * 0.25), abs=1e-3)  # the low end clamps at -1
+    assert result.summary()["probe_interval"] == [round(lo, 4), round(hi, 4)]
+    unprobed = DemoResult("s", "m", "combine", 0, 0, 0, (0, 0), 1, [ev(0, b), VersionEval(1, 0.0, (0.0,), 1, 0.0)],
+                          0, 0, 0, 1, 1)
+    assert unprobed.probe_interval is None and unprobed.summary()["probe_interval"] is None
 
 
 @pytest.mark.timeout(280)

@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ class VersionEval:
     truly_per_prompt: tuple[float, ...] = ()
     on_topic_per_prompt: tuple[float, ...] = ()
     probe: float | None = None  # the general probe set's on-topic rate (v0 and the last version)
+    probe_per_prompt: tuple[float, ...] = ()  # per probe question, for the paired interval
     conversations: int = 0  # training conversations before this version served
 
 
@@ -93,6 +95,16 @@ class DemoResult:
         return self.versions[-1]
 
     @property
+    def probe_interval(self) -> tuple[float, float] | None:
+        """95 % interval of the general probe's change, v0 to the last version, paired per
+        question (both answered with the same seed per question)."""
+        b, a = self.first.probe_per_prompt, self.last.probe_per_prompt
+        if not b or len(a) != len(b):
+            return None
+        _, lo, hi = paired_interval(b, a)
+        return lo, hi
+
+    @property
     def conversations_to_80(self) -> int | None:
         """Training conversations until a served version was truly satisfying on >= 80 % of the
         held-out prompts (None: never within the run)."""
@@ -117,6 +129,7 @@ class DemoResult:
             "on_topic_after": r4(self.last.on_topic),
             "probe_before": r4(self.first.probe),
             "probe_after": r4(self.last.probe),
+            "probe_interval": None if self.probe_interval is None else [r4(x) for x in self.probe_interval],
             "conversations_to_80": self.conversations_to_80,
             "improved": self.improved,
             "steps": self.steps,
@@ -198,12 +211,13 @@ class SimulatedUser:
         self.satisfied += v.truly
         return v.truly
 
-    async def _answers(self, prompt: str, messages: list[dict[str, str]], n: int, max_tokens: int) -> list[tuple[str, str | None]]:
+    async def _answers(self, prompt: str, messages: list[dict[str, str]], n: int, max_tokens: int,
+                       seed: int | None = None) -> list[tuple[str, str | None]]:
         r = self.scenario.recipe
         async with self.sem:
             resp = await self.client.chat.completions.create(
                 model=self.model, messages=messages,  # type: ignore[arg-type]
-                max_tokens=max_tokens, temperature=r.temperature, n=n,
+                max_tokens=max_tokens, temperature=r.temperature, n=n, seed=seed,
                 extra_headers={"X-Session-Id": f"eval-{uuid.uuid4().hex[:12]}",
                                "X-Train": "false", "X-Session-Done": "true"},
             )
@@ -211,23 +225,28 @@ class SimulatedUser:
 
     async def evaluate(self, version: int, *, probe: bool = False) -> tuple[VersionEval, list[dict[str, Any]]]:
         """Held-out rates: `eval_samples` answers per prompt, never trained on; with `probe`,
-        also the general probe set's on-topic rate (one answer per question)."""
+        also the general probe set's on-topic rate (one answer per question). Every version
+        answers a prompt with the same seed (common random numbers): the engines draw by inverse
+        CDF, so two versions that agree answer alike and a paired difference is the versions',
+        not the dice's."""
         r, sc = self.scenario.recipe, self.scenario
         t0 = time.monotonic()
 
         async def one(prompt: str) -> tuple[list[Verdict], dict[str, Any]]:
-            answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens)
+            answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens, _seed(prompt))
             verdicts = [sc.rate(prompt, text, finish) for text, finish in answers]
             v = verdicts[0]
             return verdicts, {"prompt": prompt, "answer": answers[0][0], "preferred": v.preferred,
                               "answered": v.answered, "satisfied": v.truly}
 
         async def probe_one(p: Probe) -> bool:
-            (text, _), = await self._answers(p.question, [{"role": "user", "content": p.question}], 1, r.max_tokens)
+            (text, _), = await self._answers(p.question, [{"role": "user", "content": p.question}], 1, r.max_tokens,
+                                             _seed(p.question))
             return p.check.answered(text)
 
         rated = await asyncio.gather(*(one(p) for p in sc.heldout_prompts))
-        probe_rate = rate(await asyncio.gather(*(probe_one(p) for p in general_probes()))) if probe else None
+        probed = list(await asyncio.gather(*(probe_one(p) for p in general_probes()))) if probe else []
+        probe_rate = rate(probed) if probe else None
 
         def per_prompt(field_: str) -> tuple[float, ...]:
             return tuple(rate([getattr(v, field_) for v in vs]) for vs, _ in rated)
@@ -236,8 +255,14 @@ class SimulatedUser:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ev = VersionEval(version, mean(pref), pref, len(pref) * r.eval_samples, time.monotonic() - t0,
                          on_topic=mean(topic), truly=mean(truly), truly_per_prompt=truly,
-                         on_topic_per_prompt=topic, probe=probe_rate, conversations=self.conversations)
+                         on_topic_per_prompt=topic, probe=probe_rate,
+                         probe_per_prompt=tuple(float(x) for x in probed), conversations=self.conversations)
         return ev, [ex for _, ex in rated]
+
+
+def _seed(prompt: str) -> int:
+    """The evaluation seed of a prompt: the same for every version (and every run)."""
+    return zlib.crc32(prompt.encode())
 
 
 async def _settled(running: Running) -> tuple[int, int]:
@@ -479,7 +504,9 @@ def result_table(result: DemoResult) -> list[tuple[str, str]]:
         ("difference (95% interval)", f"{100 * (a.truly - b.truly):+.0f} pts [{100 * lo:+.0f}, {100 * hi:+.0f}]"),
         ("preference met", f"{pct(b.rate)} → {pct(a.rate)}"),
         ("answers the question (held-out)", f"{pct(b.on_topic)} → {pct(a.on_topic)}"),
-        ("general probe: answers the question", f"{pct(b.probe)} → {pct(a.probe)}"),
+        ("general probe: answers the question", f"{pct(b.probe)} → {pct(a.probe)}" + (
+            "" if result.probe_interval is None
+            else f" [{100 * result.probe_interval[0]:+.0f}, {100 * result.probe_interval[1]:+.0f}]")),
         ("gate: accepted / held back", f"{len(result.gate) - rejected} / {rejected}"),
         ("conversations until 80% truly satisfied", "not reached" if c80 is None else str(c80)),
         ("training steps / conversations", f"{result.steps} / {result.train_conversations}"),
