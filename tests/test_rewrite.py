@@ -39,12 +39,24 @@ def short_turns(store: Store, replies: list[str]) -> list[str]:
     return ids
 
 
-def test_pick_keeps_the_teachers_surest_draw_that_is_not_the_turns_own_answer():
+def test_pick_surest_keeps_the_teachers_surest_draw_that_is_not_the_turns_own_answer():
     draws = [Draw((1, 2), (-2.0, -2.0)), Draw((3,), (-0.1,)), Draw((4, 5), (-0.5, -0.7)), Draw((), ())]
-    assert pick(draws) == 1
-    assert pick(draws, own=(3,)) == 2  # the surest is what the policy already said
+    assert pick(draws, rule="surest") == 1
+    assert pick(draws, own=(3,), rule="surest") == 2  # the surest is what the policy already said
+    assert pick([Draw((), ())], rule="surest") is None
+    assert pick([Draw((7,), (-1.0,))], own=(7,), rule="surest") is None
+
+
+def test_pick_lift_keeps_the_draw_the_hint_made_likeliest():
+    # teacher (with the hint) vs policy (without): lifts 1.0, 0.1 and 1.5 per token
+    ordinary = Draw((1, 2), (-0.5, -0.5), (-1.5, -1.5))
+    surest = Draw((3,), (-0.1,), (-0.2,))  # the teacher is surest of it, but so is the policy
+    hinted = Draw((4, 5), (-1.0, -1.0), (-2.5, -2.5))
+    assert [d.lift for d in (ordinary, surest, hinted)] == pytest.approx([1.0, 0.1, 1.5])
+    assert pick([ordinary, surest, hinted]) == 2 and pick([ordinary, surest, hinted], rule="surest") == 1
+    assert pick([ordinary, surest, hinted], own=(4, 5)) == 0
+    assert Draw((1,), (-1.0,)).lift == float("-inf")  # not scored: never preferred
     assert pick([Draw((), ())]) is None
-    assert pick([Draw((7,), (-1.0,))], own=(7,)) is None
 
 
 def test_a_rewrite_needs_one_logprob_and_one_advantage_per_token():

@@ -162,7 +162,7 @@ class Collector:
         if teacher_lp is not None and self.settings.rewrites > 0 and signal.hint is not None:
             rewrite = await write_rewrite(
                 self.backend, self.renderer, turn, signal.hint, samples=self.settings.rewrites,
-                weight=self.settings.w_rewrite, teacher=self.settings.teacher,
+                weight=self.settings.w_rewrite, teacher=self.settings.teacher, rule=self.settings.rewrite_pick,
             )
         if rewrite is None and (advantages is None or not any(advantages)):
             reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None

@@ -8,25 +8,32 @@ positive example:
 
     teacher = the same model with the hint in its prompt (judges.hints.teacher_messages)
     draw k answers from the teacher at the turn's own sampling settings
-    keep the one the teacher itself is surest of (highest mean logprob per token)
-    train it under the turn's OWN prompt (no hint) with advantage +w on every token
+    score each under the turn's OWN prompt by the policy (no hint)
+    keep the one the hint lifted most: the highest mean log p(draw | hint) − log p(draw | no hint)
+    train it under the turn's OWN prompt with advantage +w on every token
 
 Its log pi_old is the policy's logprob of those tokens under the turn's prompt, scored when the
 sample is judged, so the PPO ratio starts at 1 and the clip bounds how far one step moves it, as
 for any sample. Everything here goes through `Backend.sample` and `Backend.score`, which every
 backend has, so rewrites are identical on every platform.
 
-Why the teacher's own confidence picks: the hinted teacher of a small model answers the hint
-well in some draws and dodges it in others ("The answer is: 'too long.'"); the dodges are the
-draws it is least sure of. Measured on the concise scenario's 20 held-out prompts x 4 draws with
-the embedded model: all draws 29 % truly satisfied, the surest draw 50 % (docs/learning.md).
+Why the lift picks (`rewrite_pick`, docs/methods.md#which-draw-a-rewrite-trains): the hinted
+teacher of a small model follows the hint in some draws and answers as it would have anyway in
+others. The draw the hint made most likely, relative to the model without it, is the one that
+carries what the hint asked for: the pointwise mutual information of the draw and the hint,
+per token. It needs no judge of the preference, and the policy's scores of the chosen draw are
+its PPO old logprobs anyway. The teacher's own confidence (`surest`) was the first rule; on a
+preference the model rarely shows it keeps picking the ordinary answer (`bench/teacher.py
+--picks`: a list in 21 % of the picks by lift against 7 % by confidence, `bullets`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean
+from typing import Literal
 
 from clawbridge.backends.base import Backend, ScoreModel
 from clawbridge.chat.renderer import Renderer
@@ -40,22 +47,41 @@ class Draw:
     """One answer the teacher wrote, with its own sampling logprobs."""
 
     ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    logprobs: tuple[float, ...]  # the teacher's (with the hint), as sampled
+    student: tuple[float, ...] = ()  # the policy's under the turn's own prompt (no hint)
 
     @property
     def confidence(self) -> float:
         """The teacher's mean logprob per token (higher: surer)."""
         return fmean(self.logprobs) if self.logprobs else float("-inf")
 
+    @property
+    def lift(self) -> float:
+        """How much more likely the hint made this draw, per token: mean(teacher − student)."""
+        if not self.ids or len(self.student) != len(self.logprobs):
+            return float("-inf")
+        return fmean(t - s for t, s in zip(self.logprobs, self.student, strict=True))
 
-def pick(draws: Sequence[Draw], own: Sequence[int] = ()) -> int | None:
-    """The index of the draw to train (pure): the teacher's surest non-empty draw that differs
-    from the turn's own answer (that one is already what the policy said). None if none is left."""
+
+Pick = Literal["lift", "surest"]
+
+
+def usable(draws: Sequence[Draw], own: Sequence[int] = ()) -> list[int]:
+    """The draws a rewrite may train: non-empty, and not the turn's own answer (that one is
+    already what the policy said)."""
     own_ids = tuple(own)
-    usable = [i for i, d in enumerate(draws) if d.ids and d.ids != own_ids]
-    if not usable:
+    return [i for i, d in enumerate(draws) if d.ids and d.ids != own_ids]
+
+
+def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift") -> int | None:
+    """The index of the draw to train (pure), among the usable ones: the highest lift, or the
+    teacher's surest with `surest`. None if none is usable."""
+    ok = usable(draws, own)
+    if not ok:
         return None
-    return max(usable, key=lambda i: draws[i].confidence)
+    if rule == "surest":
+        return max(ok, key=lambda i: draws[i].confidence)
+    return max(ok, key=lambda i: (draws[i].lift, draws[i].confidence))
 
 
 def teacher_version(teacher: ScoreModel) -> int | None:
@@ -72,9 +98,10 @@ async def write_rewrite(
     samples: int,
     weight: float,
     teacher: ScoreModel = "base",
+    rule: Pick = "lift",
 ) -> Rewrite | None:
-    """Draw `samples` answers from the teacher for the turn's prompt with the hint, pick one, and
-    score it under the turn's own prompt by the policy. None when no draw is usable."""
+    """Draw `samples` answers from the teacher for the turn's prompt with the hint, score the
+    usable ones under the turn's own prompt by the policy, pick one. None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     sp = turn.sampling
@@ -87,11 +114,18 @@ async def write_rewrite(
         prompt, params, n=samples, version=teacher_version(teacher)
     )
     draws = [Draw(tuple(c.tokens), tuple(c.logprobs)) for c in completions]
-    chosen = pick(draws, turn.completion_ids)
+    ok = usable(draws, turn.completion_ids)
+    if rule == "surest":  # only the chosen one needs the policy's scores
+        ok = [i] if (i := pick(draws, turn.completion_ids, "surest")) is not None else []
+    scored = await asyncio.gather(
+        *(backend.score(turn.prompt_ids, draws[i].ids, model="policy", temperature=sp.temperature) for i in ok)
+    )
+    for i, old in zip(ok, scored, strict=True):
+        if len(old) != len(draws[i].ids):
+            raise ValueError(f"backend scored {len(old)} of {len(draws[i].ids)} rewrite tokens")
+        draws[i] = Draw(draws[i].ids, draws[i].logprobs, tuple(old))
+    chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None
-    ids = draws[chosen].ids
-    old = await backend.score(turn.prompt_ids, ids, model="policy", temperature=sp.temperature)
-    if len(old) != len(ids):
-        raise ValueError(f"backend scored {len(old)} of {len(ids)} rewrite tokens")
-    return Rewrite(ids, tuple(old), (float(weight),) * len(ids))
+    d = draws[ok[chosen]]
+    return Rewrite(d.ids, d.student, (float(weight),) * len(d.ids))
