@@ -35,6 +35,14 @@ def test_a_candidate_is_held_back_only_when_worse_beyond_the_margin_and_signific
     assert decide({"a": noisy, "b": small}, 0.05, 0.1)[0] == "accepted"
 
 
+def test_the_comparison_with_v0_may_be_stricter():
+    drift = GroupFigures(0.54, 0.62, -0.08, 0.105)  # a demo's v3 against v0, 50 probes
+    assert decide({"probe vs v0": drift}, 0.05, 0.1)[0] == "accepted"
+    assert decide({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "rejected"
+    assert decide({"probe vs serving": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"  # a step: alpha
+    assert not doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)  # already decided
+
+
 def test_doubt_is_a_worse_mean_the_gate_did_not_reject():
     noisy = GroupFigures(0.5, 0.6, -0.1, 0.3)  # worse, not beyond doubt: ask more probes
     better = GroupFigures(0.7, 0.6, 0.1, 0.9)

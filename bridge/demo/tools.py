@@ -563,6 +563,7 @@ def tools_settings(sc: ToolsScenario, data_dir: Path, **overrides: Any) -> Setti
         gate="on" if r.gate else "off",
         gate_probes=r.gate_probes,
         gate_probes_max=r.gate_probes if r.gate_probes_max is None else r.gate_probes_max,
+        gate_alpha_base=0.1,  # as the three seeds were measured (docs/agents.md); the default is 0.2
         gate_samples=1,
         gate_max_tokens=48,
         gate_temperature=r.temperature,

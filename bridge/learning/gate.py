@@ -133,20 +133,25 @@ def paired_worse(candidate: Sequence[float], reference: Sequence[float]) -> Grou
     return GroupFigures(c_rate, r_rate, mean, 1.0 - _t_sf(t, n - 1))
 
 
-def doubtful(comparisons: dict[str, GroupFigures], margin: float, alpha: float) -> bool:
+def doubtful(
+    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None
+) -> bool:
     """Accepted, but some comparison is worse than its reference (a negative mean difference):
     more probes should decide."""
-    return decide(comparisons, margin, alpha)[0] == "accepted" and any(
+    return decide(comparisons, margin, alpha, alpha_base)[0] == "accepted" and any(
         g.delta < 0 for g in comparisons.values()
     )
 
 
 def decide(
-    comparisons: dict[str, GroupFigures], margin: float, alpha: float
+    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None
 ) -> tuple[Decision, str]:
-    """Held back when some comparison is worse by more than `margin` with p < `alpha`."""
+    """Held back when some comparison is worse by more than `margin` with p < `alpha`; the
+    comparisons with v0 (named "... vs v0") use `alpha_base` when given: they guard what all the
+    steps together cost, and a stricter test there errs on the side of keeping the base's answers."""
     for name, g in comparisons.items():
-        if g.delta < -margin and g.p_worse < alpha:
+        a = alpha_base if alpha_base is not None and name.endswith(" vs v0") else alpha
+        if g.delta < -margin and g.p_worse < a:
             return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
                                 f"({100 * g.delta:+.0f} pts, p={g.p_worse:.3f})")
     return "accepted", "no probe group is worse beyond the margin"
@@ -169,6 +174,7 @@ class Gate:
         samples: int = 1,
         margin: float = 0.05,
         alpha: float = 0.1,
+        alpha_base: float | None = None,
         pairwise: PairwiseJudge | None = None,
         reserve: Sequence[GateProbe] = (),
     ) -> None:
@@ -182,6 +188,7 @@ class Gate:
         self.samples = samples
         self.margin = margin
         self.alpha = alpha
+        self.alpha_base = alpha_base
         self._scores: dict[int, list[list[float]]] = {}  # version -> scores of each tier asked
         self.answers: dict[int, list[str]] = {}  # the first answer per probe asked (for reading)
 
@@ -245,13 +252,14 @@ class Gate:
                            recent_p_vs_serving=fig.p_worse)
         asked = 1
         probe_figures = await self._probe_figures(candidate, serving, base, asked)
-        while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha):
+        while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha,
+                                                           self.alpha_base):
             asked += 1
             probe_figures = await self._probe_figures(candidate, serving, base, asked)
         comparisons.update(probe_figures[0])
         figures.update(probe_figures[1])
         figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:asked]))
-        decision, reason = decide(comparisons, self.margin, self.alpha)
+        decision, reason = decide(comparisons, self.margin, self.alpha, self.alpha_base)
         figures["seconds"] = time.monotonic() - t0
         return GateDecision(candidate, serving, decision, reason, figures)
 

@@ -92,7 +92,8 @@ class Learner:
             return None
         params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
         return Gate(backend, Renderer(backend.tokenizer()), probes, params=params, samples=s.gate_samples,
-                    margin=s.gate_margin, alpha=s.gate_alpha, pairwise=pairwise, reserve=ask(rest))
+                    margin=s.gate_margin, alpha=s.gate_alpha, alpha_base=s.gate_alpha_base, pairwise=pairwise,
+                    reserve=ask(rest))
 
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
