@@ -4,7 +4,10 @@ the serving weights, and what serves afterwards answers as before."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from clawbridge.backends.local import LocalBackend
@@ -22,6 +25,21 @@ PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is 
            "How do birds fly?"]
 
 
+@contextlib.asynccontextmanager
+async def _wrecked(tmp_path: Path) -> AsyncIterator[tuple[Any, Store, PinnedBackend, Renderer, SamplingParams]]:
+    """A learning rate that wrecks the tiny model in one step (the "harmful run"), the gate on with
+    only the caller's probes; a pinned local backend and seed-7 sampling. Closed on the way out."""
+    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
+    store = Store.open(settings.db_url)
+    backend = PinnedBackend(LocalBackend.from_settings(settings))
+    await backend.start()
+    try:
+        yield settings, store, backend, Renderer(backend.tokenizer()), SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    finally:
+        await backend.close()
+        store.close()
+
+
 async def _answers(backend: PinnedBackend, renderer: Renderer, params: SamplingParams, version: int) -> list[str]:
     out = []
     for p in PROMPTS:
@@ -32,13 +50,7 @@ async def _answers(backend: PinnedBackend, renderer: Renderer, params: SamplingP
 
 async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
     # a learning rate that wrecks the model in one step: the "harmful run"
-    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
-    store = Store.open(settings.db_url)
-    backend = PinnedBackend(LocalBackend.from_settings(settings))
-    await backend.start()
-    try:
-        renderer = Renderer(backend.tokenizer())
-        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         before = await _answers(backend, renderer, params, 0)
 
         # each probe's check: the answer is exactly v0's (same seed), so any change counts as worse
@@ -66,9 +78,6 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
         assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
         assert await _answers(backend, renderer, params, 2) == before
         assert await _answers(backend, renderer, params, 1) != before
-    finally:
-        await backend.close()
-        store.close()
 
 
 async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_path: Path):
@@ -76,13 +85,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
     restarted learner judges it before training on, so no version serves ungated."""
     from clawbridge.learning.trainer import pending_candidate
 
-    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
-    store = Store.open(settings.db_url)
-    backend = PinnedBackend(LocalBackend.from_settings(settings))
-    await backend.start()
-    try:
-        renderer = Renderer(backend.tokenizer())
-        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         v0 = await _answers(backend, renderer, params, 0)
         record_turns(store, 2)
         await Collector(settings, backend, store, build_judges(settings)).run_once()
@@ -102,22 +105,13 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         assert await pending_candidate(store) is None and backend.pinned is None
         assert await _answers(backend, renderer, params, 2) == v0
         assert await restarted.judge_pending() is None  # decided once: nothing pending
-    finally:
-        await backend.close()
-        store.close()
 
 
 @pytest.mark.parametrize("reserve", [False, True])
 async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserve: bool):
     """Four first probes see the wrecked candidate worse on one (not beyond doubt: accepted on
     them alone); with a reserve of six more, the gate asks them too and holds the candidate back."""
-    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
-    store = Store.open(settings.db_url)
-    backend = PinnedBackend(LocalBackend.from_settings(settings))
-    await backend.start()
-    try:
-        renderer = Renderer(backend.tokenizer())
-        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         questions = [*PROMPTS, "What is ice?", "Why is grass green?", "What is a dog?", "Where is Chad?"]
         plain = {q: renderer.parse((await backend.sample(
             renderer.render([{"role": "user", "content": q}]), params, version=0))[0].tokens, "length").content or ""
@@ -142,6 +136,3 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
         else:
             assert decision.decision == "accepted", decision  # one probe in four: not beyond doubt
             assert decision.figures["probes_asked"] == 4 and decision.figures["probe_candidate"] == 0.75
-    finally:
-        await backend.close()
-        store.close()
