@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -24,8 +25,8 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
-from clawbridge.learning.probes import _STOP, words
-from clawbridge.learning.rewrite import Draw
+from clawbridge.learning.probes import is_echo
+from clawbridge.learning.rewrite import Draw, Pick, pick, question_of, without_question
 from clawbridge.types import SamplingParams
 
 
@@ -65,49 +66,47 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
     return out
 
 
-def content(question: str, text: str) -> set[str]:
-    """The answer's content words the question does not already say."""
-    q = set(words(question))
-    return {w for w in words(text) if w not in _STOP and w not in q and w.rstrip("s") not in q}
-
-
 async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer: Renderer,
-                        params: SamplingParams, hint: str, draws: int) -> dict[str, dict[str, float]]:
-    """Which hinted draw a rewrite should train: for each prompt, the student's own answer and
-    `draws` hinted draws; the truly-satisfied rate of the draw each rule picks."""
-    rules = ("surest", "overlap", "lift", "finished+surest", "finished+overlap", "finished+lift")
+                        params: SamplingParams, hint: str, draws: int,
+                        floors: tuple[float, ...] = (10.0, 15.0, 20.0, 25.0)) -> dict[str, dict[str, float]]:
+    """Which hinted draw a rewrite should train: for each held-out and validation prompt,
+    `draws` hinted draws scored as `write_rewrite` scores them (the policy without the hint, the
+    teacher with the question blanked); the rates of the draw each rule picks (the product's
+    `pick`), and `none`: prompts where the rule trains no rewrite at all."""
+    rules: dict[str, tuple[Pick, float]] = {"surest": ("surest", -math.inf), "lift": ("lift", -math.inf)}
+    rules.update({f"lift, relevance >= {f:g}": ("lift", f) for f in floors})
     hits: dict[str, list[scenarios.Verdict]] = {r: [] for r in rules}
+    none = dict.fromkeys(rules, 0)
 
     async def one(prompt: str) -> None:
-        [own] = await backend.sample(renderer.render(sc.messages(prompt)), params, n=1)
-        own_text = renderer.parse(own.tokens, own.finish_reason).content or ""
-        plain_ids = renderer.render(sc.messages(prompt))
-        comps = await backend.sample(renderer.render(teacher_messages(sc.messages(prompt), hint)), params, n=draws)
+        messages = sc.messages(prompt)
+        plain_ids = renderer.render(messages)
+        at, question = question_of(messages) or (len(messages) - 1, prompt)
+        blank_ids = renderer.render(teacher_messages(without_question(messages, at), hint))
+        comps = await backend.sample(renderer.render(teacher_messages(messages, hint)), params, n=draws)
+        texts = [renderer.parse(c.tokens, c.finish_reason).content or "" for c in comps]
         rows = []
-        for c in comps:
-            text = renderer.parse(c.tokens, c.finish_reason).content or ""
-            conf = sum(c.logprobs) / len(c.logprobs) if c.logprobs else float("-inf")
-            shared = len(content(prompt, text) & content(prompt, own_text))
-            # how much more likely the hint made this draw: mean log p(draw | hint) - log p(draw | no hint)
+        for c, text in zip(comps, texts, strict=True):
             student = await backend.score(plain_ids, c.tokens, model="policy", temperature=params.temperature)
-            lift = Draw(tuple(c.tokens), tuple(c.logprobs), tuple(student)).lift  # the product's rule
-            rows.append((text, c.finish_reason, conf, shared, sc.rate(prompt, text, c.finish_reason), lift))
-        done = [r for r in rows if r[1] == "stop"] or rows
-        choice = {
-            "surest": max(rows, key=lambda r: r[2]),
-            "overlap": max(rows, key=lambda r: (r[3], r[2])),
-            "lift": max(rows, key=lambda r: r[5]),
-            "finished+surest": max(done, key=lambda r: r[2]),
-            "finished+overlap": max(done, key=lambda r: (r[3], r[2])),
-            "finished+lift": max(done, key=lambda r: r[5]),
-        }
-        for rule, row in choice.items():
-            hits[rule].append(row[4])
+            alone = await backend.score(blank_ids, c.tokens, model="base", temperature=params.temperature)
+            rows.append(Draw(tuple(c.tokens), tuple(c.logprobs), tuple(student), tuple(alone), is_echo(question, text)))
+        verdicts = [sc.rate(prompt, t, c.finish_reason) for t, c in zip(texts, comps, strict=True)]
+        for rule, (how, floor) in rules.items():
+            i = pick(rows, rule=how, min_relevance=floor)
+            if i is None:
+                none[rule] += 1
+            else:
+                hits[rule].append(verdicts[i])
+        for d, v, t in zip(rows, verdicts, texts, strict=True):
+            mark = "truly" if v.truly else "pref" if v.preferred else "answered" if v.answered else "neither"
+            print(f"    [{mark:8s}] lift {d.lift:+.2f} relevance {d.relevance:+.2f}{' echo' if d.echo else ''} {t[:90]!r}",
+                  file=sys.stderr)
 
     await asyncio.gather(*(one(p) for p in [*sc.heldout_prompts, *sc.gate_prompts]))
-    return {f"pick:{r}": {"preferred": sum(v.preferred for v in h) / len(h),
-                          "answered": sum(v.answered for v in h) / len(h),
-                          "truly": sum(v.truly for v in h) / len(h), "n": float(len(h))} for r, h in hits.items()}
+    rate = lambda vs, f: sum(getattr(v, f) for v in vs) / len(vs) if vs else math.nan  # noqa: E731
+    return {f"pick: {r}": {"preferred": rate(h, "preferred"), "answered": rate(h, "answered"),
+                           "truly": rate(h, "truly"), "n": float(len(h)), "none": float(none[r])}
+            for r, h in hits.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,11 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     hint = args.hint or sc.replies.unsatisfied[0]
     print(f"scenario {sc.name} · hint {hint!r} · {len(sc.heldout_prompts)} prompts × {args.draws} draws")
     res = asyncio.run(measure(sc, hint, args.draws, args.model, args.seed, args.show, args.picks, args.picks_only))
-    print(f"{'prompt':22s} {'preferred':>9s} {'answered':>9s} {'truly':>7s} {'n':>4s}")
+    print(f"{'prompt':30s} {'preferred':>9s} {'answered':>9s} {'truly':>7s} {'n':>4s} {'none':>5s}")
     for label, row in res.items():
         pref = "" if row["preferred"] != row["preferred"] else f"{row['preferred']:.0%}"
         ans = "" if row["answered"] != row["answered"] else f"{row['answered']:.0%}"
-        print(f"{label:22s} {pref:>9s} {ans:>9s} {row['truly']:7.0%} {row['n']:4.0f}")
+        none = f"{row['none']:.0f}" if "none" in row else ""
+        print(f"{label:30s} {pref:>9s} {ans:>9s} {row['truly']:7.0%} {row['n']:4.0f} {none:>5s}")
     return 0
 
 

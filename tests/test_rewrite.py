@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.judges import build_judges
+from clawbridge.judges import build_judges, teacher_messages
 from clawbridge.learning.collector import Collector
-from clawbridge.learning.rewrite import Draw, pick
+from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
 from clawbridge.learning.trainer import Trainer, to_datums
 from clawbridge.local_gpu import models
 from clawbridge.store import Rewrite, Store, TurnRecord
@@ -59,6 +59,39 @@ def test_pick_lift_keeps_the_draw_the_hint_made_likeliest():
     assert pick([Draw((), ())]) is None
 
 
+def test_a_draw_the_question_does_not_explain_is_never_picked_however_high_its_lift():
+    # with the question / with it blanked: an answer is far likelier with it (3 nats in all);
+    # a remark about the answer ("Your answer is too long.") is about as likely without it (0.2)
+    answer = Draw((1, 2), (-1.0, -1.0), (-2.0, -2.0), (-2.5, -2.5))
+    remark = Draw((3, 4), (-0.5, -0.5), (-3.0, -3.0), (-0.6, -0.6))
+    assert answer.relevance == pytest.approx(3.0) and remark.relevance == pytest.approx(0.2)
+    assert remark.lift > answer.lift
+    assert pick([answer, remark]) == 1  # no floor: the lift alone takes the remark
+    assert pick([answer, remark], min_relevance=2.0) == 0
+    assert pick([remark], min_relevance=2.0) is None  # nothing usable: no rewrite at all
+    assert pick([answer, remark], rule="surest", min_relevance=2.0) == 0
+    assert Draw((1,), (-1.0,)).relevance == float("inf")  # not scored: no floor applies
+    assert Draw((1,), (-1.0,), alone=(-1.0, -2.0)).relevance == float("-inf")  # a mis-scored draw never passes
+
+
+def test_an_echo_of_the_question_is_never_picked():
+    echo = Draw((5, 6), (-0.1, -0.1), (-3.0, -3.0), echo=True)
+    other = Draw((7,), (-1.0,), (-1.2,))
+    assert pick([echo, other]) == 1 and pick([echo]) is None
+
+
+def test_the_question_is_the_last_user_message_and_blanking_it_leaves_the_rest():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is rain?"},
+                {"role": "assistant", "content": "Water falling."}, {"role": "user", "content": [
+                    {"type": "text", "text": "And snow?"}]}]
+    assert question_of(messages) == (3, "And snow?")
+    assert question_of(messages[:2]) == (1, "What is rain?")
+    assert question_of(messages[:1]) is None
+    blank = without_question(messages, 3)
+    assert blank[3] == {"role": "user", "content": ""} and blank[:3] == messages[:3]
+    assert messages[3]["content"] == [{"type": "text", "text": "And snow?"}]  # the input is untouched
+
+
 def test_a_rewrite_needs_one_logprob_and_one_advantage_per_token():
     with pytest.raises(ValueError, match="one logprob and one advantage per token"):
         Rewrite((1, 2), (-1.0,), (1.0, 1.0))
@@ -86,7 +119,8 @@ def test_the_store_keeps_a_rewrite_with_its_sample(data_dir: Path):
 
 
 async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answer(data_dir: Path):
-    settings = settings_for(data_dir, rewrites=3, w_rewrite=0.5, batch_size=2, gate="off")
+    # the tiny random model's 8-token draws answer nothing: the relevance floor is off here
+    settings = settings_for(data_dir, rewrites=3, w_rewrite=0.5, batch_size=2, gate="off", rewrite_min_relevance=-1e9)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -117,7 +151,7 @@ async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answe
 async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: Path):
     """Nothing the model said is pushed down: the corrected answer's own tokens (all negative in
     combine: r = -1) weigh 0 and leave the batch, its rewrite trains; the thanked answer trains."""
-    settings = settings_for(data_dir, rewrites=2, w_negative=0.0, batch_size=2, gate="off")
+    settings = settings_for(data_dir, rewrites=2, w_negative=0.0, batch_size=2, gate="off", rewrite_min_relevance=-1e9)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -133,6 +167,31 @@ async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: 
         assert len(datums) == (1 if own_negative_only else 2)
         result = await Trainer(settings, backend, store).step_once()
         assert result is not None and result.metrics["rewrites"] == 1.0
+    finally:
+        await backend.close()
+        store.close()
+
+
+async def test_the_relevance_floor_is_the_teachers_gain_from_the_question(data_dir: Path):
+    """write_rewrite through the real backend: a draw's relevance is its sampling logprob minus
+    the teacher's score with the question blanked, and a floor above every draw's leaves the turn
+    without a rewrite."""
+    settings = settings_for(data_dir, gate="off")
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        renderer = Renderer(backend.tokenizer())
+        [tid] = short_turns(store, ["Too long."])
+        turn = store.get_turn(tid)
+        assert turn is not None
+        kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, min_relevance=-1e9)
+        assert kept is not None
+        assert await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, min_relevance=1e9) is None
+        blank = renderer.render(teacher_messages(without_question(turn.messages, 0), "Be brief."))
+        assert blank != renderer.render(teacher_messages(turn.messages, "Be brief."))
+        alone = await backend.score(blank, kept.ids, model="base", temperature=1.0)
+        assert len(alone) == len(kept.ids) and all(x <= 0 for x in alone)
     finally:
         await backend.close()
         store.close()

@@ -9,6 +9,9 @@ positive example:
     teacher = the same model with the hint in its prompt (judges.hints.teacher_messages)
     draw k answers from the teacher at the turn's own sampling settings
     score each under the turn's OWN prompt by the policy (no hint)
+    drop the draws that do not answer the question: an echo of it, or a draw the question does
+        not explain (relevance: log p(draw | question, hint) − log p(draw | no question, hint),
+        summed over the draw, below `rewrite_min_relevance` nats)
     keep the one the hint lifted most: the highest mean log p(draw | hint) − log p(draw | no hint)
     train it under the turn's OWN prompt with advantage +w on every token
 
@@ -25,19 +28,32 @@ per token. It needs no judge of the preference, and the policy's scores of the c
 its PPO old logprobs anyway. The teacher's own confidence (`surest`) was the first rule; on a
 preference the model rarely shows it keeps picking the ordinary answer (`bench/teacher.py
 --picks`: a list in 21 % of the picks by lift against 7 % by confidence, `bullets`).
+
+Why the relevance floor (`rewrite_min_relevance`, docs/methods.md#a-rewrite-must-answer-the-question-rewrite_min_relevance):
+the lift alone prefers the draws that repeat the hint or comment on the answer ("Make it more
+concise and impactful.", "A good answer.", "Your answer is too long."): the hint explains them
+best of all. Trained as demonstrations they teach the model to dodge, and the general probe paid
+for it. Such a draw is about as likely without the question as with it; an answer is not. The
+relevance is the pointwise mutual information of the draw with the question under the teacher,
+in nats over the whole draw (a mean per token would hold long answers to a stricter bar: their
+later tokens follow from their first ones, question or not).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import fmean
 from typing import Literal
 
 from clawbridge.backends.base import Backend, ScoreModel
+from clawbridge.chat.messages import AssistantMessage
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import teacher_messages
+from clawbridge.judges.types import Message
+from clawbridge.learning.probes import is_echo
 from clawbridge.store import Rewrite, StoredTurn
 from clawbridge.types import Completion, SamplingParams
 
@@ -49,6 +65,8 @@ class Draw:
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # the teacher's (with the hint), as sampled
     student: tuple[float, ...] = ()  # the policy's under the turn's own prompt (no hint)
+    alone: tuple[float, ...] = ()  # the teacher's with the hint but the question blanked
+    echo: bool = False  # the draw says nothing the question did not
 
     @property
     def confidence(self) -> float:
@@ -62,21 +80,34 @@ class Draw:
             return float("-inf")
         return fmean(t - s for t, s in zip(self.logprobs, self.student, strict=True))
 
+    @property
+    def relevance(self) -> float:
+        """How much the question explains this draw, in nats over the whole draw: sum(teacher −
+        teacher without the question). +inf when not scored (no floor applies)."""
+        if not self.alone:
+            return float("inf")
+        if len(self.alone) != len(self.logprobs):
+            return float("-inf")
+        return sum(t - a for t, a in zip(self.logprobs, self.alone, strict=True))
+
 
 Pick = Literal["lift", "surest"]
 
 
-def usable(draws: Sequence[Draw], own: Sequence[int] = ()) -> list[int]:
-    """The draws a rewrite may train: non-empty, and not the turn's own answer (that one is
-    already what the policy said)."""
+def usable(draws: Sequence[Draw], own: Sequence[int] = (), min_relevance: float = float("-inf")) -> list[int]:
+    """The draws a rewrite may train: non-empty, not the turn's own answer (that one is already
+    what the policy said), not an echo of the question, and explained by the question by at
+    least `min_relevance` nats."""
     own_ids = tuple(own)
-    return [i for i, d in enumerate(draws) if d.ids and d.ids != own_ids]
+    return [i for i, d in enumerate(draws)
+            if d.ids and d.ids != own_ids and not d.echo and d.relevance >= min_relevance]
 
 
-def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift") -> int | None:
+def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift",
+         min_relevance: float = float("-inf")) -> int | None:
     """The index of the draw to train (pure), among the usable ones: the highest lift, or the
     teacher's surest with `surest`. None if none is usable."""
-    ok = usable(draws, own)
+    ok = usable(draws, own, min_relevance)
     if not ok:
         return None
     if rule == "surest":
@@ -89,6 +120,31 @@ def teacher_version(teacher: ScoreModel) -> int | None:
     return 0 if teacher == "base" else None
 
 
+def question_of(messages: Sequence[Message]) -> tuple[int, str] | None:
+    """The index and text of the last user message (the question an answer answers); None
+    when there is none."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            return i, str(content or "")
+    return None
+
+
+def echoes(question: str, answer: AssistantMessage) -> bool:
+    """A text answer that says nothing the question did not (a tool call never echoes)."""
+    return not answer.tool_calls and bool(answer.content) and is_echo(question, answer.content or "")
+
+
+def without_question(messages: Sequence[Message], at: int) -> list[dict[str, object]]:
+    """A copy of the conversation with message `at`'s content blanked (pure)."""
+    out = [copy.deepcopy(dict(m)) for m in messages]
+    out[at]["content"] = ""
+    return out
+
+
 async def write_rewrite(
     backend: Backend,
     renderer: Renderer,
@@ -99,9 +155,12 @@ async def write_rewrite(
     weight: float,
     teacher: ScoreModel = "base",
     rule: Pick = "lift",
+    min_relevance: float = float("-inf"),
 ) -> Rewrite | None:
-    """Draw `samples` answers from the teacher for the turn's prompt with the hint, score the
-    usable ones under the turn's own prompt by the policy, pick one. None when none is usable."""
+    """Draw `samples` answers from the teacher for the turn's prompt with the hint; drop the
+    turn's own answer, echoes of the question and draws the question explains by less than
+    `min_relevance` nats (scored by the teacher with the question blanked); score the
+    rest under the turn's own prompt by the policy; pick one. None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     sp = turn.sampling
@@ -113,17 +172,29 @@ async def write_rewrite(
     completions: list[Completion] = await backend.sample(
         prompt, params, n=samples, version=teacher_version(teacher)
     )
-    draws = [Draw(tuple(c.tokens), tuple(c.logprobs)) for c in completions]
+    question = question_of(turn.messages)
+    draws = [Draw(tuple(c.tokens), tuple(c.logprobs), echo=question is not None
+                  and echoes(question[1], renderer.parse(c.tokens, c.finish_reason)))
+             for c in completions]
     ok = usable(draws, turn.completion_ids)
+    if question is not None and min_relevance > float("-inf") and ok:
+        blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
+        alone = await asyncio.gather(
+            *(backend.score(blank, draws[i].ids, model=teacher, temperature=sp.temperature) for i in ok)
+        )
+        for i, lp in zip(ok, alone, strict=True):
+            draws[i] = replace(draws[i], alone=tuple(lp))
+        ok = usable(draws, turn.completion_ids, min_relevance)
     if rule == "surest":  # only the chosen one needs the policy's scores
-        ok = [i] if (i := pick(draws, turn.completion_ids, "surest")) is not None else []
+        j = pick([draws[i] for i in ok], (), "surest")
+        ok = [] if j is None else [ok[j]]
     scored = await asyncio.gather(
         *(backend.score(turn.prompt_ids, draws[i].ids, model="policy", temperature=sp.temperature) for i in ok)
     )
     for i, old in zip(ok, scored, strict=True):
         if len(old) != len(draws[i].ids):
             raise ValueError(f"backend scored {len(old)} of {len(draws[i].ids)} rewrite tokens")
-        draws[i] = Draw(draws[i].ids, draws[i].logprobs, tuple(old))
+        draws[i] = replace(draws[i], student=tuple(old))
     chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None

@@ -1,0 +1,201 @@
+"""What does a training step cost the general probe, and what does it buy? A controlled A/B of
+training recipes on the SAME data.
+
+    .venv/bin/python bench/step_cost.py --conversations 32 --variants base lr3e-4 big-batch
+
+1. Collect once: the demo's simulated user has `--conversations` conversations with policy@v0
+   through the real stack (judge, hints, rewrites), with the gate off; the judged samples are
+   read back from the store.
+2. For every variant: start from v0's weights with a fresh optimizer, train `--steps` steps on
+   those samples (batch_size each, in collection order), and after every step measure the
+   general probe's on-topic rate (all 50 questions) and the held-out truly-satisfied rate,
+   every version with the same seed per prompt (paired, common random numbers).
+
+Prints per variant and step: probe, truly satisfied, preference met, answered; and the probe's
+paired difference from v0. The variants differ only in optimizer or batch settings, so a
+difference between them is the recipe's, not the data's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clawbridge.backends.local import LocalBackend
+from clawbridge.chat.renderer import Renderer
+from clawbridge.demo import scenario as scenarios
+from clawbridge.demo.runner import _seed, demo_settings, run_demo
+from clawbridge.learning.probes import general_probes
+from clawbridge.learning.trainer import to_datums
+from clawbridge.store import Store
+from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    lr: float
+    batch: int
+    eps: float = 1e-8
+    beta2: float = 0.999
+    warmup: int = 0  # steps of linear lr warmup after the fresh optimizer
+    kl: float = 0.0
+    own: bool = False  # train the turns' own answers (+1 on every token) instead of their rewrites
+    targets: tuple[str, ...] = ()  # LoRA target modules (default: every linear layer)
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def variants(recipe: scenarios.Recipe) -> dict[str, Variant]:
+    lr, b = recipe.learning_rate, recipe.batch_size
+    return {
+        "base": Variant("base", lr, b),
+        "lr3e-4": Variant("lr3e-4", 3e-4, b),
+        "lr1e-4": Variant("lr1e-4", 1e-4, b),
+        "big-batch": Variant("big-batch", lr, 4 * b),
+        "warmup3": Variant("warmup3", lr, b, warmup=3),
+        "eps1e-5": Variant("eps1e-5", lr, b, eps=1e-5),
+        "eps1e-4": Variant("eps1e-4", lr, b, eps=1e-4),
+        "beta2-0.99": Variant("beta2-0.99", lr, b, beta2=0.99),
+        "eps1e-3": Variant("eps1e-3", lr, b, eps=1e-3),
+        "own": Variant("own", lr, b, own=True),
+        "attn": Variant("attn", lr, b, targets=ATTENTION),
+        "attn-lr2e-3": Variant("attn-lr2e-3", 2 * lr, b, targets=ATTENTION),
+    }
+
+
+async def collect(sc: scenarios.Scenario, conversations: int, seed: int) -> tuple[Path, list[Any]]:
+    data = Path(tempfile.mkdtemp(prefix="cb-stepcost-"))
+    one_round = sc.model_copy(update={"recipe": sc.recipe.model_copy(
+        update={"rounds": 1, "batch_size": conversations, "gate": False})})
+    settings = demo_settings(one_round, data, seed=seed)
+    t0 = time.monotonic()
+    await run_demo(one_round, settings)
+    print(f"collected {conversations} conversations in {time.monotonic() - t0:.0f} s ({data})", file=sys.stderr)
+    store = Store.open(settings.db_url)
+    try:
+        samples = [s for s in store.get_samples(range(1, 100_000)) if s.advantages is not None]
+    finally:
+        store.close()
+    return data, samples
+
+
+async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scenario, repeats: int = 1) -> dict[str, Any]:
+    """Every probe and held-out prompt answered `repeats` times, draw k with seed seed(prompt)+k."""
+    r = sc.recipe
+    version = backend.version
+
+    async def answer(messages: list[dict[str, str]], prompt: str, k: int) -> tuple[str, str | None]:
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=_seed(prompt) + k)
+        [c] = await backend.sample(renderer.render(messages), params, n=1, version=version)
+        return renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason
+
+    probes = [p for p in general_probes() for _ in range(repeats)]
+    held_prompts = [p for p in sc.heldout_prompts for _ in range(repeats)]
+    probe_answers = await asyncio.gather(*(answer([{"role": "user", "content": p.question}], p.question, i % repeats)
+                                           for i, p in enumerate(probes)))
+    held = await asyncio.gather(*(answer(sc.messages(p), p, i % repeats) for i, p in enumerate(held_prompts)))
+    verdicts = [sc.rate(p, t, f) for p, (t, f) in zip(held_prompts, held, strict=True)]
+    probe_ok = [p.check.answered(t) for p, (t, _) in zip(probes, probe_answers, strict=True)]
+    n = len(verdicts)
+    return {
+        "probe": probe_ok,
+        "probe_failed": [(p.question, t) for p, (t, _), ok in zip(probes, probe_answers, probe_ok, strict=True) if not ok],
+        "truly": sum(v.truly for v in verdicts) / n,
+        "preferred": sum(v.preferred for v in verdicts) / n,
+        "answered": sum(v.answered for v in verdicts) / n,
+        "heldout": [t for t, _ in held],
+    }
+
+
+async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of: list[list[Datum]],
+                      own_of: list[list[Datum]], steps: int, base: dict[str, Any], show: int,
+                      repeats: int = 1) -> list[dict[str, Any]]:
+    settings = demo_settings(sc, data / f"v-{v.name}", seed=0)
+    backend = LocalBackend.from_settings(settings)
+    if v.targets:
+        backend.engine.target_modules = list(v.targets)
+    await backend.start()
+    renderer = Renderer(backend.tokenizer())
+    rows = []
+    try:
+        at = 0
+        for k in range(steps):
+            chunk = (own_of if v.own else datums_of)[at: at + v.batch]
+            at += v.batch
+            if len(chunk) < v.batch:
+                break
+            lr = v.lr * min(1.0, (k + 1) / (v.warmup + 1)) if v.warmup else v.lr
+            optim = OptimSpec(learning_rate=lr, eps=v.eps, beta2=v.beta2)
+            batch = [d for ds in chunk for d in ds]
+            m = await backend.train_step(batch, LossSpec(kl_coef=v.kl), optim)
+            await backend.publish()
+            got = await measure(backend, renderer, sc, repeats)
+            drop = [b - a for a, b in zip(got["probe"], base["probe"], strict=True)]
+            row = {"variant": v.name, "step": k + 1, "lr": lr, "grad_norm": m.grad_norm,
+                   "probe": sum(got["probe"]) / len(got["probe"]), "probe_lost": sum(x > 0 for x in drop),
+                   "probe_gained": sum(x < 0 for x in drop), "truly": got["truly"],
+                   "preferred": got["preferred"], "answered": got["answered"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            for q, t in got["probe_failed"][:show]:
+                print(f"    probe ✗ {q!r} -> {t[:120]!r}", file=sys.stderr)
+            for t in got["heldout"][:show]:
+                print(f"    held-out: {t[:120]!r}", file=sys.stderr)
+    finally:
+        await backend.close()
+    return rows
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    sc = scenarios.load(args.scenario)
+    table = variants(sc.recipe)
+    chosen = [table[n] for n in args.variants]
+    if args.samples:
+        data = Path(args.samples)
+        store = Store.open(demo_settings(sc, data).db_url)
+        samples = [s for s in store.get_samples(range(1, 100_000)) if s.advantages is not None]
+        store.close()
+    else:
+        data, samples = await collect(sc, args.conversations, args.seed)
+    datums_of = [to_datums(s) for s in samples]
+    own_of = [[Datum(s.prompt_ids, s.completion_ids, s.logprobs, (1.0,) * len(s.completion_ids), s.temperature)]
+              for s in samples]
+    print(f"{len(samples)} samples, {sum(len(d) for d in datums_of)} datums "
+          f"({sum(s.rewrite is not None for s in samples)} with a rewrite)", file=sys.stderr)
+    settings = demo_settings(sc, data / "v-base0", seed=0)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    base = await measure(backend, Renderer(backend.tokenizer()), sc, args.repeats)
+    await backend.close()
+    print(json.dumps({"variant": "v0", "step": 0, "probe": sum(base["probe"]) / len(base["probe"]),
+                      "truly": base["truly"], "preferred": base["preferred"], "answered": base["answered"]}), flush=True)
+    for v in chosen:
+        await run_variant(v, sc, data, datums_of, own_of, args.steps, base, args.show, args.repeats)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", default=scenarios.DEFAULT_SCENARIO)
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--samples", default=None, help="a data dir of an earlier collection (skips step 1)")
+    ap.add_argument("--variants", nargs="+", default=["base", "lr3e-4", "big-batch"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--show", type=int, default=0, help="failed probe and held-out answers to print per step")
+    ap.add_argument("--repeats", type=int, default=1, help="answers per probe and held-out prompt (seeds seed+k)")
+    args = ap.parse_args(argv)
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
