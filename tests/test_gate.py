@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from clawbridge.learning.advantages import anchored
-from clawbridge.learning.gate import GroupFigures, _t_sf, decide, doubtful, paired_worse
+from clawbridge.learning.gate import GroupFigures, _t_sf, decide, doubtful, early, paired_worse
 
 
 def test_the_t_tail_matches_the_tables():
@@ -50,6 +50,21 @@ def test_doubt_is_a_worse_mean_the_gate_did_not_reject():
     assert doubtful({"a": better, "b": noisy}, 0.05, 0.1)
     assert not doubtful({"a": better}, 0.05, 0.1)
     assert not doubtful({"a": bad, "b": noisy}, 0.05, 0.1)
+
+
+def test_an_early_look_rejects_only_beyond_the_stricter_boundary():
+    # O'Brien-Fleming at a third of the probes: z = 1.2816 / sqrt(1/3) = 2.22 -> p 0.0132
+    assert early(0.1, 1 / 3) == pytest.approx(0.0132, abs=5e-4)
+    assert early(0.1, 1.0) == 0.1 and early(0.2, 0.32) < 0.2
+    borderline = GroupFigures(0.31, 0.56, -0.25, 0.05)  # rejected at alpha 0.1 on a third: ask all
+    clear = GroupFigures(0.12, 0.56, -0.44, 0.005)  # beyond the early boundary: decided
+    assert decide({"probe vs serving": borderline}, 0.05, 0.1)[0] == "rejected"
+    assert doubtful({"probe vs serving": borderline}, 0.05, 0.1, share=1 / 3)
+    assert not doubtful({"probe vs serving": clear}, 0.05, 0.1, share=1 / 3)
+    assert not doubtful({"probe vs serving": borderline}, 0.05, 0.1, share=1.0)  # all asked: decided
+    # a comparison with v0 uses alpha_base, made stricter the same way: 0.2 -> 0.068 at 0.32
+    drift = GroupFigures(0.44, 0.56, -0.12, 0.167)
+    assert doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2, share=0.32)
 
 
 def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():

@@ -16,10 +16,12 @@ difference is below −margin AND the test says it is worse (p < alpha). It is c
 serving version and with v0, the base, so small losses cannot add up step after step.
 
 Probes come in two tiers. The first is always asked; the reserve (the rest of the general probe
-set) only when the first leaves doubt (`doubtful`: some comparison is worse than its reference
-but not beyond doubt), and then the decision is taken again on both tiers. Sixteen probes cannot
-tell a 10-point drift from noise; fifty often can, and a candidate that looks as good as its
-references never pays for them. Both versions answer each probe with the same sampling seed, so
+set) only when the first leaves doubt (`doubtful`), and then the decision is taken again on both
+tiers. Doubt either way: accepted, but some comparison is worse than its reference; or rejected,
+but not at the stricter significance an early look needs (`early`, O'Brien and Fleming's
+boundary). Sixteen probes cannot tell a 10-point drift from noise; fifty often can, a candidate
+that looks as good as its references never pays for them, and one that looks worse is held back
+on sixteen only when fifty would almost surely agree. Both versions answer each probe with the same sampling seed, so
 their answers are coupled (the engines draw by inverse CDF from the seed's uniform numbers) and
 the paired differences are mostly the versions', not the dice's.
 """
@@ -31,6 +33,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import TYPE_CHECKING, Any, Literal
 
 from clawbridge.types import SamplingParams
@@ -133,14 +136,28 @@ def paired_worse(candidate: Sequence[float], reference: Sequence[float]) -> Grou
     return GroupFigures(c_rate, r_rate, mean, 1.0 - _t_sf(t, n - 1))
 
 
+def early(alpha: float, share: float) -> float:
+    """The significance a rejection needs when only `share` of the probes are in: O'Brien and
+    Fleming's boundary for a two-look sequential test, z = z_alpha / sqrt(share), so that a look
+    at a third of the evidence rejects only a loss that all of it would almost surely confirm."""
+    if share >= 1.0:
+        return alpha
+    z = NormalDist().inv_cdf(1.0 - alpha) / math.sqrt(max(share, 1e-9))
+    return 1.0 - NormalDist().cdf(z)
+
+
 def doubtful(
-    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None
+    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
+    share: float = 1.0,
 ) -> bool:
-    """Accepted, but some comparison is worse than its reference (a negative mean difference):
-    more probes should decide."""
-    return decide(comparisons, margin, alpha, alpha_base)[0] == "accepted" and any(
-        g.delta < 0 for g in comparisons.values()
-    )
+    """More probes should decide: the candidate is accepted, but some comparison is worse than
+    its reference (a negative mean difference); or it is rejected, but not at the stricter
+    significance of an early look at `share` of the probes (`early`)."""
+    decision, _ = decide(comparisons, margin, alpha, alpha_base)
+    if decision == "accepted":
+        return any(g.delta < 0 for g in comparisons.values())
+    strict_base = None if alpha_base is None else early(alpha_base, share)
+    return decide(comparisons, margin, early(alpha, share), strict_base)[0] == "accepted"
 
 
 def decide(
@@ -252,8 +269,9 @@ class Gate:
                            recent_p_vs_serving=fig.p_worse)
         asked = 1
         probe_figures = await self._probe_figures(candidate, serving, base, asked)
+        total = sum(len(t) for t in self.tiers)
         while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha,
-                                                           self.alpha_base):
+                                                   self.alpha_base, sum(len(t) for t in self.tiers[:asked]) / total):
             asked += 1
             probe_figures = await self._probe_figures(candidate, serving, base, asked)
         comparisons.update(probe_figures[0])
@@ -293,5 +311,5 @@ def probe_check(answered: Callable[[str], bool]) -> Check:
     return lambda text, _finish: 1.0 if answered(text) else 0.0
 
 
-__all__ = ["GATE_KEY", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "paired_worse",
+__all__ = ["GATE_KEY", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "early", "paired_worse",
            "probe_check"]
