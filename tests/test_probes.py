@@ -46,6 +46,12 @@ def test_the_general_probe_set_is_about_fifty_questions_shared_by_no_scenario():
         assert not {p.question for p in probes} & {*sc.train_prompts, *sc.heldout_prompts}
 
 
+def test_a_one_word_right_answer_answers_a_probe_and_a_dodge_does_not():
+    probe = next(p for p in general_probes() if p.question == "Who wrote Romeo and Juliet?")
+    assert probe.check.answered("Shakespeare.")
+    assert not probe.check.answered("Romeo.") and not probe.check.answered("A good question.")
+
+
 def test_an_echo_is_recognised_whatever_its_case_and_punctuation():
     assert is_echo("How do fish breathe underwater?", "how do FISH breathe underwater")
     assert not is_echo("How do fish breathe underwater?", "With gills.")
