@@ -40,16 +40,15 @@ def test_the_comparison_with_v0_may_be_stricter():
     assert decide({"probe vs v0": drift}, 0.05, 0.1)[0] == "accepted"
     assert decide({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "rejected"
     assert decide({"probe vs serving": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"  # a step: alpha
-    assert not doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)  # already decided
+    assert not doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)  # all asked: decided
 
 
-def test_doubt_is_a_worse_mean_the_gate_did_not_reject():
-    noisy = GroupFigures(0.5, 0.6, -0.1, 0.3)  # worse, not beyond doubt: ask more probes
-    better = GroupFigures(0.7, 0.6, 0.1, 0.9)
-    bad = GroupFigures(0.2, 0.9, -0.7, 0.001)  # already rejected: nothing to resolve
-    assert doubtful({"a": better, "b": noisy}, 0.05, 0.1)
-    assert not doubtful({"a": better}, 0.05, 0.1)
-    assert not doubtful({"a": bad, "b": noisy}, 0.05, 0.1)
+def test_an_early_look_never_accepts():
+    better = GroupFigures(0.7, 0.6, 0.1, 0.9)  # looks better on the first probes: still ask all
+    bad = GroupFigures(0.2, 0.9, -0.7, 0.001)  # rejected beyond doubt: nothing to resolve
+    assert doubtful({"a": better}, 0.05, 0.1, share=0.3)
+    assert not doubtful({"a": bad, "b": better}, 0.05, 0.1, share=0.3)
+    assert not doubtful({"a": better}, 0.05, 0.1)  # all asked (share 1): decided
 
 
 def test_an_early_look_rejects_only_beyond_the_stricter_boundary():

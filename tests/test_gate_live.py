@@ -110,7 +110,8 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
 @pytest.mark.parametrize("reserve", [False, True])
 async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserve: bool):
     """Four first probes see the wrecked candidate worse on one (not beyond doubt: accepted on
-    them alone); with a reserve of six more, the gate asks them too and holds the candidate back."""
+    them alone when there is nothing more to ask); with a reserve of six more, the first probes
+    cannot accept, the gate asks the reserve too and holds the candidate back."""
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         questions = [*PROMPTS, "What is ice?", "Why is grass green?", "What is a dog?", "Where is Chad?"]
         plain = {q: renderer.parse((await backend.sample(

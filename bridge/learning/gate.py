@@ -15,13 +15,12 @@ tested with a one-sided paired t-test. A candidate is held back when, in some gr
 difference is below −margin AND the test says it is worse (p < alpha). It is compared with the
 serving version and with v0, the base, so small losses cannot add up step after step.
 
-Probes come in two tiers. The first is always asked; the reserve (the rest of the general probe
-set) only when the first leaves doubt (`doubtful`), and then the decision is taken again on both
-tiers. Doubt either way: accepted, but some comparison is worse than its reference; or rejected,
-but not at the stricter significance an early look needs (`early`, O'Brien and Fleming's
-boundary). Sixteen probes cannot tell a 10-point drift from noise; fifty often can, a candidate
-that looks as good as its references never pays for them, and one that looks worse is held back
-on sixteen only when fifty would almost surely agree. Both versions answer each probe with the same sampling seed, so
+Probes come in two tiers. The first is always asked; it can only hold a candidate back, and only
+at the stricter significance an early look needs (`early`, O'Brien and Fleming's boundary). In
+every other case (`doubtful`) the reserve (the rest of the general probe set) is asked too and
+the decision is taken on both tiers: a candidate is accepted only on all of them. Sixteen probes
+cannot tell a 15-point loss from noise (such a candidate looks no worse on them often enough, and
+a gate that accepted there would serve exactly those lucky draws); fifty often can. Both versions answer each probe with the same sampling seed, so
 their answers are coupled (the engines draw by inverse CDF from the seed's uniform numbers) and
 the paired differences are mostly the versions', not the dice's.
 """
@@ -150,12 +149,12 @@ def doubtful(
     comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
     share: float = 1.0,
 ) -> bool:
-    """More probes should decide: the candidate is accepted, but some comparison is worse than
-    its reference (a negative mean difference); or it is rejected, but not at the stricter
-    significance of an early look at `share` of the probes (`early`)."""
-    decision, _ = decide(comparisons, margin, alpha, alpha_base)
-    if decision == "accepted":
-        return any(g.delta < 0 for g in comparisons.values())
+    """More probes should decide: unless the candidate is rejected at the stricter significance
+    an early look at `share` of the probes needs (`early`). An early look never accepts: a
+    candidate 15 points worse looks no worse than its reference on 16 questions often enough,
+    and the gate would pick exactly those lucky draws."""
+    if share >= 1.0:
+        return False
     strict_base = None if alpha_base is None else early(alpha_base, share)
     return decide(comparisons, margin, early(alpha, share), strict_base)[0] == "accepted"
 
