@@ -72,6 +72,9 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
         [decision] = trainer.decisions
         assert decision.decision == "rejected", decision
         assert decision.figures["validation_candidate"] < decision.figures["validation_serving"] == 1.0
+        # v0 serves: the serving comparison is also the one with v0, at the stricter alpha_base
+        assert decision.figures["validation_v0"] == decision.figures["validation_serving"]
+        assert decision.figures["validation_p_vs_v0"] == decision.figures["validation_p_vs_serving"]
         # v2 is a copy of v0's weights and serves; nothing is pinned between steps
         assert step.served == 2 and backend.version == 2 and backend.pinned is None
         assert store.get_meta(ROLLBACKS_KEY) == {"2": 0}

@@ -289,8 +289,9 @@ class Gate:
         probes = [p for tier in self.tiers[:tiers] for p in tier]
         cand = await self.scores(candidate, tiers)
         refs = {"serving": await self.scores(serving, tiers)}
-        if base != serving:
-            refs["v0"] = await self.scores(base, tiers)
+        # always a comparison with v0, at alpha_base: when v0 serves, the serving comparison is
+        # that one too (with only "vs serving", v0's first candidate escaped the stricter test)
+        refs["v0"] = refs["serving"] if base == serving else await self.scores(base, tiers)
         for g in sorted({p.group for p in probes}):
             idx = [i for i, p in enumerate(probes) if p.group == g]
             c = [cand[i] for i in idx]
