@@ -10,6 +10,7 @@ import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import build_judges, teacher_messages
+from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
 from clawbridge.learning.trainer import Trainer, to_datums
@@ -87,6 +88,8 @@ def test_the_question_is_the_last_user_message_and_blanking_it_leaves_the_rest()
     assert question_of(messages) == (3, "And snow?")
     assert question_of(messages[:2]) == (1, "What is rain?")
     assert question_of(messages[:1]) is None
+    injected = [*messages, {"role": "user", "content": f"{INTERNAL_CONTEXT_MARKER} runtime context"}]
+    assert question_of(injected) == (3, "And snow?")  # an agent's injected context is no question
     blank = without_question(messages, 3)
     assert blank[3] == {"role": "user", "content": ""} and blank[:3] == messages[:3]
     assert messages[3]["content"] == [{"type": "text", "text": "And snow?"}]  # the input is untouched

@@ -52,6 +52,7 @@ from clawbridge.backends.base import Backend, ScoreModel
 from clawbridge.chat.messages import AssistantMessage
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import teacher_messages
+from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER, message_text
 from clawbridge.judges.types import Message
 from clawbridge.learning.probes import is_echo
 from clawbridge.store import Rewrite, StoredTurn
@@ -121,15 +122,12 @@ def teacher_version(teacher: ScoreModel) -> int | None:
 
 
 def question_of(messages: Sequence[Message]) -> tuple[int, str] | None:
-    """The index and text of the last user message (the question an answer answers); None
-    when there is none."""
+    """The index and text of the last user message (the question an answer answers), skipping
+    an agent's injected context as the judges do; None when there is none."""
     for i in range(len(messages) - 1, -1, -1):
         m = messages[i]
-        if m.get("role") == "user":
-            content = m.get("content")
-            if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            return i, str(content or "")
+        if m.get("role") == "user" and INTERNAL_CONTEXT_MARKER not in (text := message_text(m)):
+            return i, text
     return None
 
 
