@@ -11,8 +11,9 @@ training recipes on the SAME data.
    general probe's on-topic rate (all 50 questions) and the held-out truly-satisfied rate,
    every version with the same seed per prompt (paired, common random numbers).
 
-Prints per variant and step: probe, truly satisfied, preference met, answered; and the probe's
-paired difference from v0. The variants differ only in optimizer or batch settings, so a
+Prints per variant and step: probe, truly satisfied, preference met, answered; and the probe
+questions lost and gained against v0 (paired). The variants differ only in the optimizer, the
+batch, the LoRA targets or the targets trained (rewrites or the turns' own answers), so a
 difference between them is the recipe's, not the data's.
 """
 
@@ -31,10 +32,10 @@ from typing import Any
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
-from clawbridge.demo.runner import _seed, demo_settings, run_demo
+from clawbridge.demo.runner import demo_settings, eval_seed, run_demo
 from clawbridge.learning.probes import general_probes
 from clawbridge.learning.trainer import to_datums
-from clawbridge.store import Store
+from clawbridge.store import Sample, Store
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 
 
@@ -46,7 +47,6 @@ class Variant:
     eps: float = 1e-8
     beta2: float = 0.999
     warmup: int = 0  # steps of linear lr warmup after the fresh optimizer
-    kl: float = 0.0
     own: bool = False  # train the turns' own answers (+1 on every token) instead of their rewrites
     targets: tuple[str, ...] = ()  # LoRA target modules (default: every linear layer)
 
@@ -72,7 +72,7 @@ def variants(recipe: scenarios.Recipe) -> dict[str, Variant]:
     }
 
 
-async def collect(sc: scenarios.Scenario, conversations: int, seed: int) -> tuple[Path, list[Any]]:
+async def collect(sc: scenarios.Scenario, conversations: int, seed: int) -> tuple[Path, list[Sample]]:
     data = Path(tempfile.mkdtemp(prefix="cb-stepcost-"))
     one_round = sc.model_copy(update={"recipe": sc.recipe.model_copy(
         update={"rounds": 1, "batch_size": conversations, "gate": False})})
@@ -80,12 +80,14 @@ async def collect(sc: scenarios.Scenario, conversations: int, seed: int) -> tupl
     t0 = time.monotonic()
     await run_demo(one_round, settings)
     print(f"collected {conversations} conversations in {time.monotonic() - t0:.0f} s ({data})", file=sys.stderr)
-    store = Store.open(settings.db_url)
-    try:
-        samples = [s for s in store.get_samples(range(1, 100_000)) if s.advantages is not None]
-    finally:
-        store.close()
-    return data, samples
+    return data, read_samples(sc, data)
+
+
+def read_samples(sc: scenarios.Scenario, data: Path) -> list[Sample]:
+    """The collection's samples with advantages (trained or waiting), oldest first."""
+    with Store.open(demo_settings(sc, data).db_url) as store:
+        rows = [*store.pending_samples(state="trained"), *store.pending_samples(state="judged")]
+    return sorted(rows, key=lambda s: s.id)
 
 
 async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scenario, repeats: int = 1) -> dict[str, Any]:
@@ -94,7 +96,7 @@ async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scena
     version = backend.version
 
     async def answer(messages: list[dict[str, str]], prompt: str, k: int) -> tuple[str, str | None]:
-        params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=_seed(prompt) + k)
+        params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=eval_seed(prompt) + k)
         [c] = await backend.sample(renderer.render(messages), params, n=1, version=version)
         return renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason
 
@@ -136,7 +138,7 @@ async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of:
             lr = v.lr * min(1.0, (k + 1) / (v.warmup + 1)) if v.warmup else v.lr
             optim = OptimSpec(learning_rate=lr, eps=v.eps, beta2=v.beta2)
             batch = [d for ds in chunk for d in ds]
-            m = await backend.train_step(batch, LossSpec(kl_coef=v.kl), optim)
+            m = await backend.train_step(batch, LossSpec(), optim)
             await backend.publish()
             got = await measure(backend, renderer, sc, repeats)
             drop = [b - a for a, b in zip(got["probe"], base["probe"], strict=True)]
@@ -161,9 +163,7 @@ async def main_async(args: argparse.Namespace) -> int:
     chosen = [table[n] for n in args.variants]
     if args.samples:
         data = Path(args.samples)
-        store = Store.open(demo_settings(sc, data).db_url)
-        samples = [s for s in store.get_samples(range(1, 100_000)) if s.advantages is not None]
-        store.close()
+        samples = read_samples(sc, data)
     else:
         data, samples = await collect(sc, args.conversations, args.seed)
     datums_of = [to_datums(s) for s in samples]

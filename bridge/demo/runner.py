@@ -233,7 +233,7 @@ class SimulatedUser:
         t0 = time.monotonic()
 
         async def one(prompt: str) -> tuple[list[Verdict], dict[str, Any]]:
-            answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens, _seed(prompt))
+            answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens, eval_seed(prompt))
             verdicts = [sc.rate(prompt, text, finish) for text, finish in answers]
             v = verdicts[0]
             return verdicts, {"prompt": prompt, "answer": answers[0][0], "preferred": v.preferred,
@@ -241,7 +241,7 @@ class SimulatedUser:
 
         async def probe_one(p: Probe) -> bool:
             (text, _), = await self._answers(p.question, [{"role": "user", "content": p.question}], 1, r.max_tokens,
-                                             _seed(p.question))
+                                             eval_seed(p.question))
             return p.check.answered(text)
 
         rated = await asyncio.gather(*(one(p) for p in sc.heldout_prompts))
@@ -260,7 +260,7 @@ class SimulatedUser:
         return ev, [ex for _, ex in rated]
 
 
-def _seed(prompt: str) -> int:
+def eval_seed(prompt: str) -> int:
     """The evaluation seed of a prompt: the same for every version (and every run)."""
     return zlib.crc32(prompt.encode())
 
