@@ -25,8 +25,15 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
-from clawbridge.learning.probes import is_echo
-from clawbridge.learning.rewrite import Draw, Pick, pick, question_of, without_question
+from clawbridge.learning.rewrite import (
+    Draw,
+    Pick,
+    echoes,
+    pick,
+    question_of,
+    scored,
+    without_question,
+)
 from clawbridge.types import SamplingParams
 
 
@@ -84,12 +91,12 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
         at, question = question_of(messages) or (len(messages) - 1, prompt)
         blank_ids = renderer.render(teacher_messages(without_question(messages, at), hint))
         comps = await backend.sample(renderer.render(teacher_messages(messages, hint)), params, n=draws)
-        texts = [renderer.parse(c.tokens, c.finish_reason).content or "" for c in comps]
-        rows = []
-        for c, text in zip(comps, texts, strict=True):
-            student = await backend.score(plain_ids, c.tokens, model="policy", temperature=params.temperature)
-            alone = await backend.score(blank_ids, c.tokens, model="base", temperature=params.temperature)
-            rows.append(Draw(tuple(c.tokens), tuple(c.logprobs), tuple(student), tuple(alone), is_echo(question, text)))
+        parsed = [renderer.parse(c.tokens, c.finish_reason) for c in comps]
+        texts = [m.content or "" for m in parsed]
+        rows = [Draw(tuple(c.tokens), tuple(c.logprobs), echo=echoes(question, m)) for c, m in zip(comps, parsed, strict=True)]
+        every = range(len(rows))
+        rows = await scored(backend, rows, every, plain_ids, "student", model="policy", temperature=params.temperature)
+        rows = await scored(backend, rows, every, blank_ids, "alone", model="base", temperature=params.temperature)
         verdicts = [sc.rate(prompt, t, c.finish_reason) for t, c in zip(texts, comps, strict=True)]
         for rule, (how, floor) in rules.items():
             i = pick(rows, rule=how, min_relevance=floor)

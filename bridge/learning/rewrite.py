@@ -143,6 +143,24 @@ def without_question(messages: Sequence[Message], at: int) -> list[dict[str, obj
     return out
 
 
+async def scored(
+    backend: Backend, draws: Sequence[Draw], which: Sequence[int], prompt_ids: Sequence[int],
+    into: Literal["student", "alone"], *, model: ScoreModel, temperature: float,
+) -> list[Draw]:
+    """A copy of `draws` with draws `which` scored under `prompt_ids` by `model`, the scores put
+    in their `student` (the policy without the hint) or `alone` (the teacher without the
+    question) field; one concurrent `score` call per draw."""
+    out = list(draws)
+    got = await asyncio.gather(
+        *(backend.score(prompt_ids, draws[i].ids, model=model, temperature=temperature) for i in which)
+    )
+    for i, lp in zip(which, got, strict=True):
+        if len(lp) != len(draws[i].ids):
+            raise ValueError(f"backend scored {len(lp)} of {len(draws[i].ids)} rewrite tokens")
+        out[i] = replace(draws[i], student=tuple(lp)) if into == "student" else replace(draws[i], alone=tuple(lp))
+    return out
+
+
 async def write_rewrite(
     backend: Backend,
     renderer: Renderer,
@@ -177,22 +195,12 @@ async def write_rewrite(
     ok = usable(draws, turn.completion_ids)
     if question is not None and min_relevance > float("-inf") and ok:
         blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
-        alone = await asyncio.gather(
-            *(backend.score(blank, draws[i].ids, model=teacher, temperature=sp.temperature) for i in ok)
-        )
-        for i, lp in zip(ok, alone, strict=True):
-            draws[i] = replace(draws[i], alone=tuple(lp))
+        draws = await scored(backend, draws, ok, blank, "alone", model=teacher, temperature=sp.temperature)
         ok = usable(draws, turn.completion_ids, min_relevance)
     if rule == "surest":  # only the chosen one needs the policy's scores
         j = pick([draws[i] for i in ok], (), "surest")
         ok = [] if j is None else [ok[j]]
-    scored = await asyncio.gather(
-        *(backend.score(turn.prompt_ids, draws[i].ids, model="policy", temperature=sp.temperature) for i in ok)
-    )
-    for i, old in zip(ok, scored, strict=True):
-        if len(old) != len(draws[i].ids):
-            raise ValueError(f"backend scored {len(old)} of {len(draws[i].ids)} rewrite tokens")
-        draws[i] = replace(draws[i], student=tuple(old))
+    draws = await scored(backend, draws, ok, turn.prompt_ids, "student", model="policy", temperature=sp.temperature)
     chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None
