@@ -20,9 +20,10 @@ at the stricter significance an early look needs (`early`, O'Brien and Fleming's
 every other case (`doubtful`) the reserve (the rest of the general probe set) is asked too and
 the decision is taken on both tiers: a candidate is accepted only on all of them. Sixteen probes
 cannot tell a 15-point loss from noise (such a candidate looks no worse on them often enough, and
-a gate that accepted there would serve exactly those lucky draws); fifty often can. Both versions answer each probe with the same sampling seed, so
-their answers are coupled (the engines draw by inverse CDF from the seed's uniform numbers) and
-the paired differences are mostly the versions', not the dice's.
+a gate that accepted there would serve exactly those lucky draws); fifty often can. Both
+versions answer each probe with the same sampling seed, so their answers are coupled (the
+engines draw by inverse CDF from the seed's uniform numbers) and the paired differences are
+mostly the versions', not the dice's.
 """
 
 from __future__ import annotations
