@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -439,10 +441,12 @@ def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_stat
     while (engine._active or not turns(live, "gone-early")[0].next_state) and time.monotonic() < deadline:
         time.sleep(0.02)
     thread = engine._thread
+    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
     assert not engine._active, (
         "the engine is still generating for a client that left "
         f"(scheduler alive: {thread is not None and thread.is_alive()}, jobs {len(engine._jobs)}, "
-        f"waiting {len(engine._waiting)})")
+        f"waiting {len(engine._waiting)}; the scheduler is at:\n"
+        f"{''.join(traceback.format_stack(frame)[-6:]) if frame is not None else '?'})")
     assert turns(live, "gone-early")[0].next_state == [ask]
     assert store_of(live).stats().turns == before
 
