@@ -118,8 +118,11 @@ def test_streaming_sends_the_documented_event_sequence(live: LiveServer, client:
 
 
 def test_streamed_text_arrives_as_output_text_deltas_with_logprobs(live: LiveServer, client: openai.OpenAI):
-    events = list(client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=8, stream=True,
-                                          include=["message.output_text.logprobs"],
+    """Every sampled token's logprob reaches the client, in order, also for the tokens whose text
+    the decoder held back and sent with a later one (an incomplete UTF-8 sequence, a possible tag
+    start): the random model samples byte tokens often enough that 64 of them hold some back."""
+    events = list(client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=64, stream=True,
+                                          temperature=1.0, include=["message.output_text.logprobs"],
                                           extra_headers={"X-Session-Id": "resp-text"}))
     final = events[-1].response  # type: ignore[union-attr]
     types = [e.type for e in events]
@@ -133,6 +136,27 @@ def test_streamed_text_arrives_as_output_text_deltas_with_logprobs(live: LiveSer
     assert_captured(turn, last_sampled(live))
     sent = [lp.logprob for e in deltas for lp in e.logprobs]
     assert sent == list(turn.logprobs)[: len(sent)] and len(sent) >= len(turn.logprobs) - 1
+
+
+def test_a_token_whose_text_is_held_back_sends_its_logprob_with_the_next_delta(live: LiveServer):
+    """Token by token through the real renderer's stream decoder: a token that ends inside a UTF-8
+    character yields no text, so no delta; its logprob must ride on the next delta, not vanish."""
+    from types import SimpleNamespace
+
+    from clawbridge.serving.responses import _Events
+
+    tok = live.backend.tokenizer()
+    ids = tok.encode("Tea or café? ☕ Both.", add_special_tokens=False)
+    lps = [-0.5 - i / 100 for i in range(len(ids))]
+    dec = live.proxy.renderer.stream(())
+    events = _Events(SimpleNamespace(logprobs=True), live.proxy)  # type: ignore[arg-type]  # only .logprobs is read
+    raw = [b for t, lp in zip(ids, lps, strict=True) for b in events.deltas(dec.feed([t]), [t], [lp])]
+    raw += events.deltas(dec.finish("stop"), [], [])
+    sent = [json.loads(b.split(b"data: ", 1)[1]) for b in raw]
+    deltas = [e for e in sent if e["type"] == "response.output_text.delta"]
+    assert len(deltas) < len(ids)  # some tokens were held back: the case under test happened
+    assert "".join(e["delta"] for e in deltas) == "Tea or café? ☕ Both."
+    assert [lp["logprob"] for e in deltas for lp in e["logprobs"]] == lps
 
 
 def test_side_turns_and_opt_out_are_kept_as_for_chat(live: LiveServer, client: openai.OpenAI):

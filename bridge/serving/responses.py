@@ -337,6 +337,9 @@ class _Events:
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished items, in order
         self.open: dict[str, Any] | None = None  # {"kind", "id", "text", "logprobs"}
+        # tokens sampled but not yet sent with a delta: the decoder may hold a token's text back
+        # (an incomplete UTF-8 sequence, a possible tag start) and send it with a later token's
+        self.pending: list[tuple[int, float]] = []
 
     def _ev(self, type: str, **fields: Any) -> bytes:
         obj = {"type": type, "sequence_number": self.seq, **fields}
@@ -383,9 +386,10 @@ class _Events:
 
     def deltas(self, deltas: list[Delta], tokens: Any, logprobs: Any) -> list[bytes]:
         out: list[bytes] = []
-        pending = list(zip(tokens, logprobs, strict=True))
+        self.pending += zip(tokens, logprobs, strict=True)
         for d in deltas:
             if d.tool_call is not None:
+                self.pending = []  # a call's tokens: its item carries no logprobs
                 out += self._close()
                 tc, idx, fid = d.tool_call, len(self.items), _item_id("fc")
                 out += [
@@ -408,13 +412,14 @@ class _Events:
             base = {"item_id": o["id"], "output_index": len(self.items), "content_index": 0}
             if kind == "message":
                 lps: list[dict[str, Any]] = []
-                if o["logprobs"] is not None and pending:
-                    toks, vals = zip(*pending, strict=True)
+                if o["logprobs"] is not None and self.pending:
+                    toks, vals = zip(*self.pending, strict=True)
                     lps = surface.token_logprobs(self.proxy, toks, vals, None)
                     o["logprobs"] += lps
-                    pending = []
+                self.pending = []
                 out.append(self._ev("response.output_text.delta", **base, delta=text, logprobs=lps))
             else:
+                self.pending = []  # reasoning text carries no logprobs
                 out.append(self._ev("response.reasoning_text.delta", **base, delta=text))
         return out
 
