@@ -93,6 +93,7 @@ class Settings(BaseSettings):
     gate_margin: float = Field(0.05, ge=0, le=1, description="A candidate worse than this (a rate difference) with p < gate_alpha is held back.")
     gate_alpha: float = Field(0.1, gt=0, lt=1, description="Significance of the gate's one-sided paired test.")
     gate_alpha_base: float = Field(0.2, gt=0, lt=1, description="Significance of the comparisons with v0, the base: they guard what all the steps together cost, so the test is stricter (a loss beyond gate_margin at p < 0.2 holds the candidate back).")
+    gate_v0_test: Literal["non_inferiority", "harm"] = Field("non_inferiority", description="What the comparison with v0 asks: non_inferiority (a candidate serves only when shown to lose less than gate_margin, p < gate_alpha_base) or harm (it is held back only when shown to lose more: more candidates serve, and among many candidates the one whose answers happened to look fine).")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")
     gate_temperature: float = Field(0.7, gt=0, description="Temperature of probe answers.")
     episode_timeout_s: float = Field(3600.0, gt=0, description="An episode with no outcome this long after its group opened expires (stored with the reason) and trains nothing.")

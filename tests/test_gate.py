@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from clawbridge.learning.advantages import anchored
 from clawbridge.learning.gate import GroupFigures, _t_sf, decide, doubtful, early, paired_worse
@@ -19,33 +21,42 @@ def test_paired_worse_by_hand():
     g = paired_worse([0, 0, 1, 0], [1, 1, 1, 1])
     assert (g.candidate, g.reference, g.delta) == (0.25, 1.0, -0.75)
     assert g.p_worse == pytest.approx(0.0288, abs=5e-4)
+    # non-inferiority at margin 0.05: t = (-0.75 + 0.05) / (0.5 / 2) = -2.8 -> P(T > -2.8) = 0.966
+    assert g.p_inferior == pytest.approx(0.966, abs=5e-4)
     same = paired_worse([1, 0, 1], [1, 0, 1])
     assert same.delta == 0 and same.p_worse == 1.0  # no difference is no evidence of harm
+    assert same.p_inferior == 0.0  # ... and, without spread, proof of being within the margin
+    # one gained, two lost of ten: no evidence of harm, and none of safety either
+    mixed = paired_worse([1, 1, 0, 1, 1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 1, 1, 1, 0], margin=0.05)
+    assert mixed.p_worse == pytest.approx(0.5) and mixed.p_inferior > 0.3
     assert paired_worse([0, 0], [1, 1]).p_worse == 0.0  # worse on every probe
     with pytest.raises(ValueError):
         paired_worse([1.0], [1.0, 0.0])
 
 
 def test_a_candidate_is_held_back_only_when_worse_beyond_the_margin_and_significant():
-    bad = GroupFigures(0.5, 0.9, -0.4, 0.01)
-    noisy = GroupFigures(0.5, 0.9, -0.4, 0.3)  # a big drop on too few probes to tell
-    small = GroupFigures(0.87, 0.9, -0.03, 0.01)  # significant but within the margin
+    bad = GroupFigures(0.5, 0.9, -0.4, 0.01, 1.0)
+    noisy = GroupFigures(0.5, 0.9, -0.4, 0.3, 0.9)  # a big drop on too few probes to tell
+    small = GroupFigures(0.87, 0.9, -0.03, 0.01, 0.2)  # significant but within the margin
     assert decide({"probe vs serving": bad}, 0.05, 0.1)[0] == "rejected"
     assert "probe vs serving" in decide({"probe vs serving": bad}, 0.05, 0.1)[1]
     assert decide({"a": noisy, "b": small}, 0.05, 0.1)[0] == "accepted"
 
 
-def test_the_comparison_with_v0_may_be_stricter():
-    drift = GroupFigures(0.54, 0.62, -0.08, 0.105)  # a demo's v3 against v0, 50 probes
-    assert decide({"probe vs v0": drift}, 0.05, 0.1)[0] == "accepted"
-    assert decide({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "rejected"
+def test_the_comparison_with_v0_has_its_own_significance():
+    drift = GroupFigures(0.54, 0.62, -0.08, 0.105, 0.7)  # a demo's v3 against v0, 50 probes
     assert decide({"probe vs serving": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"  # a step: alpha
+    decision, reason = decide({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)
+    assert decision == "rejected" and "p=0.105" in reason  # shown worse at alpha_base, not only unproven
     assert not doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)  # all asked: decided
+    close = GroupFigures(0.62, 0.62, 0.0, 0.5, 0.15)  # within the margin at 85 %, not at 90 %
+    assert decide({"probe vs v0": close}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"
+    assert decide({"probe vs v0": close}, 0.05, 0.1)[0] == "rejected"
 
 
 def test_an_early_look_never_accepts():
-    better = GroupFigures(0.7, 0.6, 0.1, 0.9)  # looks better on the first probes: still ask all
-    bad = GroupFigures(0.2, 0.9, -0.7, 0.001)  # rejected beyond doubt: nothing to resolve
+    better = GroupFigures(0.7, 0.6, 0.1, 0.9, 0.05)  # looks better on the first probes: still ask all
+    bad = GroupFigures(0.2, 0.9, -0.7, 0.001, 1.0)  # rejected beyond doubt: nothing to resolve
     assert doubtful({"a": better}, 0.05, 0.1, share=0.3)
     assert not doubtful({"a": bad, "b": better}, 0.05, 0.1, share=0.3)
     assert not doubtful({"a": better}, 0.05, 0.1)  # all asked (share 1): decided
@@ -55,15 +66,55 @@ def test_an_early_look_rejects_only_beyond_the_stricter_boundary():
     # O'Brien-Fleming at a third of the probes: z = 1.2816 / sqrt(1/3) = 2.22 -> p 0.0132
     assert early(0.1, 1 / 3) == pytest.approx(0.0132, abs=5e-4)
     assert early(0.1, 1.0) == 0.1 and early(0.2, 0.32) < 0.2
-    borderline = GroupFigures(0.31, 0.56, -0.25, 0.05)  # rejected at alpha 0.1 on a third: ask all
-    clear = GroupFigures(0.12, 0.56, -0.44, 0.005)  # beyond the early boundary: decided
+    borderline = GroupFigures(0.31, 0.56, -0.25, 0.05, 0.9)  # rejected at alpha 0.1 on a third: ask all
+    clear = GroupFigures(0.12, 0.56, -0.44, 0.005, 1.0)  # beyond the early boundary: decided
     assert decide({"probe vs serving": borderline}, 0.05, 0.1)[0] == "rejected"
     assert doubtful({"probe vs serving": borderline}, 0.05, 0.1, share=1 / 3)
     assert not doubtful({"probe vs serving": clear}, 0.05, 0.1, share=1 / 3)
     assert not doubtful({"probe vs serving": borderline}, 0.05, 0.1, share=1.0)  # all asked: decided
     # a comparison with v0 uses alpha_base, made stricter the same way: 0.2 -> 0.068 at 0.32
-    drift = GroupFigures(0.44, 0.56, -0.12, 0.167)
+    drift = GroupFigures(0.44, 0.56, -0.12, 0.167, 0.8)
     assert doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2, share=0.32)
+    # an early look does not hold back for want of evidence of safety: the rest may bring it
+    unproven = GroupFigures(0.56, 0.56, 0.0, 0.5, 0.4)
+    assert doubtful({"probe vs v0": unproven}, 0.05, 0.1, alpha_base=0.2, share=0.32)
+
+
+def test_against_v0_the_candidate_must_show_it_loses_less_than_the_margin():
+    unproven = GroupFigures(0.58, 0.62, -0.04, 0.28, 0.44)  # run 8's candidate: 50 answers looked fine
+    shown = GroupFigures(0.66, 0.62, 0.04, 0.9, 0.03)
+    decision, reason = decide({"probe vs v0": unproven}, 0.05, 0.1, alpha_base=0.2)
+    assert decision == "rejected" and "not shown within 5 pts" in reason
+    assert decide({"probe vs v0": shown}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"
+    # against the serving version only harm that can be shown holds a candidate back; so against
+    # v0 with gate_v0_test "harm"
+    assert decide({"probe vs serving": unproven}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"
+    assert decide({"probe vs v0": unproven}, 0.05, 0.1, alpha_base=0.2, non_inferiority=False)[0] == "accepted"
+
+
+def _serves(non_inferiority: bool, loss: float, rng: random.Random, candidates: int = 5, probes: int = 50) -> bool:
+    """One simulated run: v0 answers probe i right with its own rate; each candidate `loss`
+    below it; one answer per probe and version (independent draws). Did any candidate serve?"""
+    rates = [rng.uniform(0.3, 0.95) for _ in range(probes)]
+    v0 = [float(rng.random() < r) for r in rates]
+    for _ in range(candidates):
+        cand = [float(rng.random() < max(0.0, min(1.0, r - loss))) for r in rates]
+        g = paired_worse(cand, v0, 0.05)
+        if decide({"probe vs v0": g}, 0.05, 0.1, alpha_base=0.2, non_inferiority=non_inferiority)[0] == "accepted":
+            return True
+    return False
+
+
+def test_five_candidates_twelve_points_worse_rarely_serve_a_harmful_one():
+    """The hole the burden of proof closes, simulated: with evidence of harm alone, some one of
+    five candidates that each lose 12 points looks fine and serves in most runs; with the
+    candidate carrying the proof, in few. A candidate 10 points better still serves in most."""
+    rng = random.Random(7)
+    runs = 400
+    harm_only = sum(_serves(False, 0.12, rng) for _ in range(runs)) / runs
+    burden = sum(_serves(True, 0.12, rng) for _ in range(runs)) / runs
+    better = sum(_serves(True, -0.10, rng, candidates=1) for _ in range(runs)) / runs
+    assert harm_only > 0.5 and burden < 0.25 and better > 0.7, (harm_only, burden, better)
 
 
 def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():

@@ -112,9 +112,10 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
 
 @pytest.mark.parametrize("reserve", [False, True])
 async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserve: bool):
-    """Four first probes see the wrecked candidate worse on one (not beyond doubt: accepted on
-    them alone when there is nothing more to ask); with a reserve of six more, the first probes
-    cannot accept, the gate asks the reserve too and holds the candidate back."""
+    """Four first probes see the wrecked candidate worse on one: no evidence of harm, and none
+    that it is within the margin of v0 either, so with nothing more to ask it is held back for
+    want of proof; with a reserve of six more, the first probes cannot decide, the gate asks the
+    reserve too and holds the candidate back on the harm they show."""
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         questions = [*PROMPTS, "What is ice?", "Why is grass green?", "What is a dog?", "Where is Chad?"]
         plain = {q: renderer.parse((await backend.sample(
@@ -138,5 +139,5 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
             assert decision.figures["probes_asked"] == 10
             assert decision.figures["probe_candidate"] < 0.5
         else:
-            assert decision.decision == "accepted", decision  # one probe in four: not beyond doubt
+            assert decision.decision == "rejected" and "not shown within" in decision.reason, decision
             assert decision.figures["probes_asked"] == 4 and decision.figures["probe_candidate"] == 0.75

@@ -11,9 +11,11 @@ version still answer everyday questions), and whatever the caller adds (the demo
 truly-satisfied check on a validation split; an agent's recent prompts with a judge model).
 
 The decision is pure (`decide`): for each group, the per-probe difference candidate − reference is
-tested with a one-sided paired t-test. A candidate is held back when, in some group, the mean
-difference is below −margin AND the test says it is worse (p < alpha). It is compared with the
-serving version and with v0, the base, so small losses cannot add up step after step.
+tested with one-sided paired t-tests. Against the serving version, a candidate is held back when
+the mean difference is below −margin AND the test says it is worse (p < alpha): evidence of harm.
+Against v0, the base, the burden of proof is the candidate's: it serves only when shown to lose
+less than the margin (non-inferiority, p < alpha_base), so that neither small losses adding up
+step after step nor one lucky set of answers among many candidates' can serve a worse model.
 
 Probes come in two tiers. The first is always asked; it can only hold a candidate back, and only
 at the stricter significance an early look needs (`early`, O'Brien and Fleming's boundary). In
@@ -63,7 +65,10 @@ class GroupFigures:
     candidate: float
     reference: float
     delta: float
-    p_worse: float  # one-sided p-value of "the candidate is no worse"
+    p_worse: float  # one-sided p-value of "the candidate is no worse" (small: it is worse)
+    # one-sided p-value of "the candidate is worse by the margin or more" (small: it is shown to
+    # lose less than the margin; the burden of proof a comparison with v0 puts on the candidate)
+    p_inferior: float
 
 
 @dataclass(frozen=True)
@@ -117,23 +122,25 @@ def _betainc(a: float, b: float, x: float) -> float:
     return front * h / a
 
 
-def paired_worse(candidate: Sequence[float], reference: Sequence[float]) -> GroupFigures:
-    """Mean candidate − reference over paired probes, and the one-sided p-value of the t-test of
-    "the mean difference is >= 0". Identical scores give p = 1 (no evidence of harm); a constant
-    non-zero difference gives p = 0 or 1 by its sign."""
+def paired_worse(
+    candidate: Sequence[float], reference: Sequence[float], margin: float = 0.05
+) -> GroupFigures:
+    """Mean candidate − reference over paired probes and two one-sided paired t-tests of it:
+    `p_worse` of "the mean difference is >= 0" (identical scores give 1: no evidence of harm), and
+    `p_inferior` of "the mean difference is <= −margin" (non-inferiority: small only when the
+    candidate is shown to lose less than the margin). Without spread, each p is 0 or 1 by which
+    side of its bound the difference is on."""
     if len(candidate) != len(reference) or not candidate:
         raise ValueError("need the same, non-empty probes for both versions")
     d = [c - r for c, r in zip(candidate, reference, strict=True)]
     n = len(d)
     mean = sum(d) / n
     c_rate, r_rate = sum(candidate) / n, sum(reference) / n
-    if n < 2:
-        return GroupFigures(c_rate, r_rate, mean, 1.0 if mean >= 0 else 0.0)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n >= 2 else 0.0
     if sd == 0.0:
-        return GroupFigures(c_rate, r_rate, mean, 1.0 if mean >= 0 else 0.0)
-    t = mean / (sd / math.sqrt(n))
-    return GroupFigures(c_rate, r_rate, mean, 1.0 - _t_sf(t, n - 1))
+        return GroupFigures(c_rate, r_rate, mean, 1.0 if mean >= 0 else 0.0, 0.0 if mean > -margin else 1.0)
+    se = sd / math.sqrt(n)
+    return GroupFigures(c_rate, r_rate, mean, 1.0 - _t_sf(mean / se, n - 1), _t_sf((mean + margin) / se, n - 1))
 
 
 def early(alpha: float, share: float) -> float:
@@ -148,30 +155,45 @@ def early(alpha: float, share: float) -> float:
 
 def doubtful(
     comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
-    share: float = 1.0,
+    share: float = 1.0, non_inferiority: bool = True,
 ) -> bool:
-    """More probes should decide: unless the candidate is rejected at the stricter significance
-    an early look at `share` of the probes needs (`early`). An early look never accepts: a
-    candidate 15 points worse looks no worse than its reference on 16 questions often enough,
-    and the gate would pick exactly those lucky draws."""
+    """More probes should decide: unless the candidate is shown worse at the stricter significance
+    an early look at `share` of the probes needs (`early`). An early look never accepts (a
+    candidate 15 points worse looks no worse than its reference on 16 questions often enough, and
+    the gate would pick exactly those lucky draws), nor holds back for want of evidence."""
     if share >= 1.0:
         return False
     strict_base = None if alpha_base is None else early(alpha_base, share)
-    return decide(comparisons, margin, early(alpha, share), strict_base)[0] == "accepted"
+    return decide(comparisons, margin, early(alpha, share), strict_base, non_inferiority=non_inferiority,
+                  final=False)[0] == "accepted"
 
 
 def decide(
-    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None
+    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
+    *, non_inferiority: bool = True, final: bool = True,
 ) -> tuple[Decision, str]:
-    """Held back when some comparison is worse by more than `margin` with p < `alpha`; the
-    comparisons with v0 (named "... vs v0") use `alpha_base` when given: they guard what all the
-    steps together cost, and a stricter test there errs on the side of keeping the base's answers."""
+    """Held back when some comparison is worse by more than `margin` with p < `alpha`, or (with
+    `non_inferiority`, on the `final` look) when a comparison with v0 (named "... vs v0", at
+    `alpha_base` when given) does not show the candidate within the margin: against the serving
+    version the gate asks for evidence of harm, against the base for evidence of safety. A gate
+    that held back only a loss it could show served, among five candidates that each lost 12
+    points of the probe, the one whose 50 answers happened to look fine; what all the steps
+    together cost is guarded from the other side (the candidate carries the burden of proof)."""
+
+    def level(name: str) -> float:
+        return alpha_base if alpha_base is not None and name.endswith(" vs v0") else alpha
+
     for name, g in comparisons.items():
-        a = alpha_base if alpha_base is not None and name.endswith(" vs v0") else alpha
-        if g.delta < -margin and g.p_worse < a:
+        if g.delta < -margin and g.p_worse < level(name):
             return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
                                 f"({100 * g.delta:+.0f} pts, p={g.p_worse:.3f})")
-    return "accepted", "no probe group is worse beyond the margin"
+    if non_inferiority and final:
+        for name, g in comparisons.items():
+            if name.endswith(" vs v0") and g.p_inferior >= level(name):
+                return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
+                                    f"({100 * g.delta:+.0f} pts), not shown within {100 * margin:.0f} pts "
+                                    f"(p={g.p_inferior:.3f})")
+    return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
 
 
 # --- evaluation (I/O: the backend) ---------------------------------------------------------------
@@ -192,6 +214,7 @@ class Gate:
         margin: float = 0.05,
         alpha: float = 0.1,
         alpha_base: float | None = None,
+        non_inferiority: bool = True,
         pairwise: PairwiseJudge | None = None,
         reserve: Sequence[GateProbe] = (),
     ) -> None:
@@ -206,6 +229,7 @@ class Gate:
         self.margin = margin
         self.alpha = alpha
         self.alpha_base = alpha_base
+        self.non_inferiority = non_inferiority
         self._scores: dict[int, list[list[float]]] = {}  # version -> scores of each tier asked
         self.answers: dict[int, list[str]] = {}  # the first answer per probe asked (for reading)
 
@@ -263,7 +287,7 @@ class Gate:
         if self.pairwise is not None and recent:
             wins = list(await asyncio.gather(*(self._compare(p, candidate, serving) for p in recent)))
             # paired per prompt: the candidate's share of the preference against the serving one's
-            fig = paired_worse(wins, [1.0 - w for w in wins])
+            fig = paired_worse(wins, [1.0 - w for w in wins], self.margin)
             comparisons["recent vs serving"] = fig
             figures.update(recent_candidate=fig.candidate, recent_n=float(len(wins)),
                            recent_p_vs_serving=fig.p_worse)
@@ -271,13 +295,15 @@ class Gate:
         probe_figures = await self._probe_figures(candidate, serving, base, asked)
         total = sum(len(t) for t in self.tiers)
         while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha,
-                                                   self.alpha_base, sum(len(t) for t in self.tiers[:asked]) / total):
+                                                   self.alpha_base, sum(len(t) for t in self.tiers[:asked]) / total,
+                                                   self.non_inferiority):
             asked += 1
             probe_figures = await self._probe_figures(candidate, serving, base, asked)
         comparisons.update(probe_figures[0])
         figures.update(probe_figures[1])
         figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:asked]))
-        decision, reason = decide(comparisons, self.margin, self.alpha, self.alpha_base)
+        decision, reason = decide(comparisons, self.margin, self.alpha, self.alpha_base,
+                                  non_inferiority=self.non_inferiority)
         figures["seconds"] = time.monotonic() - t0
         return GateDecision(candidate, serving, decision, reason, figures)
 
@@ -299,10 +325,12 @@ class Gate:
             figures[f"{g}_candidate"] = sum(c) / len(c)
             for ref_name, ref in refs.items():
                 r = [ref[i] for i in idx]
-                fig = paired_worse(c, r)
+                fig = paired_worse(c, r, self.margin)
                 comparisons[f"{g} vs {ref_name}"] = fig
                 figures[f"{g}_{ref_name}"] = fig.reference
                 figures[f"{g}_p_vs_{ref_name}"] = fig.p_worse
+                if ref_name == "v0":
+                    figures[f"{g}_p_inferior_vs_v0"] = fig.p_inferior
         return comparisons, figures
 
 

@@ -92,7 +92,8 @@ class Learner:
             return None
         params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
         return Gate(backend, Renderer(backend.tokenizer()), probes, params=params, samples=s.gate_samples,
-                    margin=s.gate_margin, alpha=s.gate_alpha, alpha_base=s.gate_alpha_base, pairwise=pairwise,
+                    margin=s.gate_margin, alpha=s.gate_alpha, alpha_base=s.gate_alpha_base,
+                    non_inferiority=s.gate_v0_test == "non_inferiority", pairwise=pairwise,
                     reserve=ask(rest))
 
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
