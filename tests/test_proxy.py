@@ -395,6 +395,15 @@ def test_a_client_leaving_mid_stream_stops_generation_and_records_nothing(live: 
     assert kept.next_state == [ask]
 
 
+def _threads() -> str:
+    """Where every thread of this process is (its last frames): for a failure that hangs."""
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"--- {names.get(ident, '?')}:\n" + "".join(traceback.format_stack(frame)[-8:])
+                     for ident, frame in sys._current_frames().items())
+
+
 def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_state_kept(live: LiveServer):
     """A client that is gone before the stream's first byte, with an ASGI server whose `send`
     fails then (spec 2.4 servers may; uvicorn drops the send and the generator cleans up after
@@ -441,12 +450,11 @@ def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_stat
     while (engine._active or not turns(live, "gone-early")[0].next_state) and time.monotonic() < deadline:
         time.sleep(0.02)
     thread = engine._thread
-    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
     assert not engine._active, (
         "the engine is still generating for a client that left "
         f"(scheduler alive: {thread is not None and thread.is_alive()}, jobs {len(engine._jobs)}, "
-        f"waiting {len(engine._waiting)}; the scheduler is at:\n"
-        f"{''.join(traceback.format_stack(frame)[-6:]) if frame is not None else '?'})")
+        f"waiting {len(engine._waiting)}, rows {engine._active!r}); every thread, twice, 2 s apart:\n"
+        f"{_threads()}\n{time.sleep(2) or _threads()}")
     assert turns(live, "gone-early")[0].next_state == [ask]
     assert store_of(live).stats().turns == before
 
