@@ -12,9 +12,10 @@ training recipes on the SAME data.
    every version with the same seed per prompt (paired, common random numbers).
 
 Prints per variant and step: probe, truly satisfied, preference met, answered; and the probe
-questions lost and gained against v0 (paired). The variants differ only in the optimizer, the
-batch, the LoRA targets or the targets trained (rewrites or the turns' own answers), so a
-difference between them is the recipe's, not the data's.
+questions lost and gained against v0 (paired). The variants differ only in the optimizer (and
+how many optimizer steps a step takes: `micro4*`), the batch, the LoRA targets or the targets
+trained (rewrites or the turns' own answers), so a difference between them is the recipe's, not
+the data's.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Variant:
     warmup: int = 0  # steps of linear lr warmup after the fresh optimizer
     own: bool = False  # train the turns' own answers (+1 on every token) instead of their rewrites
     targets: tuple[str, ...] = ()  # LoRA target modules (default: every linear layer)
+    # optimizer steps per step, each on a slice of the batch; with `prime` the first is taken at
+    # lr 0: it only fills Adam's moments, so that no step is a fresh Adam's sign-like first one
+    micro: int = 1
+    prime: bool = False
 
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -69,6 +74,10 @@ def variants(recipe: scenarios.Recipe) -> dict[str, Variant]:
         "own": Variant("own", lr, b, own=True),
         "attn": Variant("attn", lr, b, targets=ATTENTION),
         "attn-lr2e-3": Variant("attn-lr2e-3", 2 * lr, b, targets=ATTENTION),
+        "micro4": Variant("micro4", lr / 4, b, micro=4),
+        "micro4-prime": Variant("micro4-prime", lr / 3, b, micro=4, prime=True),
+        "micro4-prime-lr": Variant("micro4-prime-lr", lr, b, micro=4, prime=True),
+        "micro4-lr": Variant("micro4-lr", lr, b, micro=4),
     }
 
 
@@ -136,9 +145,11 @@ async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of:
             if len(chunk) < v.batch:
                 break
             lr = v.lr * min(1.0, (k + 1) / (v.warmup + 1)) if v.warmup else v.lr
-            optim = OptimSpec(learning_rate=lr, eps=v.eps, beta2=v.beta2)
-            batch = [d for ds in chunk for d in ds]
-            m = await backend.train_step(batch, LossSpec(), optim)
+            size = -(-len(chunk) // v.micro)
+            for j in range(0, len(chunk), size):
+                step_lr = 0.0 if v.prime and j == 0 else lr
+                optim = OptimSpec(learning_rate=step_lr, eps=v.eps, beta2=v.beta2)
+                m = await backend.train_step([d for ds in chunk[j: j + size] for d in ds], LossSpec(), optim)
             await backend.publish()
             got = await measure(backend, renderer, sc, repeats)
             drop = [b - a for a, b in zip(got["probe"], base["probe"], strict=True)]
