@@ -49,6 +49,9 @@ class Variant:
     beta2: float = 0.999
     warmup: int = 0  # steps of linear lr warmup after the fresh optimizer
     own: bool = False  # train the turns' own answers (+1 on every token) instead of their rewrites
+    # train the turns' own answers cut after their first sentence, with the end-of-turn token
+    # added: "all" +1 on every token, "end" +1 on the added end token only (0 elsewhere)
+    cut: str = ""
     targets: tuple[str, ...] = ()  # LoRA target modules (default: every linear layer)
     # optimizer steps per step, each on a slice of the batch; with `prime` the first is taken at
     # lr 0: it only fills Adam's moments, so that no step is a fresh Adam's sign-like first one
@@ -78,6 +81,8 @@ def variants(recipe: scenarios.Recipe) -> dict[str, Variant]:
         "micro4-prime": Variant("micro4-prime", lr / 3, b, micro=4, prime=True),
         "micro4-prime-lr": Variant("micro4-prime-lr", lr, b, micro=4, prime=True),
         "micro4-lr": Variant("micro4-lr", lr, b, micro=4),
+        "cut": Variant("cut", lr, b, cut="all"),
+        "cut-end": Variant("cut-end", lr, b, cut="end"),
     }
 
 
@@ -127,8 +132,37 @@ async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scena
     }
 
 
+def first_sentence(tokenizer: Any, ids: tuple[int, ...]) -> int | None:
+    """How many tokens of `ids` make its first sentence (its text ends with . ! or ? there and more
+    follows); None when the answer is one sentence already."""
+    for k in range(1, len(ids) - 1):
+        if tokenizer.decode(list(ids[:k])).rstrip().endswith((".", "!", "?")) and tokenizer.decode(
+                list(ids[k:k + 1])).startswith((" ", "\n")):
+            return k
+    return None
+
+
+async def first_sentences(backend: LocalBackend, samples: list[Sample]) -> dict[str, list[list[Datum]]]:
+    """Each turn's own answer cut after its first sentence, the end-of-turn token added, scored by
+    v0 (the recorded logprobs do not cover the added token): "all" +1 on every token, "end" +1 on
+    the end token only. Turns whose answer is one sentence already keep their whole answer."""
+    tok = backend.tokenizer()
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert isinstance(end, int)
+    out: dict[str, list[list[Datum]]] = {"all": [], "end": []}
+    for s in samples:
+        k = first_sentence(tok, s.completion_ids)
+        ids: tuple[int, ...] = (*s.completion_ids[:k], end) if k is not None else s.completion_ids
+        lps = tuple(await backend.score(s.prompt_ids, ids, temperature=s.temperature))
+        n = len(ids)
+        out["all"].append([Datum(s.prompt_ids, ids, lps, (1.0,) * n, s.temperature)])
+        out["end"].append([Datum(s.prompt_ids, ids, lps, (0.0,) * (n - 1) + (1.0,), s.temperature)])
+    return out
+
+
 async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of: list[list[Datum]],
-                      own_of: list[list[Datum]], steps: int, base: dict[str, Any], show: int,
+                      own_of: list[list[Datum]], cut_of: dict[str, list[list[Datum]]], steps: int,
+                      base: dict[str, Any], show: int,
                       repeats: int = 1) -> list[dict[str, Any]]:
     settings = demo_settings(sc, data / f"v-{v.name}", seed=0)
     backend = LocalBackend.from_settings(settings)
@@ -140,7 +174,7 @@ async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of:
     try:
         at = 0
         for k in range(steps):
-            chunk = (own_of if v.own else datums_of)[at: at + v.batch]
+            chunk = (cut_of[v.cut] if v.cut else own_of if v.own else datums_of)[at: at + v.batch]
             at += v.batch
             if len(chunk) < v.batch:
                 break
@@ -186,11 +220,12 @@ async def main_async(args: argparse.Namespace) -> int:
     backend = LocalBackend.from_settings(settings)
     await backend.start()
     base = await measure(backend, Renderer(backend.tokenizer()), sc, args.repeats)
+    cut_of = await first_sentences(backend, samples) if any(v.cut for v in chosen) else {}
     await backend.close()
     print(json.dumps({"variant": "v0", "step": 0, "probe": sum(base["probe"]) / len(base["probe"]),
                       "truly": base["truly"], "preferred": base["preferred"], "answered": base["answered"]}), flush=True)
     for v in chosen:
-        await run_variant(v, sc, data, datums_of, own_of, args.steps, base, args.show, args.repeats)
+        await run_variant(v, sc, data, datums_of, own_of, cut_of, args.steps, base, args.show, args.repeats)
     return 0
 
 
