@@ -193,7 +193,9 @@ def decide(
                 return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
                                     f"({100 * g.delta:+.0f} pts), not shown within {100 * margin:.0f} pts "
                                     f"(p={g.p_inferior:.3f})")
-    return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
+    if non_inferiority:
+        return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
+    return "accepted", "no probe group is worse beyond the margin"
 
 
 # --- evaluation (I/O: the backend) ---------------------------------------------------------------
