@@ -155,7 +155,7 @@ def early(alpha: float, share: float) -> float:
 
 def doubtful(
     comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
-    share: float = 1.0, non_inferiority: bool = True,
+    share: float = 1.0,
 ) -> bool:
     """More probes should decide: unless the candidate is shown worse at the stricter significance
     an early look at `share` of the probes needs (`early`). An early look never accepts (a
@@ -164,21 +164,21 @@ def doubtful(
     if share >= 1.0:
         return False
     strict_base = None if alpha_base is None else early(alpha_base, share)
-    return decide(comparisons, margin, early(alpha, share), strict_base, non_inferiority=non_inferiority,
-                  final=False)[0] == "accepted"
+    return decide(comparisons, margin, early(alpha, share), strict_base, non_inferiority=False)[0] == "accepted"
 
 
 def decide(
     comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
-    *, non_inferiority: bool = True, final: bool = True,
+    *, non_inferiority: bool = True,
 ) -> tuple[Decision, str]:
     """Held back when some comparison is worse by more than `margin` with p < `alpha`, or (with
-    `non_inferiority`, on the `final` look) when a comparison with v0 (named "... vs v0", at
-    `alpha_base` when given) does not show the candidate within the margin: against the serving
-    version the gate asks for evidence of harm, against the base for evidence of safety. A gate
-    that held back only a loss it could show served, among five candidates that each lost 12
-    points of the probe, the one whose 50 answers happened to look fine; what all the steps
-    together cost is guarded from the other side (the candidate carries the burden of proof)."""
+    `non_inferiority`, which an early look leaves out) when a comparison with v0 (named
+    "... vs v0", at `alpha_base` when given) does not show the candidate within the margin:
+    against the serving version the gate asks for evidence of harm, against the base for evidence
+    of safety. A gate that held back only a loss it could show served, among five candidates that
+    each lost 12 points of the probe, the one whose 50 answers happened to look fine; what all the
+    steps together cost is guarded from the other side (the candidate carries the burden of
+    proof)."""
 
     def level(name: str) -> float:
         return alpha_base if alpha_base is not None and name.endswith(" vs v0") else alpha
@@ -187,15 +187,14 @@ def decide(
         if g.delta < -margin and g.p_worse < level(name):
             return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
                                 f"({100 * g.delta:+.0f} pts, p={g.p_worse:.3f})")
-    if non_inferiority and final:
-        for name, g in comparisons.items():
-            if name.endswith(" vs v0") and g.p_inferior >= level(name):
-                return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
-                                    f"({100 * g.delta:+.0f} pts), not shown within {100 * margin:.0f} pts "
-                                    f"(p={g.p_inferior:.3f})")
-    if non_inferiority:
-        return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
-    return "accepted", "no probe group is worse beyond the margin"
+    if not non_inferiority:
+        return "accepted", "no probe group is worse beyond the margin"
+    for name, g in comparisons.items():
+        if name.endswith(" vs v0") and g.p_inferior >= level(name):
+            return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
+                                f"({100 * g.delta:+.0f} pts), not shown within {100 * margin:.0f} pts "
+                                f"(p={g.p_inferior:.3f})")
+    return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
 
 
 # --- evaluation (I/O: the backend) ---------------------------------------------------------------
@@ -297,8 +296,7 @@ class Gate:
         probe_figures = await self._probe_figures(candidate, serving, base, asked)
         total = sum(len(t) for t in self.tiers)
         while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha,
-                                                   self.alpha_base, sum(len(t) for t in self.tiers[:asked]) / total,
-                                                   self.non_inferiority):
+                                                   self.alpha_base, sum(len(t) for t in self.tiers[:asked]) / total):
             asked += 1
             probe_figures = await self._probe_figures(candidate, serving, base, asked)
         comparisons.update(probe_figures[0])
