@@ -388,8 +388,9 @@ class _Events:
         out: list[bytes] = []
         self.pending += zip(tokens, logprobs, strict=True)
         for d in deltas:
+            # a delta carries every token sampled since the last one; only message text shows them
+            taken, self.pending = self.pending, []
             if d.tool_call is not None:
-                self.pending = []  # a call's tokens: its item carries no logprobs
                 out += self._close()
                 tc, idx, fid = d.tool_call, len(self.items), _item_id("fc")
                 out += [
@@ -412,14 +413,12 @@ class _Events:
             base = {"item_id": o["id"], "output_index": len(self.items), "content_index": 0}
             if kind == "message":
                 lps: list[dict[str, Any]] = []
-                if o["logprobs"] is not None and self.pending:
-                    toks, vals = zip(*self.pending, strict=True)
+                if o["logprobs"] is not None and taken:
+                    toks, vals = zip(*taken, strict=True)
                     lps = surface.token_logprobs(self.proxy, toks, vals, None)
                     o["logprobs"] += lps
-                self.pending = []
                 out.append(self._ev("response.output_text.delta", **base, delta=text, logprobs=lps))
             else:
-                self.pending = []  # reasoning text carries no logprobs
                 out.append(self._ev("response.reasoning_text.delta", **base, delta=text))
         return out
 
