@@ -180,14 +180,16 @@ async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of:
                 break
             lr = v.lr * min(1.0, (k + 1) / (v.warmup + 1)) if v.warmup else v.lr
             size = -(-len(chunk) // v.micro)
+            norms = []  # one per optimizer step; the row reports the largest
             for j in range(0, len(chunk), size):
                 step_lr = 0.0 if v.prime and j == 0 else lr
                 optim = OptimSpec(learning_rate=step_lr, eps=v.eps, beta2=v.beta2)
                 m = await backend.train_step([d for ds in chunk[j: j + size] for d in ds], LossSpec(), optim)
+                norms.append(m.grad_norm)
             await backend.publish()
             got = await measure(backend, renderer, sc, repeats)
             drop = [b - a for a, b in zip(got["probe"], base["probe"], strict=True)]
-            row = {"variant": v.name, "step": k + 1, "lr": lr, "grad_norm": m.grad_norm,
+            row = {"variant": v.name, "step": k + 1, "lr": lr, "grad_norm": max(norms),
                    "probe": sum(got["probe"]) / len(got["probe"]), "probe_lost": sum(x > 0 for x in drop),
                    "probe_gained": sum(x < 0 for x in drop), "truly": got["truly"],
                    "preferred": got["preferred"], "answered": got["answered"]}
