@@ -11,6 +11,7 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import build_judges, teacher_messages
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER
+from clawbridge.learning.advantages import anchored, sample_advantages
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
 from clawbridge.learning.trainer import Trainer, to_datums
@@ -20,13 +21,13 @@ from clawbridge.types import SamplingParams
 from test_collector import record_turns, settings_for
 
 
-def short_turns(store: Store, replies: list[str]) -> list[str]:
+def short_turns(store: Store, replies: list[str], first: int = 0) -> list[str]:
     """Main turns asked with max_tokens 8 (a rewrite never writes more than the turn asked for),
-    each with the user's reply as its next state."""
+    each with the user's reply as its next state; sessions and questions numbered from `first`."""
     tok = models.load_tokenizer(models.resolve(models.TINY))
     renderer = Renderer(tok)
     ids = []
-    for i, reply in enumerate(replies):
+    for i, reply in enumerate(replies, start=first):
         messages = [{"role": "user", "content": f"Question number {i}?"}]
         completion = tuple(tok.encode(f" An answer to question {i}."))
         tid = store.record_turn(TurnRecord(
@@ -195,6 +196,46 @@ async def test_the_relevance_floor_is_the_teachers_gain_from_the_question(data_d
         assert blank != renderer.render(teacher_messages(turn.messages, "Be brief."))
         alone = await backend.score(blank, kept.ids, model="base", temperature=1.0)
         assert len(alone) == len(kept.ids) and all(x <= 0 for x in alone)
+    finally:
+        await backend.close()
+        store.close()
+
+
+async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_dir: Path):
+    """kl_anchor on the real backend: A_t -= beta * (log pi_old - log pi_base) on the turn's own
+    tokens and on its rewrite's. While the policy is the base model the rewrite's anchor is
+    exactly zero (the policy's logprobs are the base's: there is no KL to pull back); after one
+    trained step it is not, and the stored advantages are the anchored ones, computed here from
+    scores the test takes itself. It applies after w_negative, so its push-back survives w_negative 0."""
+    beta = 0.5
+    settings = settings_for(data_dir, rewrites=2, w_rewrite=1.0, w_negative=0.0, batch_size=2, gate="off",
+                            rewrite_min_relevance=-1e9, kl_anchor=beta, learning_rate=1e-2)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        replies = ["Thanks, that's perfect.", "Too long. Please answer in one short sentence."]
+        collector = Collector(settings, backend, store, build_judges(settings))
+        short_turns(store, replies)
+        assert await collector.run_once() == 2
+        [first] = [s for s in store.pending_samples() if s.rewrite is not None]
+        assert first.rewrite is not None and first.rewrite.advantages == pytest.approx((1.0,) * len(first.rewrite.ids), abs=1e-4)
+        assert await Trainer(settings, backend, store).step_once() is not None
+
+        thanked_id, corrected_id = short_turns(store, replies, first=2)
+        assert await collector.run_once() == 2
+        thanked, corrected = (next(s for s in store.pending_samples() if s.turn_id == t) for t in (thanked_id, corrected_id))
+        rw = corrected.rewrite
+        assert rw is not None
+        base = await backend.score(corrected.prompt_ids, rw.ids, model="base", temperature=1.0)
+        assert rw.advantages == pytest.approx(anchored((1.0,) * len(rw.ids), rw.logprobs, base, beta), abs=1e-4)
+        assert max(abs(a - 1.0) for a in rw.advantages) > 1e-3  # the trained policy moved: the anchor acts
+
+        base = await backend.score(thanked.prompt_ids, thanked.completion_ids, model="base", temperature=1.0)
+        plain = sample_advantages("combine", 1.0, False, None, thanked.logprobs)
+        assert plain is not None and thanked.advantages is not None
+        assert thanked.advantages == pytest.approx(anchored(plain, thanked.logprobs, base, beta), abs=1e-4)
+        assert min(thanked.advantages) < 0  # pushed back past zero, and kept: w_negative 0 scales feedback only
     finally:
         await backend.close()
         store.close()

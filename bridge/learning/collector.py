@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from clawbridge.backends.base import Backend
 from clawbridge.chat.renderer import Renderer
@@ -26,9 +26,9 @@ from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.judges import Judgment as JudgeReward
-from clawbridge.learning.advantages import anchored, sample_advantages, scale_negatives
+from clawbridge.learning.advantages import Advantages, anchored, sample_advantages, scale_negatives
 from clawbridge.learning.rewrite import write_rewrite
-from clawbridge.store import JudgeVote, Judgment, Sample, Store, StoredTurn
+from clawbridge.store import JudgeVote, Judgment, Rewrite, Sample, Store, StoredTurn
 from clawbridge.types import Method
 
 log = logging.getLogger(__name__)
@@ -151,11 +151,6 @@ class Collector:
             self.method, signal.reward, signal.hint is not None, teacher_lp, turn.logprobs,
             w_opd=self.settings.w_opd, w_rl=self.settings.w_rl, clip=self.settings.opd_clip,
         )
-        if advantages is not None and self.settings.kl_anchor > 0:
-            base_lp = await self.backend.score(
-                turn.prompt_ids, turn.completion_ids, model="base", temperature=turn.sampling.temperature,
-            )
-            advantages = anchored(advantages, turn.logprobs, base_lp, self.settings.kl_anchor)
         if advantages is not None and self.settings.w_negative != 1.0:
             advantages = scale_negatives(advantages, self.settings.w_negative)
         rewrite = None
@@ -165,6 +160,8 @@ class Collector:
                 weight=self.settings.w_rewrite, teacher=self.settings.teacher, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance,
             )
+        if self.settings.kl_anchor > 0:  # after w_negative: the anchor's push-back is not feedback
+            advantages, rewrite = await self._anchor(turn, advantages, rewrite)
         if rewrite is None and (advantages is None or not any(advantages)):
             reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None
                       else f"only negative advantages, scaled by w_negative {self.settings.w_negative:g}")
@@ -178,6 +175,23 @@ class Collector:
             teacher_logprobs=teacher_lp, reward=signal.reward, hint=signal.hint, rewrite=rewrite,
         )
         self.stats.samples += 1
+
+    async def _anchor(
+        self, turn: StoredTurn, advantages: Advantages | None, rewrite: Rewrite | None,
+    ) -> tuple[Advantages | None, Rewrite | None]:
+        """The anchor to the base model on every token this sample trains: the turn's own answer
+        and its rewrite, each against log pi_old of those tokens (docs/methods.md). Both are
+        scored by the base model (the adapter disabled) at the turn's temperature."""
+        beta, temperature = self.settings.kl_anchor, turn.sampling.temperature
+        if advantages is not None:
+            base_lp = await self.backend.score(
+                turn.prompt_ids, turn.completion_ids, model="base", temperature=temperature,
+            )
+            advantages = anchored(advantages, turn.logprobs, base_lp, beta)
+        if rewrite is not None:
+            base_lp = await self.backend.score(turn.prompt_ids, rewrite.ids, model="base", temperature=temperature)
+            rewrite = replace(rewrite, advantages=anchored(rewrite.advantages, rewrite.logprobs, base_lp, beta))
+        return advantages, rewrite
 
     @staticmethod
     def context(turn: StoredTurn) -> TurnContext:
