@@ -5,10 +5,13 @@ from hints: the rewrites have nothing right to imitate and OPD nothing to pull t
 
     .venv/bin/python bench/teacher.py --scenario bullets --draws 4
     .venv/bin/python bench/teacher.py --scenario my.yaml --hint "Answer as a list." --show 3
+    .venv/bin/python bench/teacher.py --probe --draws 4    # what the preference costs on the probe
 
 Prints, over the held-out prompts × draws at the recipe's temperature and max_tokens: the share
 that meets the preference, that answers the question, and both ("truly satisfied"), for the plain
-prompt and for the hinted one, and `--show` answers of each for reading.
+prompt and for the hinted one, and `--show` answers of each for reading. `--probe` asks the
+general probe set instead (the gate's and the demo's "does it still answer questions"), plain and
+hinted: the probe rate a student that learned the preference as the teacher shows it would have.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
+from clawbridge.learning.probes import Probe, general_probes
 from clawbridge.learning.rewrite import (
     Draw,
     Pick,
@@ -38,7 +42,8 @@ from clawbridge.types import SamplingParams
 
 
 async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | None, seed: int,
-                  show: int, picks: bool = False, picks_only: bool = False) -> dict[str, dict[str, float]]:
+                  show: int, picks: bool = False, picks_only: bool = False,
+                  probe: bool = False) -> dict[str, dict[str, float]]:
     settings = demo_settings(sc, Path(tempfile.mkdtemp(prefix="cb-teacher-")), model=model, seed=seed)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -47,7 +52,7 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
     params = SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=seed)
     out: dict[str, dict[str, float]] = {}
     try:
-        kinds = () if picks_only else (("plain", lambda p: sc.messages(p)),
+        kinds = () if picks_only or probe else (("plain", lambda p: sc.messages(p)),
                                          ("hinted", lambda p: teacher_messages(sc.messages(p), hint)))
         for label, build in kinds:
             async def one(prompt: str, build=build) -> list[tuple[str, scenarios.Verdict]]:
@@ -66,10 +71,43 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
             for text, v in rated[: show * draws : draws]:
                 mark = "truly" if v.truly else "pref" if v.preferred else "answered" if v.answered else "neither"
                 print(f"  [{label} · {mark}] {text[:160]!r}", file=sys.stderr)
+        if probe:
+            out.update(await probe_cost(sc, backend, renderer, params, hint, draws))
         if picks or picks_only:
             out.update(await compare_picks(sc, backend, renderer, params, hint, draws))
     finally:
         await backend.close()
+    return out
+
+
+async def probe_cost(sc: scenarios.Scenario, backend: LocalBackend, renderer: Renderer,
+                     params: SamplingParams, hint: str, draws: int) -> dict[str, dict[str, float]]:
+    """What the preference itself costs the base model on the general probe set (which the
+    gate and the demo hold a version to): each probe question asked plain and with the hint as a
+    system instruction (the teacher a rewrite imitates), `draws` answers each. `answered` is the
+    probe's check; `preferred` the scenario's. The hinted rows are what a student that learned the
+    preference exactly as the teacher shows it would score; `hinted, preferred` / `hinted, not
+    preferred` split the hinted answers by whether they meet the preference, so the first is
+    the probe rate of a student that always meets it, as far as the teacher's answers say."""
+    probes = general_probes()
+    out: dict[str, dict[str, float]] = {}
+    for label, build in (("probe, plain", lambda q: [{"role": "user", "content": q}]),
+                         ("probe, hinted", lambda q: teacher_messages([{"role": "user", "content": q}], hint))):
+        async def one(p: Probe, build=build) -> list[tuple[bool, bool]]:
+            comps = await backend.sample(renderer.render(build(p.question)), params, n=draws)
+            texts = [(renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
+            return [(sc.check.satisfied(t, f), p.check.answered(t)) for t, f in texts]
+
+        rated = [x for row in await asyncio.gather(*(one(p) for p in probes)) for x in row]
+        groups = {label: rated}
+        if label == "probe, hinted":
+            groups |= {"hinted, preferred": [x for x in rated if x[0]],
+                       "hinted, not preferred": [x for x in rated if not x[0]]}
+        for name, rows in groups.items():
+            n = len(rows)
+            out[name] = {"preferred": sum(p for p, _ in rows) / n if n else math.nan,
+                         "answered": sum(a for _, a in rows) / n if n else math.nan,
+                         "truly": sum(p and a for p, a in rows) / n if n else math.nan, "n": float(n)}
     return out
 
 
@@ -127,17 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--picks", action="store_true",
                     help="also compare the rules that pick a rewrite among the draws (held-out and validation prompts)")
     ap.add_argument("--picks-only", action="store_true", help="only the comparison of --picks")
+    ap.add_argument("--probe", action="store_true",
+                    help="instead of the held-out prompts: what the preference costs on the general probe set")
     args = ap.parse_args(argv)
     sc = scenarios.load(args.scenario)
     hint = args.hint or sc.replies.unsatisfied[0]
-    print(f"scenario {sc.name} · hint {hint!r} · {len(sc.heldout_prompts)} prompts × {args.draws} draws")
-    res = asyncio.run(measure(sc, hint, args.draws, args.model, args.seed, args.show, args.picks, args.picks_only))
+    asked = f"{len(general_probes())} probe questions" if args.probe else f"{len(sc.heldout_prompts)} prompts"
+    print(f"scenario {sc.name} · hint {hint!r} · {asked} × {args.draws} draws")
+    res = asyncio.run(measure(sc, hint, args.draws, args.model, args.seed, args.show, args.picks, args.picks_only,
+                              args.probe))
     print(f"{'prompt':30s} {'preferred':>9s} {'answered':>9s} {'truly':>7s} {'n':>4s} {'none':>5s}")
     for label, row in res.items():
         pref = "" if row["preferred"] != row["preferred"] else f"{row['preferred']:.0%}"
         ans = "" if row["answered"] != row["answered"] else f"{row['answered']:.0%}"
         none = f"{row['none']:.0f}" if "none" in row else ""
-        print(f"{label:30s} {pref:>9s} {ans:>9s} {row['truly']:7.0%} {row['n']:4.0f} {none:>5s}")
+        truly = "" if row["truly"] != row["truly"] else f"{row['truly']:.0%}"
+        print(f"{label:30s} {pref:>9s} {ans:>9s} {truly:>7s} {row['n']:4.0f} {none:>5s}")
     return 0
 
 
