@@ -206,7 +206,8 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
     tokens and on its rewrite's. While the policy is the base model the rewrite's anchor is
     exactly zero (the policy's logprobs are the base's: there is no KL to pull back); after one
     trained step it is not, and the stored advantages are the anchored ones, computed here from
-    scores the test takes itself. It applies after w_negative, so its push-back survives w_negative 0."""
+    scores the test takes itself. It applies after w_negative, so its push-back survives w_negative 0,
+    and only to samples that carry feedback: a neutral reply's turn is still dropped."""
     beta = 0.5
     settings = settings_for(data_dir, rewrites=2, w_rewrite=1.0, w_negative=0.0, batch_size=2, gate="off",
                             rewrite_min_relevance=-1e9, kl_anchor=beta, learning_rate=1e-2)
@@ -222,8 +223,9 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
         assert first.rewrite is not None and first.rewrite.advantages == pytest.approx((1.0,) * len(first.rewrite.ids), abs=1e-4)
         assert await Trainer(settings, backend, store).step_once() is not None
 
-        thanked_id, corrected_id = short_turns(store, replies, first=2)
-        assert await collector.run_once() == 2
+        thanked_id, corrected_id, neutral_id = short_turns(store, [*replies, "ok"], first=2)
+        assert await collector.run_once() == 3
+        assert neutral_id not in {s.turn_id for s in store.pending_samples()}  # no feedback: dropped, anchor or not
         thanked, corrected = (next(s for s in store.pending_samples() if s.turn_id == t) for t in (thanked_id, corrected_id))
         rw = corrected.rewrite
         assert rw is not None

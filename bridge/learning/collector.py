@@ -160,14 +160,14 @@ class Collector:
                 weight=self.settings.w_rewrite, teacher=self.settings.teacher, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance,
             )
-        if self.settings.kl_anchor > 0:  # after w_negative: the anchor's push-back is not feedback
-            advantages, rewrite = await self._anchor(turn, advantages, rewrite)
         if rewrite is None and (advantages is None or not any(advantages)):
             reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None
                       else f"only negative advantages, scaled by w_negative {self.settings.w_negative:g}")
             await store.run(store.mark_samples, [sample_id], "dropped", reason)
             self.stats.dropped += 1
             return
+        if self.settings.kl_anchor > 0:
+            advantages, rewrite = await self._anchor(turn, advantages, rewrite)
         if advantages is None:  # a rewrite alone: the turn's own answer trains nothing
             advantages = (0.0,) * len(turn.completion_ids)
         await store.run(
@@ -180,10 +180,13 @@ class Collector:
         self, turn: StoredTurn, advantages: Advantages | None, rewrite: Rewrite | None,
     ) -> tuple[Advantages | None, Rewrite | None]:
         """The anchor to the base model on every token this sample trains: the turn's own answer
-        and its rewrite, each against log pi_old of those tokens (docs/methods.md). Both are
-        scored by the base model (the adapter disabled) at the turn's temperature."""
+        (when feedback gave it an advantage) and its rewrite, each against log pi_old of those
+        tokens (docs/methods.md), scored by the base model (the adapter disabled) at the turn's
+        temperature. It shapes what feedback trains and brings nothing else into the batch: a
+        sample without feedback was dropped before, an answer whose advantages w_negative zeroed
+        stays out, and it comes after w_negative, so its push-back is kept."""
         beta, temperature = self.settings.kl_anchor, turn.sampling.temperature
-        if advantages is not None:
+        if advantages is not None and any(advantages):
             base_lp = await self.backend.score(
                 turn.prompt_ids, turn.completion_ids, model="base", temperature=temperature,
             )
