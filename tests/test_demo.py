@@ -93,6 +93,16 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
 
 
+def test_a_restored_copy_has_the_weights_it_copies():
+    from clawbridge.demo.runner import same_weights
+
+    # v0 served; v1 held back -> v2 is v0's weights; v3 held back -> v4 is v2's, so v0's; v5 accepted
+    rollbacks = {"2": 0, "4": 2}
+    assert same_weights(rollbacks, 4, 0) and same_weights(rollbacks, 2, 4) and same_weights(rollbacks, 0, 0)
+    assert not same_weights(rollbacks, 5, 0) and not same_weights(rollbacks, 1, 0) and not same_weights({}, 4, 0)
+    assert same_weights({"1": 1}, 1, 1)  # a malformed self-copy ends the walk instead of looping
+
+
 def test_the_probe_interval_pairs_the_questions():
     from clawbridge.demo.runner import DemoResult, VersionEval
 

@@ -23,7 +23,7 @@ import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import GateProbe
 from clawbridge.learning.probes import Probe, general_probes, rate
+from clawbridge.learning.trainer import ROLLBACKS_KEY
 
 if TYPE_CHECKING:
     from clawbridge.learning.learner import Learner
@@ -395,7 +396,15 @@ async def _play(
             held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
             if (served.version != versions[-1].version and not held_back) or last:
                 async with learner.lock:  # no step may publish while a version is being measured
-                    ev, ex = await user.evaluate(served.version, probe=last)
+                    rollbacks = await running.store.run(running.store.get_meta, ROLLBACKS_KEY) or {}
+                    prev = versions[-1]
+                    if same_weights(rollbacks, served.version, prev.version) and (prev.probe is not None or not last):
+                        # a restored copy (the gate held every candidate since back): the same weights
+                        # give the same answers to the same seeds, so its figures are the copy's
+                        ev = replace(prev, version=served.version, seconds=0.0, conversations=user.conversations)
+                        ex = examples[prev.version]
+                    else:
+                        ev, ex = await user.evaluate(served.version, probe=last)
                 versions.append(ev)
                 examples[ev.version] = ex
                 report(f"policy@v{ev.version}: truly satisfied {ev.truly:.0%}", 2 * rnd + 3, total)
@@ -423,6 +432,20 @@ async def _play(
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))
     return result
+
+
+def same_weights(rollbacks: dict[str, int], a: int, b: int) -> bool:
+    """Whether versions `a` and `b` serve the same weights: a gate rejection (or `clawbridge
+    rollback`) publishes the serving version's weights as a new version, recorded in the store
+    as {"<new>": <copied>}, and a copy may be of a copy (pure)."""
+    def origin(v: int) -> int:
+        seen = set()
+        while str(v) in rollbacks and v not in seen:
+            seen.add(v)
+            v = int(rollbacks[str(v)])
+        return v
+
+    return origin(a) == origin(b)
 
 
 def _threads() -> int | None:
