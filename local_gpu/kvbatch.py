@@ -272,10 +272,12 @@ class SlotBatch:
         return graph, logits
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer: int, *_: Any
+        self, key: torch.Tensor, value: torch.Tensor, layer: int, *_: Any, **__: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Called by attention layer `layer` with the step's new keys and values [rows, H, 1, D]:
-        each row's are written at its own column; the rows' attended columns come back."""
+        each row's are written at its own column; the rows' attended columns come back. What
+        else the layer passes (positional cache kwargs up to transformers 5.23, `kwargs=` from
+        5.24) is not needed."""
         rows = key.shape[0]
         k, v = self.keys[layer], self.values[layer]
         k[self._rows[:rows], :, self._write] = key[:, :, 0]
