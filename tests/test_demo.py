@@ -94,13 +94,27 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
 
 
 def test_a_restored_copy_has_the_weights_it_copies():
-    from clawbridge.demo.runner import same_weights
+    from clawbridge.learning.trainer import same_weights
 
     # v0 served; v1 held back -> v2 is v0's weights; v3 held back -> v4 is v2's, so v0's; v5 accepted
     rollbacks = {"2": 0, "4": 2}
     assert same_weights(rollbacks, 4, 0) and same_weights(rollbacks, 2, 4) and same_weights(rollbacks, 0, 0)
     assert not same_weights(rollbacks, 5, 0) and not same_weights(rollbacks, 1, 0) and not same_weights({}, 4, 0)
     assert same_weights({"1": 1}, 1, 1)  # a malformed self-copy ends the walk instead of looping
+
+
+def test_a_restored_copy_takes_the_figures_of_the_version_it_copies():
+    from clawbridge.demo.runner import VersionEval, reusable
+
+    v0 = VersionEval(0, 0.05, (0.0, 0.1), 2, 55.0, truly=0.05, probe=0.68, probe_per_prompt=(1.0, 0.0))
+    copy = reusable(v0, 4, {"2": 0, "4": 2}, probe=True, conversations=40)
+    assert copy is not None and (copy.version, copy.conversations, copy.seconds) == (4, 40, 0.0)
+    assert (copy.rate, copy.per_prompt, copy.truly, copy.probe, copy.probe_per_prompt) == (
+        v0.rate, v0.per_prompt, v0.truly, v0.probe, v0.probe_per_prompt)
+    assert reusable(v0, 5, {"2": 0, "4": 2}, probe=True, conversations=40) is None  # trained weights: measure
+    unprobed = VersionEval(3, 0.5, (0.5,), 1, 10.0)  # measured without the general probe
+    assert reusable(unprobed, 4, {"4": 3}, probe=True, conversations=40) is None  # the last needs it
+    assert reusable(unprobed, 4, {"4": 3}, probe=False, conversations=40) is not None
 
 
 def test_the_probe_interval_pairs_the_questions():

@@ -32,7 +32,7 @@ from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import GateProbe
 from clawbridge.learning.probes import Probe, general_probes, rate
-from clawbridge.learning.trainer import ROLLBACKS_KEY
+from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
 
 if TYPE_CHECKING:
     from clawbridge.learning.learner import Learner
@@ -397,12 +397,10 @@ async def _play(
             if (served.version != versions[-1].version and not held_back) or last:
                 async with learner.lock:  # no step may publish while a version is being measured
                     rollbacks = await running.store.run(running.store.get_meta, ROLLBACKS_KEY) or {}
-                    prev = versions[-1]
-                    if same_weights(rollbacks, served.version, prev.version) and (prev.probe is not None or not last):
-                        # a restored copy (the gate held every candidate since back): the same weights
-                        # give the same answers to the same seeds, so its figures are the copy's
-                        ev = replace(prev, version=served.version, seconds=0.0, conversations=user.conversations)
-                        ex = examples[prev.version]
+                    copied = reusable(versions[-1], served.version, rollbacks, probe=last,
+                                      conversations=user.conversations)
+                    if copied is not None:
+                        ev, ex = copied, examples[versions[-1].version]
                     else:
                         ev, ex = await user.evaluate(served.version, probe=last)
                 versions.append(ev)
@@ -434,18 +432,15 @@ async def _play(
     return result
 
 
-def same_weights(rollbacks: dict[str, int], a: int, b: int) -> bool:
-    """Whether versions `a` and `b` serve the same weights: a gate rejection (or `clawbridge
-    rollback`) publishes the serving version's weights as a new version, recorded in the store
-    as {"<new>": <copied>}, and a copy may be of a copy (pure)."""
-    def origin(v: int) -> int:
-        seen = set()
-        while str(v) in rollbacks and v not in seen:
-            seen.add(v)
-            v = int(rollbacks[str(v)])
-        return v
-
-    return origin(a) == origin(b)
+def reusable(prev: VersionEval, version: int, rollbacks: dict[str, int], *, probe: bool,
+             conversations: int) -> VersionEval | None:
+    """`prev`'s figures as `version`'s when `version` is a restored copy of `prev`'s weights (the
+    gate held every candidate since back: the same weights give the same answers to the same
+    seeds) and `prev` was measured as fully as asked (with the general probe when `probe`);
+    None: measure `version` (pure)."""
+    if not same_weights(rollbacks, version, prev.version) or (probe and prev.probe is None):
+        return None
+    return replace(prev, version=version, seconds=0.0, conversations=conversations)
 
 
 def _threads() -> int | None:

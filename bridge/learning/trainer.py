@@ -37,6 +37,20 @@ ROLLBACKS_KEY = "policy.rollbacks"  # store meta: {"<version>": <the version it 
 PERMANENT_FAILURES = 3  # a batch refused this many times in a row by a permanent error is dropped
 
 
+def same_weights(rollbacks: dict[str, int], a: int, b: int) -> bool:
+    """Whether versions `a` and `b` serve the same weights, read from the ROLLBACKS_KEY map: a gate
+    rejection (or `clawbridge rollback`) publishes the serving version's weights as a new version,
+    recorded as {"<new>": <copied>}, and a copy may be of a copy (pure)."""
+    def origin(v: int) -> int:
+        seen = set()
+        while str(v) in rollbacks and v not in seen:
+            seen.add(v)
+            v = int(rollbacks[str(v)])
+        return v
+
+    return origin(a) == origin(b)
+
+
 def to_datum(s: Sample) -> Datum:
     """The turn's own answer, exactly as sampled, with the sample's advantages."""
     if s.advantages is None:
