@@ -11,7 +11,7 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import build_judges, teacher_messages
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER
-from clawbridge.learning.advantages import anchored, sample_advantages
+from clawbridge.learning.advantages import anchored, sample_advantages, scale_negatives
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
 from clawbridge.learning.trainer import Trainer, to_datums
@@ -238,6 +238,13 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
         assert plain is not None and thanked.advantages is not None
         assert thanked.advantages == pytest.approx(anchored(plain, thanked.logprobs, base, beta), abs=1e-4)
         assert min(thanked.advantages) < 0  # pushed back past zero, and kept: w_negative 0 scales feedback only
+
+        # the corrected answer's own tokens: anchored only when feedback left them an advantage
+        own = scale_negatives(sample_advantages("combine", -1.0, True, corrected.teacher_logprobs,
+                                                corrected.logprobs) or (), 0.0)
+        base = await backend.score(corrected.prompt_ids, corrected.completion_ids, model="base", temperature=1.0)
+        want = anchored(own, corrected.logprobs, base, beta) if any(own) else (0.0,) * len(corrected.completion_ids)
+        assert corrected.advantages == pytest.approx(want, abs=1e-4)
     finally:
         await backend.close()
         store.close()
