@@ -21,6 +21,7 @@ import asyncio
 import math
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from clawbridge.backends.local import LocalBackend
@@ -28,7 +29,7 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
-from clawbridge.learning.probes import Probe, general_probes
+from clawbridge.learning.probes import general_probes
 from clawbridge.learning.rewrite import (
     Draw,
     Pick,
@@ -39,6 +40,32 @@ from clawbridge.learning.rewrite import (
     without_question,
 )
 from clawbridge.types import SamplingParams
+
+Rate = Callable[[str, str | None], scenarios.Verdict]
+
+
+async def rated(backend: LocalBackend, renderer: Renderer, params: SamplingParams, draws: int,
+                asks: list[tuple[list[dict[str, str]], Rate]]) -> list[tuple[str, scenarios.Verdict]]:
+    """`draws` answers to each (messages, rate) ask, concurrently, each with its verdict."""
+    async def one(messages: list[dict[str, str]], rate: Rate) -> list[tuple[str, scenarios.Verdict]]:
+        comps = await backend.sample(renderer.render(messages), params, n=draws)
+        texts = [(renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
+        return [(t, rate(t, f)) for t, f in texts]
+
+    return [x for row in await asyncio.gather(*(one(m, r) for m, r in asks)) for x in row]
+
+
+def rates(rows: list[tuple[str, scenarios.Verdict]]) -> dict[str, float]:
+    n = len(rows)
+    share = lambda f: sum(getattr(v, f) for _, v in rows) / n if n else math.nan  # noqa: E731
+    return {"preferred": share("preferred"), "answered": share("answered"), "truly": share("truly"), "n": float(n)}
+
+
+def print_rows(label: str, rows: list[tuple[str, scenarios.Verdict]], show: int, draws: int) -> None:
+    """The first answer to each of the first `show` asks, marked as the simulated user sees it."""
+    for text, v in rows[: show * draws : draws]:
+        mark = "truly" if v.truly else "pref" if v.preferred else "answered" if v.answered else "neither"
+        print(f"  [{label} · {mark}] {text[:160]!r}", file=sys.stderr)
 
 
 async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | None, seed: int,
@@ -53,26 +80,14 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
     out: dict[str, dict[str, float]] = {}
     try:
         kinds = () if picks_only or probe else (("plain", lambda p: sc.messages(p)),
-                                         ("hinted", lambda p: teacher_messages(sc.messages(p), hint)))
+                                                 ("hinted", lambda p: teacher_messages(sc.messages(p), hint)))
         for label, build in kinds:
-            async def one(prompt: str, build=build) -> list[tuple[str, scenarios.Verdict]]:
-                comps = await backend.sample(renderer.render(build(prompt)), params, n=draws)
-                texts = [(renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
-                return [(t, sc.rate(prompt, t, f)) for t, f in texts]
-
-            rated = [x for row in await asyncio.gather(*(one(p) for p in sc.heldout_prompts)) for x in row]
-            n = len(rated)
-            out[label] = {
-                "preferred": sum(v.preferred for _, v in rated) / n,
-                "answered": sum(v.answered for _, v in rated) / n,
-                "truly": sum(v.truly for _, v in rated) / n,
-                "n": float(n),
-            }
-            for text, v in rated[: show * draws : draws]:
-                mark = "truly" if v.truly else "pref" if v.preferred else "answered" if v.answered else "neither"
-                print(f"  [{label} · {mark}] {text[:160]!r}", file=sys.stderr)
+            asks = [(build(p), lambda t, f, p=p: sc.rate(p, t, f)) for p in sc.heldout_prompts]
+            rows = await rated(backend, renderer, params, draws, asks)
+            out[label] = rates(rows)
+            print_rows(label, rows, show, draws)
         if probe:
-            out.update(await probe_cost(sc, backend, renderer, params, hint, draws))
+            out.update(await probe_cost(sc, backend, renderer, params, hint, draws, show))
         if picks or picks_only:
             out.update(await compare_picks(sc, backend, renderer, params, hint, draws))
     finally:
@@ -81,7 +96,7 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
 
 
 async def probe_cost(sc: scenarios.Scenario, backend: LocalBackend, renderer: Renderer,
-                     params: SamplingParams, hint: str, draws: int) -> dict[str, dict[str, float]]:
+                     params: SamplingParams, hint: str, draws: int, show: int = 0) -> dict[str, dict[str, float]]:
     """What the preference itself costs the base model on the general probe set (which the
     gate and the demo hold a version to): each probe question asked plain and with the hint as a
     system instruction (the teacher a rewrite imitates), `draws` answers each. `answered` is the
@@ -89,25 +104,17 @@ async def probe_cost(sc: scenarios.Scenario, backend: LocalBackend, renderer: Re
     preference exactly as the teacher shows it would score; `hinted, preferred` / `hinted, not
     preferred` split the hinted answers by whether they meet the preference, so the first is
     the probe rate of a student that always meets it, as far as the teacher's answers say."""
-    probes = general_probes()
     out: dict[str, dict[str, float]] = {}
     for label, build in (("probe, plain", lambda q: [{"role": "user", "content": q}]),
                          ("probe, hinted", lambda q: teacher_messages([{"role": "user", "content": q}], hint))):
-        async def one(p: Probe, build=build) -> list[tuple[bool, bool]]:
-            comps = await backend.sample(renderer.render(build(p.question)), params, n=draws)
-            texts = [(renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
-            return [(sc.check.satisfied(t, f), p.check.answered(t)) for t, f in texts]
-
-        rated = [x for row in await asyncio.gather(*(one(p) for p in probes)) for x in row]
-        groups = {label: rated}
+        asks = [(build(p.question), lambda t, f, p=p: scenarios.Verdict(sc.check.satisfied(t, f), p.check.answered(t)))
+                for p in general_probes()]
+        rows = await rated(backend, renderer, params, draws, asks)
+        out[label] = rates(rows)
+        print_rows(label, rows, show, draws)
         if label == "probe, hinted":
-            groups |= {"hinted, preferred": [x for x in rated if x[0]],
-                       "hinted, not preferred": [x for x in rated if not x[0]]}
-        for name, rows in groups.items():
-            n = len(rows)
-            out[name] = {"preferred": sum(p for p, _ in rows) / n if n else math.nan,
-                         "answered": sum(a for _, a in rows) / n if n else math.nan,
-                         "truly": sum(p and a for p, a in rows) / n if n else math.nan, "n": float(n)}
+            out["hinted, preferred"] = rates([x for x in rows if x[1].preferred])
+            out["hinted, not preferred"] = rates([x for x in rows if not x[1].preferred])
     return out
 
 
