@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 
 Activity = Literal["serve", "judge", "score", "train"]
 

@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from clawbridge.backends.base import BackendError, ScoreModel, UnknownVersion
+from clawbridge.protocol import BackendError, ScoreModel, UnknownVersion
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
 from clawbridge.backends.tinker import (

@@ -15,14 +15,14 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 from clawbridge.local_gpu import layout, models
 from clawbridge.local_gpu.fsdp import FSDPTrainer
 from clawbridge.local_gpu.sglang import SGLangBackend
 from clawbridge.local_gpu.supervisor import ServerSpec, Supervisor, plan_specs, serving_mode
 
 if TYPE_CHECKING:
-    from clawbridge.backends.base import Backend
+    from clawbridge.protocol import Backend
     from clawbridge.config import Settings
     from transformers import PreTrainedTokenizerBase
 

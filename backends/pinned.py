@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from clawbridge.backends.base import Backend, ScoreModel
+from clawbridge.protocol import Backend, ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from clawbridge.backends.base import BackendError, TransientBackendError
+from clawbridge.protocol import BackendError, TransientBackendError
 from tenacity import (
     AsyncRetrying,
     RetryError,

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from clawbridge.backends.base import (
+from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
     ScoreModel,

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from clawbridge.backends.base import BackendError, TransientBackendError, UnknownVersion
+from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.serving import wire
 from clawbridge.serving.wire import APIError

@@ -26,7 +26,7 @@ from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
-    from clawbridge.backends.base import Backend
+    from clawbridge.protocol import Backend
     from clawbridge.config import Settings
     from clawbridge.store import Store
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.backends.redact import Redactor
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges.types import Message

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from clawbridge.backends import redact
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.config import Settings
 from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJudgeClient
 from clawbridge.judges.hints import HintJudge, HintScorer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from clawbridge.backends.base import Backend, ScoreModel
+from clawbridge.protocol import Backend, ScoreModel
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges.hints import teacher_messages
 from clawbridge.judges.types import TurnContext

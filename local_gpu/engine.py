@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from clawbridge.backends.base import BackendError, UnknownVersion, require_published
+from clawbridge.protocol import BackendError, UnknownVersion, require_published
 from clawbridge.local_gpu import adapters, models
 from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
 from clawbridge.local_gpu.packing import pack, packed_micro_batches

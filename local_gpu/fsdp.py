@@ -23,7 +23,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import IO, Any
 
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 from clawbridge.local_gpu.supervisor import terminate_group
 from clawbridge.types import Datum, LossSpec, OptimSpec, StepMetrics
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import aiohttp
-from clawbridge.backends.base import (
+from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
     ScoreModel,

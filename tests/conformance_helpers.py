@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.backends.local import LocalBackend
 
 Factory = Callable[[Path], Awaitable[Backend]]

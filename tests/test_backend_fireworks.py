@@ -108,7 +108,7 @@ async def test_resuming_from_state_continues_training_identically(tokenizer) -> 
 
 
 def test_constructing_from_settings_connects_to_nothing(tmp_path, monkeypatch) -> None:
-    from clawbridge.backends.base import BackendError
+    from clawbridge.protocol import BackendError
     from clawbridge.config import Settings
 
     monkeypatch.delenv("FIREWORKS_API_KEY", raising=False)

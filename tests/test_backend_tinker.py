@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from clawbridge.backends.base import BackendError, ContextLengthExceeded
+from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
 from clawbridge.backends.tinker import TinkerBackend
@@ -197,7 +197,7 @@ def test_from_settings_builds_a_real_service_client_without_network(monkeypatch,
 
 
 async def test_rollback_after_a_restart_loads_the_versions_training_state_into_a_new_client(tokenizer, tmp_path) -> None:
-    from clawbridge.backends.base import UnknownVersion
+    from clawbridge.protocol import UnknownVersion
 
     service = FakeTinkerService()
     index = tmp_path / "tinker_states.json"

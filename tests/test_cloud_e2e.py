@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.backends.fireworks import FireworksBackend
 from clawbridge.backends.modal import ModalBackend
 from clawbridge.backends.remote import RetryPolicy

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.local_gpu import models
 from clawbridge.loss import ppo_loss, token_logprobs
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
@@ -225,7 +225,7 @@ async def test_concurrent_samples_on_two_versions_share_the_backend(backend: Bac
 
 
 async def test_rollback_publishes_an_earlier_versions_weights_as_a_new_version(backend: Backend) -> None:
-    from clawbridge.backends.base import UnknownVersion
+    from clawbridge.protocol import UnknownVersion
     from clawbridge.loss import ppo_loss
 
     (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=10, seed=51))

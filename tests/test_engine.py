@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.backends.base import BackendError, ContextLengthExceeded
+from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.backends.local import LocalBackend
 from clawbridge.local_gpu import models
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams

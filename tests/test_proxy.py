@@ -471,7 +471,7 @@ def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_stat
 
 
 def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
-    from clawbridge.backends.base import BackendError
+    from clawbridge.protocol import BackendError
     from clawbridge.serving.proxy import _Prefetch
     from clawbridge.types import TokenChunk
 

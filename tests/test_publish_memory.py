@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 from clawbridge.local_gpu import adapters
 from clawbridge.local_gpu.engine import TRAIN, Engine, collect
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.backends.base import Backend, ContextLengthExceeded, TransientBackendError
+from clawbridge.protocol import Backend, ContextLengthExceeded, TransientBackendError
 from clawbridge.local_gpu.sglang import (
     SGLangBackend,
     SGLangClient,
@@ -259,7 +259,7 @@ async def test_publish_under_concurrent_streaming_load_drops_nothing_and_never_m
 
 
 async def test_rollback_loads_the_old_adapter_into_the_trainer_and_publishes_it_as_the_next_version(server, backend):
-    from clawbridge.backends.base import UnknownVersion
+    from clawbridge.protocol import UnknownVersion
 
     fake, _ = server
     completion = [11, 12, 13]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 from clawbridge.backends.local import LocalBackend
 from clawbridge.backends.local_stack import SGLangStack, build_local
 from clawbridge.config import Settings

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 from clawbridge.backends.tinker import TinkerBackend
 from clawbridge.learning.trainer import PERMANENT_FAILURES, Trainer
 from clawbridge.store import Store

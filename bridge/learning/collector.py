@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import Judges, TurnContext, teacher_messages

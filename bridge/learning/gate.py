@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
-    from clawbridge.backends.base import Backend
+    from clawbridge.protocol import Backend
     from clawbridge.chat.renderer import Renderer
     from clawbridge.judges.pairwise import PairwiseJudge
     from clawbridge.judges.types import Message

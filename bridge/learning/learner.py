@@ -28,7 +28,7 @@ from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
 from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
-    from clawbridge.backends.base import Backend
+    from clawbridge.protocol import Backend
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)

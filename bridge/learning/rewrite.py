@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from statistics import fmean
 from typing import Literal
 
-from clawbridge.backends.base import Backend, ScoreModel
+from clawbridge.protocol import Backend, ScoreModel
 from clawbridge.chat.messages import AssistantMessage
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import teacher_messages

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clawbridge.backends.base import Backend, BackendError, TransientBackendError
+from clawbridge.protocol import Backend, BackendError, TransientBackendError
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.config import Settings
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from clawbridge.backends.base import (
+from clawbridge.protocol import (
     Backend,
     BackendError,
     ContextLengthExceeded,

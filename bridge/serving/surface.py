@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from clawbridge.backends.base import BackendError
+from clawbridge.protocol import BackendError
 from clawbridge.chat.messages import AssistantMessage, Delta
 from clawbridge.serving import wire
 from clawbridge.serving.proxy import (

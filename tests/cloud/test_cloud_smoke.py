@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from clawbridge.backends.base import Backend
+from clawbridge.protocol import Backend
 from clawbridge.config import Settings
 from clawbridge.types import Datum, OptimSpec, SamplingParams
 
