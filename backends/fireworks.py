@@ -36,7 +36,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from clawbridge.protocol import BackendError, ScoreModel, UnknownVersion
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
 from clawbridge.backends.tinker import (
@@ -54,6 +53,7 @@ from clawbridge.backends.tinker import (
     temperature_reason,
     version_state,
 )
+from clawbridge.protocol import BackendError, ScoreModel, UnknownVersion
 from clawbridge.types import (
     Completion,
     Datum,

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clawbridge.protocol import BackendError, ContextLengthExceeded, ScoreModel
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine
+from clawbridge.protocol import BackendError, ContextLengthExceeded, ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clawbridge.protocol import ScoreModel
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call
+from clawbridge.protocol import ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,

@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from clawbridge.backends.costs import CostMeter, Usage
+from clawbridge.backends.remote import RetryPolicy, call
+from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
 from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
@@ -43,9 +46,6 @@ from clawbridge.protocol import (
     UnknownVersion,
     require_published,
 )
-from clawbridge.backends.costs import CostMeter, Usage
-from clawbridge.backends.remote import RetryPolicy, call
-from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
 from clawbridge.types import (
     Completion,
     Datum,

@@ -15,8 +15,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
+from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.serving import wire
 from clawbridge.serving.wire import APIError
 from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode

@@ -26,8 +26,8 @@ from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
 
 if TYPE_CHECKING:
-    from clawbridge.protocol import Backend
     from clawbridge.config import Settings
+    from clawbridge.protocol import Backend
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
-from clawbridge.protocol import Backend
 from clawbridge.backends.redact import Redactor
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges.types import Message
+from clawbridge.protocol import Backend
 from clawbridge.types import SamplingParams
 from tenacity import (
     AsyncRetrying,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from clawbridge.protocol import Backend, ScoreModel
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges.hints import teacher_messages
 from clawbridge.judges.types import TurnContext
+from clawbridge.protocol import Backend, ScoreModel
 
 
 class Teacher:

@@ -41,12 +41,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from clawbridge.protocol import BackendError, UnknownVersion, require_published
 from clawbridge.local_gpu import adapters, models
 from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
+from clawbridge.protocol import BackendError, UnknownVersion, require_published
 from clawbridge.types import (
     Completion,
     Datum,

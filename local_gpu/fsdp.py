@@ -23,8 +23,8 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import IO, Any
 
-from clawbridge.protocol import BackendError
 from clawbridge.local_gpu.supervisor import terminate_group
+from clawbridge.protocol import BackendError
 from clawbridge.types import Datum, LossSpec, OptimSpec, StepMetrics
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from clawbridge.protocol import Backend
 from clawbridge.backends.local import LocalBackend
+from clawbridge.protocol import Backend
 
 Factory = Callable[[Path], Awaitable[Backend]]
 WeightReader = Callable[[Backend], Awaitable[dict[str, torch.Tensor]]]

@@ -108,8 +108,8 @@ async def test_resuming_from_state_continues_training_identically(tokenizer) -> 
 
 
 def test_constructing_from_settings_connects_to_nothing(tmp_path, monkeypatch) -> None:
-    from clawbridge.protocol import BackendError
     from clawbridge.config import Settings
+    from clawbridge.protocol import BackendError
 
     monkeypatch.delenv("FIREWORKS_API_KEY", raising=False)
     with pytest.raises(BackendError, match="FIREWORKS_API_KEY is not set"):

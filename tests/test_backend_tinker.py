@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
 from clawbridge.backends.tinker import TinkerBackend
 from clawbridge.loss import ppo_loss
+from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 from fakes.fake_tinker import FakeTinkerService, status_error, timeout_error
 from fakes.reference import fixed_batch, max_diff, reference_step

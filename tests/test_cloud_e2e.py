@@ -9,13 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from clawbridge.protocol import Backend
 from clawbridge.backends.fireworks import FireworksBackend
 from clawbridge.backends.modal import ModalBackend
 from clawbridge.backends.remote import RetryPolicy
 from clawbridge.backends.tinker import TinkerBackend
 from clawbridge.config import Settings
 from clawbridge.learning.learner import Learner
+from clawbridge.protocol import Backend
 from clawbridge.server import learner_hooks
 from fakes.fake_fireworks import FakeFiretitanService
 from fakes.fake_modal import FakeEngine

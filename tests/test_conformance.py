@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.protocol import Backend
 from clawbridge.local_gpu import models
 from clawbridge.loss import ppo_loss, token_logprobs
+from clawbridge.protocol import Backend
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 from conformance_helpers import CASES, BackendCase
 
@@ -225,8 +225,8 @@ async def test_concurrent_samples_on_two_versions_share_the_backend(backend: Bac
 
 
 async def test_rollback_publishes_an_earlier_versions_weights_as_a_new_version(backend: Backend) -> None:
-    from clawbridge.protocol import UnknownVersion
     from clawbridge.loss import ppo_loss
+    from clawbridge.protocol import UnknownVersion
 
     (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=10, seed=51))
     push = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.backends.local import LocalBackend
 from clawbridge.local_gpu import models
+from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 
 PROMPT = (1, 520, 3121, 28, 1830, 446, 17, 905)

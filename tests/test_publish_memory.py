@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.protocol import BackendError
 from clawbridge.local_gpu import adapters
 from clawbridge.local_gpu.engine import TRAIN, Engine, collect
+from clawbridge.protocol import BackendError
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 
 PROMPT = (1, 520, 3121, 28, 1830, 446, 17, 905)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from clawbridge.protocol import Backend, ContextLengthExceeded, TransientBackendError
 from clawbridge.local_gpu.sglang import (
     SGLangBackend,
     SGLangClient,
@@ -20,6 +19,7 @@ from clawbridge.local_gpu.sglang import (
     Timeouts,
     sampling_params_payload,
 )
+from clawbridge.protocol import Backend, ContextLengthExceeded, TransientBackendError
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams, StepMetrics
 from fakes.fake_sglang import FakeSGLang, serve, tiny_peft_model
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from clawbridge.protocol import BackendError
 from clawbridge.backends.local import LocalBackend
 from clawbridge.backends.local_stack import SGLangStack, build_local
 from clawbridge.config import Settings
 from clawbridge.local_gpu import layout, models
 from clawbridge.local_gpu.fsdp import FSDPTrainer, free_port
 from clawbridge.local_gpu.supervisor import Policy, ServerSpec, Supervisor
+from clawbridge.protocol import BackendError
 from clawbridge.types import Datum, OptimSpec
 from live_server import LiveServer
 from test_supervisor import alive

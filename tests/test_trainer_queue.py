@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from clawbridge.protocol import BackendError
 from clawbridge.backends.tinker import TinkerBackend
 from clawbridge.learning.trainer import PERMANENT_FAILURES, Trainer
+from clawbridge.protocol import BackendError
 from clawbridge.store import Store
 from clawbridge.store.records import TurnRecord
 from clawbridge.types import SamplingParams

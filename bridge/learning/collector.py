@@ -20,7 +20,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from clawbridge.protocol import Backend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint
@@ -28,6 +27,7 @@ from clawbridge.judges import Judges, TurnContext, teacher_messages
 from clawbridge.judges import Judgment as JudgeReward
 from clawbridge.learning.advantages import Advantages, anchored, sample_advantages, scale_negatives
 from clawbridge.learning.rewrite import write_rewrite
+from clawbridge.protocol import Backend
 from clawbridge.store import JudgeVote, Judgment, Rewrite, Sample, Store, StoredTurn
 from clawbridge.types import Method
 
@@ -37,7 +37,8 @@ FEEDBACK = "feedback"
 
 
 def judge_kinds(method: Method) -> tuple[str, ...]:
-    """The judgment kinds a method needs: binary a reward, opd a hint, combine both."""
+    """The judgment kinds a method needs: binary a reward, opd a hint, combine both. The one
+    place that says so: the judges run the kinds they are asked for (`Judges.run`)."""
     return {"binary": ("prm",), "opd": ("hint",), "combine": ("prm", "hint")}[method]
 
 
@@ -91,13 +92,15 @@ class CollectorStats:
 
 
 class Collector:
-    def __init__(self, settings: Settings, backend: Backend, store: Store, judges: Judges) -> None:
+    def __init__(
+        self, settings: Settings, backend: Backend, store: Store, judges: Judges, teacher: Teacher,
+    ) -> None:
         self.settings = settings
         self.method: Method = settings.method
         self.backend = backend
         self.store = store
         self.judges = judges
-        self.renderer = Renderer(backend.tokenizer())
+        self.teacher = teacher  # OPD's hinted scoring, shared with the hint judge's ranking
         self.stats = CollectorStats()
 
     async def run_once(self, limit: int = 32) -> int:
@@ -146,7 +149,7 @@ class Collector:
         self.stats.rewards.append(signal.reward)
         teacher_lp: list[float] | None = None
         if signal.hint is not None and self.method != "binary":
-            teacher_lp = await self._teacher_logprobs(turn, signal.hint)
+            teacher_lp = await self.teacher.logprobs(self.context(turn), signal.hint)
         advantages = sample_advantages(
             self.method, signal.reward, signal.hint is not None, teacher_lp, turn.logprobs,
             w_opd=self.settings.w_opd, w_rl=self.settings.w_rl, clip=self.settings.opd_clip,
@@ -156,7 +159,7 @@ class Collector:
         rewrite = None
         if teacher_lp is not None and self.settings.rewrites > 0 and signal.hint is not None:
             rewrite = await write_rewrite(
-                self.backend, self.renderer, turn, signal.hint, samples=self.settings.rewrites,
+                self.backend, self.teacher.renderer, turn, signal.hint, samples=self.settings.rewrites,
                 weight=self.settings.w_rewrite, teacher=self.settings.teacher, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance,
             )
@@ -212,23 +215,9 @@ class Collector:
         want = [k for k in judge_kinds(self.method) if k not in have]
         if not want:
             return []
-        async def reward() -> Judgment | None:
-            return _reward_record(turn.id, await self.judges.reward.judge(ctx)) if "prm" in want else None
-
-        async def hint() -> Judgment | None:
-            return _hint_record(turn.id, await self.judges.hint.hint(ctx)) if "hint" in want else None
-
-        out = [rec for rec in await asyncio.gather(reward(), hint()) if rec is not None]
+        reward, hint = await self.judges.run(ctx, want)
+        out = ([_reward_record(turn.id, reward)] if reward is not None else []) + (
+            [_hint_record(turn.id, hint)] if hint is not None else [])
         for rec in out:
             await self.store.run(self.store.add_judgment, rec)
         return out
-
-    async def _teacher_logprobs(self, turn: StoredTurn, hint: str) -> list[float]:
-        """The teacher: the same completion scored under the prompt with the hint appended to
-        the last user message, by the frozen base or the live policy (a setting), at the
-        temperature the completion was sampled with so the gap to log pi_old is like for like."""
-        prompt = self.renderer.render(teacher_messages(turn.messages, hint), turn.tools)
-        return await self.backend.score(
-            prompt, turn.completion_ids, model=self.settings.teacher,
-            temperature=turn.sampling.temperature,
-        )

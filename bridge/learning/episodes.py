@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from clawbridge.protocol import Backend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import Judges, TurnContext, teacher_messages
@@ -37,6 +36,7 @@ from clawbridge.learning.advantages import (
     integrated_reward,
     overlong_penalty,
 )
+from clawbridge.protocol import Backend
 from clawbridge.store import EpisodeRow, GroupRow, JudgeVote, Judgment, Store, StoredTurn
 from clawbridge.store.records import utcnow
 

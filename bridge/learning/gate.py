@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
-    from clawbridge.protocol import Backend
     from clawbridge.chat.renderer import Renderer
     from clawbridge.judges.pairwise import PairwiseJudge
     from clawbridge.judges.types import Message
+    from clawbridge.protocol import Backend
 
 Recent = tuple[Sequence[int], Sequence["Message"]]  # a user's prompt: its rendered ids and its messages
 

@@ -48,13 +48,13 @@ from dataclasses import dataclass, replace
 from statistics import fmean
 from typing import Literal
 
-from clawbridge.protocol import Backend, ScoreModel
 from clawbridge.chat.messages import AssistantMessage
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import teacher_messages
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER, message_text
 from clawbridge.judges.types import Message
 from clawbridge.learning.probes import is_echo
+from clawbridge.protocol import Backend, ScoreModel
 from clawbridge.store import Rewrite, StoredTurn
 from clawbridge.types import Completion, SamplingParams
 

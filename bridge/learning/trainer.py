@@ -23,10 +23,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clawbridge.protocol import Backend, BackendError, TransientBackendError
 from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.config import Settings
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
+from clawbridge.protocol import Backend, BackendError, TransientBackendError
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
 from clawbridge.types import Datum, StepMetrics
 

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from clawbridge.protocol import BackendError
 from clawbridge.chat.messages import AssistantMessage, Delta
+from clawbridge.protocol import BackendError
 from clawbridge.serving import wire
 from clawbridge.serving.proxy import (
     SSE_HEADERS,

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
-from clawbridge.protocol import Backend
 from clawbridge.config import Settings
+from clawbridge.protocol import Backend
 from clawbridge.types import Datum, OptimSpec, SamplingParams
 
 pytestmark = [pytest.mark.cloud, pytest.mark.timeout(1800)]
