@@ -53,7 +53,7 @@ from clawbridge.backends.tinker import (
     temperature_reason,
     version_state,
 )
-from clawbridge.protocol import BackendError, ScoreModel, UnknownVersion
+from clawbridge.protocol import BackendError, Routing, ScoreModel, UnknownVersion
 from clawbridge.types import (
     Completion,
     Datum,
@@ -85,7 +85,7 @@ def _types() -> Any:
     return types
 
 
-class FireworksBackend:
+class FireworksBackend(Routing):
     name = "fireworks"
 
     def __init__(
@@ -156,7 +156,7 @@ class FireworksBackend:
         )
 
     @property
-    def version(self) -> int:
+    def newest(self) -> int:
         return self._version
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -208,7 +208,7 @@ class FireworksBackend:
 
     async def _sample_serverless(self, prompt_ids: Sequence[int], params: SamplingParams, n: int, version: int | None) -> list[Completion]:
         types = _types()
-        v = self._version if version is None else version
+        v = self.route(version)
         sampler = self._samplers.get(v)
         if sampler is None:
             raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine
-from clawbridge.protocol import BackendError, ContextLengthExceeded, ScoreModel
+from clawbridge.protocol import BackendError, ContextLengthExceeded, Routing, ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 CPU_SUGGESTED_MAX_TOKENS = 128
 
 
-class LocalBackend:
+class LocalBackend(Routing):
     name = "local"
 
     def __init__(
@@ -91,7 +91,7 @@ class LocalBackend:
         return cls(**kwargs)  # type: ignore[arg-type]
 
     @property
-    def version(self) -> int:
+    def newest(self) -> int:
         return self.engine.version
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -113,7 +113,7 @@ class LocalBackend:
         version: int | None = None,
     ) -> list[Completion]:
         self._check_length(prompt_ids, params)
-        return await self.engine.sample(prompt_ids, params, n=n, version=version)
+        return await self.engine.sample(prompt_ids, params, n=n, version=self.route(version))
 
     async def sample_stream(
         self,
@@ -123,7 +123,7 @@ class LocalBackend:
         version: int | None = None,
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params)
-        async for chunk in self.engine.sample_stream(prompt_ids, params, version=version):
+        async for chunk in self.engine.sample_stream(prompt_ids, params, version=self.route(version)):
             yield chunk
 
     async def score(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call
-from clawbridge.protocol import ScoreModel
+from clawbridge.protocol import Routing, ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,
@@ -41,7 +41,7 @@ NO_CREDENTIALS = (
 )
 
 
-class ModalBackend:
+class ModalBackend(Routing):
     name = "modal"
 
     def __init__(
@@ -99,7 +99,7 @@ class ModalBackend:
         return result
 
     @property
-    def version(self) -> int:
+    def newest(self) -> int:
         return self._version
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -117,7 +117,7 @@ class ModalBackend:
         from clawbridge.backends.tinker import check_context
 
         check_context(len(prompt_ids), params.max_tokens, self.context_length)
-        return list(await self._remote("sample", list(prompt_ids), params, n, version))
+        return list(await self._remote("sample", list(prompt_ids), params, n, self.route(version)))
 
     async def sample_stream(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None

@@ -42,6 +42,7 @@ from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
 from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
+    Routing,
     ScoreModel,
     UnknownVersion,
     require_published,
@@ -210,7 +211,7 @@ def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None
 # --- the backend --------------------------------------------------------------------------------
 
 
-class TinkerBackend:
+class TinkerBackend(Routing):
     name = "tinker"
 
     def __init__(
@@ -265,7 +266,7 @@ class TinkerBackend:
         )
 
     @property
-    def version(self) -> int:
+    def newest(self) -> int:
         return self._version
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -289,7 +290,7 @@ class TinkerBackend:
         log.info("tinker: LoRA rank %d on %s ready", self.lora_rank, self.base_model)
 
     def _sampler(self, version: int | None) -> tuple[int, Any]:
-        v = self._version if version is None else version
+        v = self.route(version)
         if v not in self._samplers:
             raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")
         return v, self._samplers[v]

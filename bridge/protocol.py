@@ -5,7 +5,16 @@ them: advantages are computed in `clawbridge.learning.advantages`, the loss is `
 
 Versions: version 0 is the base model. `publish()` makes the trained weights servable as the next
 version. A `sample` admitted on version K finishes on version K even if a publish happens
-meanwhile; `version=None` means "the newest published version at admission".
+meanwhile; `version=None` means "the version serving at admission".
+
+What serves is routed, not always the newest: `serve(K)` keeps a published version K serving
+while a newer candidate is judged by the gate (which samples the candidate by number), and
+`serve(None)` goes back to serving the newest. `version` is what a request admitted now is served
+by, `newest` the newest published version; they differ only while the gate holds a candidate.
+Every backend shares that routing (`Routing`); the platforms differ only in what `newest` is.
+
+Optional capabilities are protocols of their own (`Restorable`, `Screens`, `HostsJudge`,
+`SuggestsMaxTokens`): a caller asks `isinstance(backend, Restorable)`, never `getattr`.
 
 Rollback never rewinds the version counter: `rollback(K)` makes the trainable weights those
 published as vK again and publishes them as a NEW version N+1, so a request pinned to any
@@ -73,6 +82,33 @@ class TransientBackendError(BackendError):
     """Worth retrying: rate limits, 5xx, timeouts, a hot-load in progress."""
 
 
+class Routing:
+    """Which published version serves: the newest, unless `serve` holds an older one. Every
+    backend inherits this and defines `newest` (what its platform has published)."""
+
+    held: int | None = None  # the version held serving while a newer one is judged; None: the newest
+
+    @property
+    def newest(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def version(self) -> int:
+        """The version a request admitted now is served by."""
+        return self.newest if self.held is None else self.held
+
+    def serve(self, version: int | None) -> None:
+        """Serve the published `version` to requests admitted from now on; None: the newest.
+        Requests already admitted finish on the version they were admitted on."""
+        if version is not None:
+            require_published(version, self.newest)
+        self.held = version
+
+    def route(self, version: int | None) -> int:
+        """The version a request that asks for `version` runs on (None: the serving one)."""
+        return self.version if version is None else version
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str  # "local", "tinker", "fireworks", "modal"
@@ -81,7 +117,16 @@ class Backend(Protocol):
 
     @property
     def version(self) -> int:
-        """The newest published version (what a request admitted now would be served by)."""
+        """The version a request admitted now is served by (`Routing`)."""
+        ...
+
+    @property
+    def newest(self) -> int:
+        """The newest published version (a candidate under the gate's judgement, perhaps)."""
+        ...
+
+    def serve(self, version: int | None) -> None:
+        """Serve the published `version` from now on (None: the newest); `Routing`."""
         ...
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -156,3 +201,37 @@ class Backend(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Restorable(Protocol):
+    """Can serve and train on from a published version's weights (with a fresh optimizer), which
+    a restart needs when the newest version is newer than the last checkpoint."""
+
+    async def restore(self, version: int, path: str | None) -> None: ...
+
+
+@runtime_checkable
+class Screens(Protocol):
+    """Knows samples it can never train (a greedy turn on a temperature-1-only platform)."""
+
+    def untrainable(self, datum: Datum) -> str | None:
+        """Why `datum` can never be trained here; None when it can."""
+        ...
+
+
+@runtime_checkable
+class HostsJudge(Protocol):
+    """Runs a judge model of its own beside the policy (the GPU stack's PRM server)."""
+
+    @property
+    def judge_endpoint(self) -> tuple[str, str]:
+        """(base URL, model name) of the judge's OpenAI-compatible endpoint."""
+        ...
+
+
+@runtime_checkable
+class SuggestsMaxTokens(Protocol):
+    """Suggests a completion budget to clients that name none (None: the server's default)."""
+
+    suggested_max_tokens: int | None

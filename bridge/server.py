@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.learning.learner import Learner
 from clawbridge.learning.trainer import Trainer, pending_candidate
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
@@ -192,19 +191,16 @@ async def serve(
     # (measured: ~6 ms per request at one client). A short interval keeps the loop responsive.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     backend = backend or build_backend(settings)
-    if settings.train and settings.gate != "off" and not isinstance(backend, PinnedBackend):
-        # the gate keeps serving the current version while it judges a published candidate
-        backend = PinnedBackend(backend)
     await backend.start()
     if store is None:
         store = await asyncio.to_thread(open_store, settings)
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
     await Trainer(settings, backend, store).resume()
-    if isinstance(backend, PinnedBackend) and (pending := await pending_candidate(store)) is not None:
+    if settings.train and settings.gate != "off" and (pending := await pending_candidate(store)) is not None:
         # the newest version never passed the gate (a restart while it judged): its predecessor
         # serves until the learner's gate has decided (`Trainer.judge_pending`)
-        backend.pin(pending[1])
+        backend.serve(pending[1])
     app = create_app(settings, backend, store, hooks, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
     await proxy.restore_sessions()  # open conversations continue across a restart

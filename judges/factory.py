@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from clawbridge.backends import redact
-from clawbridge.protocol import Backend
+from clawbridge.protocol import Backend, HostsJudge
 from clawbridge.config import Settings
 from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJudgeClient
 from clawbridge.judges.hints import HintJudge, HintScorer
@@ -77,9 +77,8 @@ def build_judges(
     else:
         if backend is None:
             raise ValueError("judge 'backend' needs the active backend")
-        endpoint = getattr(backend, "judge_endpoint", None)  # the GPU stack's PRM SGLang server
-        if endpoint is not None:
-            url, model = endpoint
+        if isinstance(backend, HostsJudge):  # the GPU stack's PRM SGLang server
+            url, model = backend.judge_endpoint
             client = OpenAIJudgeClient(url, model, None)
         else:
             client = BackendJudgeClient(backend, version=0)

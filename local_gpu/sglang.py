@@ -34,6 +34,7 @@ import aiohttp
 from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
+    Routing,
     ScoreModel,
     TransientBackendError,
     UnknownVersion,
@@ -352,7 +353,7 @@ class Trainer(Protocol):
     async def close(self) -> None: ...
 
 
-class SGLangBackend:
+class SGLangBackend(Routing):
     """`Backend` on SGLang (serving) + a trainer (training). The judge talks to the PRM server's
     OpenAI endpoint (`judge_base_url`), or to the policy server's base model when there is none."""
 
@@ -384,7 +385,7 @@ class SGLangBackend:
         self._unloads: set[asyncio.Task[None]] = set()
 
     @property
-    def version(self) -> int:
+    def newest(self) -> int:
         return self.router.current
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -407,7 +408,7 @@ class SGLangBackend:
         self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
     ) -> list[Completion]:
         self._check_length(prompt_ids, params.max_tokens)
-        async with self.router.admit(version) as v:
+        async with self.router.admit(self.route(version)) as v:
             outs = await asyncio.gather(*(
                 self.client.generate(generate_payload(prompt_ids, params, lora_name(v), stream=False))
                 for _ in range(n)
@@ -428,7 +429,7 @@ class SGLangBackend:
         self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params.max_tokens)
-        async with self.router.admit(version) as v:
+        async with self.router.admit(self.route(version)) as v:
             cursor = StreamCursor()
             body = generate_payload(prompt_ids, params, lora_name(v), stream=True)
             async for out in self.client.generate_stream(body):
@@ -468,7 +469,7 @@ class SGLangBackend:
     async def publish(self) -> PolicyVersion:
         trainer = self._need_trainer()
         async with self._publish_lock:
-            k = self.version + 1
+            k = self.newest + 1
             final = self.adapters_dir / f"v{k}"
             tmp = self.adapters_dir / f".v{k}.tmp-{uuid.uuid4().hex[:8]}"
             started = time.monotonic()
@@ -495,10 +496,10 @@ class SGLangBackend:
         publish: written anew as the next version, loaded beside the serving ones, and the
         superseded adapter unloaded once its requests drain."""
         trainer = self._need_trainer()
-        require_published(version, self.version)
+        require_published(version, self.newest)
         folder = None if version == 0 else self.adapters_dir / f"v{version}"
         if folder is not None and not (folder / "adapter_config.json").exists():
-            raise UnknownVersion(version, self.version, f"policy@v{version}'s adapter is gone ({folder})")
+            raise UnknownVersion(version, self.newest, f"policy@v{version}'s adapter is gone ({folder})")
         await trainer.load_adapter(folder)
         published = await self.publish()
         log.info("policy@v%d is a rollback to policy@v%d", published.version, version)

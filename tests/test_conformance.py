@@ -177,6 +177,31 @@ async def test_publish_during_an_inflight_sample_leaves_it_on_the_old_version(ba
     assert fresh.version == 2
 
 
+async def test_a_held_version_serves_until_released_while_the_newest_is_sampled_by_number(backend: Backend) -> None:
+    """The gate's routing: a published candidate is not served while `serve` holds the version
+    before it; it is still sampled by number, and releasing the hold serves the newest."""
+    from clawbridge.protocol import UnknownVersion
+
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=6, seed=31))
+    datum = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    backend.serve(0)
+    await backend.train_step([datum], LossSpec(), OptimSpec(learning_rate=1e-2))
+    assert (await backend.publish()).version == 1
+    assert backend.version == 0 and backend.newest == 1
+    params = SamplingParams(max_tokens=4, seed=32)
+    (held,) = await backend.sample(PROMPT, params)
+    (streamed,) = [chunk async for chunk in backend.sample_stream(PROMPT, params)][-1:]
+    (candidate,) = await backend.sample(PROMPT, params, version=1)
+    assert held.version == streamed.version == 0 and candidate.version == 1
+    with pytest.raises(UnknownVersion):
+        backend.serve(2)  # never published
+    assert backend.version == 0
+    backend.serve(None)
+    assert backend.version == backend.newest == 1
+    (fresh,) = await backend.sample(PROMPT, params)
+    assert fresh.version == 1
+
+
 async def test_save_then_load_resumes_training_identically(case: BackendCase, tmp_path: Path) -> None:
     first = await case.make(tmp_path)
     try:

@@ -11,27 +11,24 @@ from typing import Any
 
 import pytest
 from clawbridge.backends.local import LocalBackend
-from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.judges import build_judges
-from clawbridge.learning.collector import Collector
 from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe
 from clawbridge.learning.trainer import ROLLBACKS_KEY, Trainer
 from clawbridge.store import Store
 from clawbridge.types import SamplingParams
-from test_collector import record_turns, settings_for
+from test_collector import collector_for, record_turns, settings_for
 
 PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is Peru?", "What is snow?",
            "How do birds fly?"]
 
 
 @contextlib.asynccontextmanager
-async def _wrecked(tmp_path: Path) -> AsyncIterator[tuple[Any, Store, PinnedBackend, Renderer, SamplingParams]]:
+async def _wrecked(tmp_path: Path) -> AsyncIterator[tuple[Any, Store, LocalBackend, Renderer, SamplingParams]]:
     """A learning rate that wrecks the tiny model in one step (the "harmful run"), the gate on with
     only the caller's probes; a pinned local backend and seed-7 sampling. Closed on the way out."""
     settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
     store = Store.open(settings.db_url)
-    backend = PinnedBackend(LocalBackend.from_settings(settings))
+    backend = LocalBackend.from_settings(settings)
     await backend.start()
     try:
         yield settings, store, backend, Renderer(backend.tokenizer()), SamplingParams(max_tokens=8, temperature=1.0, seed=7)
@@ -40,7 +37,7 @@ async def _wrecked(tmp_path: Path) -> AsyncIterator[tuple[Any, Store, PinnedBack
         store.close()
 
 
-async def _answers(backend: PinnedBackend, renderer: Renderer, params: SamplingParams, version: int) -> list[str]:
+async def _answers(backend: LocalBackend, renderer: Renderer, params: SamplingParams, version: int) -> list[str]:
     out = []
     for p in PROMPTS:
         [c] = await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=version)
@@ -65,7 +62,7 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
                   for i, p in enumerate(PROMPTS)]
         gate = Gate(backend, renderer, probes, params=params, margin=0.05, alpha=0.1)
         record_turns(store, 2)
-        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        await collector_for(settings, backend, store).run_once()
         trainer = Trainer(settings, backend, store, gate=gate)
         step = await trainer.step_once()
         assert step is not None and step.version == 1
@@ -76,7 +73,7 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
         assert decision.figures["validation_v0"] == decision.figures["validation_serving"]
         assert decision.figures["validation_p_vs_v0"] == decision.figures["validation_p_vs_serving"]
         # v2 is a copy of v0's weights and serves; nothing is pinned between steps
-        assert step.served == 2 and backend.version == 2 and backend.pinned is None
+        assert step.served == 2 and backend.version == 2 and backend.held is None
         assert store.get_meta(ROLLBACKS_KEY) == {"2": 0}
         assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
         assert await _answers(backend, renderer, params, 2) == before
@@ -91,7 +88,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         v0 = await _answers(backend, renderer, params, 0)
         record_turns(store, 2)
-        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        await collector_for(settings, backend, store).run_once()
         # the step publishes and records v1; the gate's decision never comes (the kill)
         assert (await Trainer(settings, backend, store).step_once()).version == 1  # type: ignore[union-attr]
         assert await pending_candidate(store) == (1, 0)
@@ -105,7 +102,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         restarted = Trainer(settings, backend, store, gate=Gate(backend, renderer, probes, params=params))
         assert await restarted.judge_pending() == 2  # rejected: a copy of v0 serves as v2
         assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
-        assert await pending_candidate(store) is None and backend.pinned is None
+        assert await pending_candidate(store) is None and backend.held is None
         assert await _answers(backend, renderer, params, 2) == v0
         assert await restarted.judge_pending() is None  # decided once: nothing pending
 
@@ -130,7 +127,7 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
         more = [probe(q, True) for q in questions[4:]]
         gate = Gate(backend, renderer, first, params=params, margin=0.05, alpha=0.1, reserve=more if reserve else ())
         record_turns(store, 2)
-        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        await collector_for(settings, backend, store).run_once()
         trainer = Trainer(settings, backend, store, gate=gate)
         assert await trainer.step_once() is not None
         [decision] = trainer.decisions

@@ -23,10 +23,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clawbridge.backends.pinned import PinnedBackend
 from clawbridge.config import Settings
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
-from clawbridge.protocol import Backend, BackendError, TransientBackendError
+from clawbridge.protocol import Backend, BackendError, Restorable, Screens, TransientBackendError
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
 from clawbridge.types import Datum, StepMetrics
 
@@ -126,9 +125,9 @@ class Trainer:
         self.settings = settings
         self.backend = backend
         self.store = store
-        # The gate needs a pinnable view to keep serving the current version while it judges
-        # the candidate; without one (a bare backend) every publish serves at once.
-        self.gate = gate if isinstance(backend, PinnedBackend) else None
+        # With a gate, the backend keeps serving the current version (`serve`) while the gate
+        # judges the candidate; without one every publish serves at once.
+        self.gate = gate
         self.decisions: list[GateDecision] = []
         self.lock = lock or asyncio.Lock()  # one of: a step (train_step + publish + record), a rollback
         self.dropped_stale = 0
@@ -158,8 +157,7 @@ class Trainer:
             return str(ck["path"])
         if newest is None or newest.version == 0:
             return None
-        restore = getattr(self.backend, "restore", None)
-        if restore is None:
+        if not isinstance(self.backend, Restorable):
             log.warning("the %s backend cannot load published weights: resuming from the last checkpoint "
                         "(policy@v%s), older than the newest version v%d", self.backend.name,
                         ck["version"] if ck else 0, newest.version)
@@ -167,7 +165,7 @@ class Trainer:
                 await self.backend.load_state(ck["path"])
                 return str(ck["path"])
             return None
-        await restore(newest.version, newest.path)
+        await self.backend.restore(newest.version, newest.path)
         log.info("resumed from policy@v%d's published weights (%s) with a fresh optimizer%s", newest.version,
                  newest.path, f"; the last checkpoint is of v{ck['version']}" if ck else "")
         return newest.path or f"policy@v{newest.version}"
@@ -184,14 +182,11 @@ class Trainer:
         log.warning("policy@v%d was published but the gate never decided on it (a restart during the "
                     "gate): judging it now; v%d serves meanwhile", candidate, before)
         async with self.lock:
-            pinned = self.backend if isinstance(self.backend, PinnedBackend) else None
-            if pinned is not None:
-                pinned.pin(before)
+            self.backend.serve(before)
             try:
                 return await self._gate(candidate, before)
             finally:
-                if pinned is not None:
-                    pinned.pin(None)
+                self.backend.serve(None)
 
     async def next_step_number(self) -> int:
         steps = await self.store.run(self.store.training_steps)
@@ -207,7 +202,7 @@ class Trainer:
         self.dropped_stale += await store.run(store.drop_stale_samples, self.backend.version, s.max_staleness)
         # A sample the backend can never train (a greedy turn on a temperature-1-only platform)
         # leaves the queue with its reason, instead of failing the same oldest batch for ever.
-        untrainable = getattr(self.backend, "untrainable", None)
+        untrainable = self.backend.untrainable if isinstance(self.backend, Screens) else None
         while True:
             batch = await store.run(store.pending_samples, s.batch_size, method=s.method)
             unfit = {x.id: why for x in batch if untrainable and (why := next(filter(None, map(untrainable, to_datums(x))), None))}
@@ -222,9 +217,8 @@ class Trainer:
             return None
         step = await self.next_step_number()
         before = self.backend.version
-        pinned = self.backend if self.gate is not None and isinstance(self.backend, PinnedBackend) else None
-        if pinned is not None:
-            pinned.pin(before)  # the candidate is published but not served until it passes
+        if self.gate is not None:
+            self.backend.serve(before)  # the candidate is published but not served until it passes
         try:
             metrics = await self._train_step(batch)
             policy = await self.backend.publish()
@@ -242,8 +236,8 @@ class Trainer:
             if self.gate is not None:
                 served = await self._gate(policy.version, before, await self._recent(batch))
         finally:
-            if pinned is not None:
-                pinned.pin(None)  # between steps the newest version serves: accepted, or the restored copy
+            if self.gate is not None:
+                self.backend.serve(None)  # between steps the newest version serves: accepted, or the restored copy
         log.info(
             "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d%s",
             step, len(batch), metrics.loss, record["mean_reward"], policy.version,
