@@ -1,0 +1,364 @@
+"""The page's queries (`clawbridge.ui`): recent turns with their verdicts, one conversation, the
+versions with the reactions to each, what is waiting, and a change token the page polls.
+
+Every query is bounded by an index: turns page by (created_at, id) or (session_id, idx) with a
+keyset cursor, never an offset; a page's judgments, samples and next states come by turn id
+(their unique keys and primary key); counts of waiting samples are ranges of (state, id). The
+one aggregate over history, the reactions per version, reads only the samples table's small
+columns (measured on a 100 000-turn store: `bench/ui_queries.py`, docs/ui.md).
+
+Plain functions of a connection, returning JSON-ready dicts (the page is their only reader);
+`Browse` runs them in read transactions on a `Store`.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from clawbridge.store import schema as t
+from clawbridge.store.base import StoreBase
+
+R = TypeVar("R")
+JSON = dict[str, Any]
+
+MAX_PAGE = 200
+TEXT_CHARS = 2_000  # a message's text on the page; the whole conversation is `clawbridge export`
+WAITING_WINDOW = 1_000  # the newest turns counted for "waiting for the judge"
+HINT_WINDOW = 5_000  # the newest samples whose hints are listed
+
+
+class BadCursor(ValueError):
+    """A cursor the page did not get from us."""
+
+
+# --- pure helpers -------------------------------------------------------------------------------
+def text_of(content: Any, limit: int = TEXT_CHARS) -> str:
+    """A message's content as plain text (parts joined, non-text parts named), cut to `limit`.
+    The page escapes it; this only makes it short."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        s = content
+    elif isinstance(content, list):
+        bits = []
+        for part in content:
+            if isinstance(part, dict):
+                kind = part.get("type")
+                bits.append(str(part.get("text", "")) if kind in ("text", "input_text") or "text" in part
+                            else f"[{kind or 'part'}]")
+            else:
+                bits.append(str(part))
+        s = "\n".join(bits)
+    else:
+        s = str(content)
+    return s if len(s) <= limit else s[:limit] + f"… ({len(s) - limit} more characters)"
+
+
+def message_view(m: Any) -> JSON:
+    if not isinstance(m, dict):
+        return {"role": "?", "text": text_of(m)}
+    out: JSON = {"role": str(m.get("role", "?")), "text": text_of(m.get("content"))}
+    calls = m.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        names = [str((c.get("function") or {}).get("name", "?")) for c in calls if isinstance(c, dict)]
+        out["tool_calls"] = names
+    return out
+
+
+def last_user_text(messages: Sequence[Any]) -> str:
+    for m in reversed(messages):
+        if isinstance(m, dict) and m.get("role") in ("user", "tool"):
+            return text_of(m.get("content"), 400)
+    return ""
+
+
+def turn_status(turn_type: str, train: bool, has_next: bool, sample: JSON | None) -> tuple[str, str]:
+    """(state, words) of a turn in the learning loop, for the page's badge."""
+    if turn_type != "main":
+        return "side", "side turn: not trained"
+    if not train:
+        return "opted_out", "opted out (X-Train: false)"
+    if sample is None:
+        return ("waiting_judge", "waiting for the judge") if has_next else (
+            "waiting_reply", "waiting for the user's next message")
+    state = sample["state"]
+    if state == "trained":
+        return "trained", f"trained in step {sample['step']}" if sample.get("step") is not None else "trained"
+    if state == "dropped":
+        return "dropped", f"dropped: {sample.get('reason') or 'no reason stored'}"
+    if state == "judged":
+        return "judged", "judged, waiting for a training step"
+    return "pending", "being judged"
+
+
+def encode_cursor(*parts: Any) -> str:
+    raw = "\x1f".join(p.isoformat() if isinstance(p, datetime) else str(p) for p in parts)
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str, n: int) -> list[str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise BadCursor("the cursor is not one this page gave out") from None
+    parts = raw.split("\x1f")
+    if len(parts) != n:
+        raise BadCursor("the cursor is not one this page gave out")
+    return parts
+
+
+def _limit(n: int) -> int:
+    return max(1, min(int(n), MAX_PAGE))
+
+
+def _iso(d: datetime | None) -> str | None:
+    return None if d is None else d.isoformat()
+
+
+# --- the queries --------------------------------------------------------------------------------
+_TURN_COLS = (
+    t.turns.c.id, t.turns.c.session_id, t.turns.c.idx, t.turns.c.turn_type, t.turns.c.train,
+    t.turns.c.version, t.turns.c.finish_reason, t.turns.c.n_completion, t.turns.c.total_ms,
+    t.turns.c.created_at, t.turns.c.messages, t.turns.c.response,
+)
+
+
+def _annotate(conn: sa.Connection, rows: Sequence[Any], *, whole: bool) -> list[JSON]:
+    """Each turn row with its next state, judgments and sample: three lookups by turn id."""
+    ids = [r.id for r in rows]
+    if not ids:
+        return []
+    nxt = {r.turn_id: r.messages for r in conn.execute(
+        sa.select(t.next_states.c.turn_id, t.next_states.c.messages).where(t.next_states.c.turn_id.in_(ids)))}
+    judged: dict[str, list[Any]] = {}
+    j = t.judgments.c
+    for r in conn.execute(sa.select(j.turn_id, j.kind, j.judge, j.votes, j.reward, j.hint).where(j.turn_id.in_(ids))
+                          .order_by(j.id)):
+        judged.setdefault(r.turn_id, []).append(r)
+    s = t.samples.c
+    samples: dict[str, JSON] = {}
+    for r in conn.execute(sa.select(s.turn_id, s.id, s.method, s.state, s.reason, s.reward, s.hint, s.step,
+                                    s.rewrite_ids.is_not(None).label("rewrite")).where(s.turn_id.in_(ids))
+                          .order_by(s.id)):
+        samples[r.turn_id] = {"id": r.id, "method": r.method, "state": r.state, "reason": r.reason,
+                              "reward": r.reward, "hint": r.hint, "step": r.step, "rewrite": bool(r.rewrite)}
+    out = []
+    for r in rows:
+        js = judged.get(r.id, [])
+        votes = [v.get("value") for jj in js if jj.kind == "prm" for v in (jj.votes or []) if isinstance(v, dict)]
+        hint = next((jj.hint for jj in js if jj.hint), None)
+        feedback = next((jj.reward for jj in js if jj.kind == "feedback" and jj.reward is not None), None)
+        prm = next((jj.reward for jj in js if jj.kind == "prm" and jj.reward is not None), None)
+        sample = samples.get(r.id)
+        reward = sample["reward"] if sample and sample["reward"] is not None else (
+            feedback if feedback is not None else prm)
+        state, words = turn_status(r.turn_type, bool(r.train), r.id in nxt, sample)
+        messages = list(r.messages or [])
+        item: JSON = {
+            "id": r.id, "session_id": r.session_id, "index": r.idx, "turn_type": r.turn_type,
+            "version": r.version, "created_at": _iso(r.created_at), "finish_reason": r.finish_reason,
+            "completion_tokens": r.n_completion, "total_ms": r.total_ms,
+            "asked": last_user_text(messages),
+            "answer": message_view(r.response)["text"],
+            "next": [message_view(m) for m in nxt[r.id]] if r.id in nxt else None,
+            "reward": reward, "votes": votes, "feedback": feedback,
+            "hint": (sample or {}).get("hint") or hint,
+            "judges": sorted({f"{jj.kind}:{jj.judge}" for jj in js}),
+            "state": state, "status": words, "sample": sample,
+        }
+        if whole:
+            item["messages"] = [message_view(m) for m in messages]
+            item["answer_tool_calls"] = message_view(r.response).get("tool_calls")
+        out.append(item)
+    return out
+
+
+def recent_turns(conn: sa.Connection, *, before: str | None = None, limit: int = 30) -> JSON:
+    """The newest turns first, `limit` at a time; `next` is the cursor of the page after."""
+    tu = t.turns.c
+    q = sa.select(*_TURN_COLS)
+    if before:
+        at, tid = decode_cursor(before, 2)
+        try:
+            when = datetime.fromisoformat(at)
+        except ValueError:
+            raise BadCursor("the cursor is not one this page gave out") from None
+        # (created_at, id) < (at, tid), spelled out so both SQLite and PostgreSQL use the index
+        q = q.where(sa.or_(tu.created_at < when, sa.and_(tu.created_at == when, tu.id < tid)))
+    n = _limit(limit)
+    rows = conn.execute(q.order_by(tu.created_at.desc(), tu.id.desc()).limit(n + 1)).all()
+    more, rows = len(rows) > n, rows[:n]
+    return {"turns": _annotate(conn, rows, whole=False),
+            "next": encode_cursor(rows[-1].created_at, rows[-1].id) if more else None}
+
+
+def conversation(conn: sa.Connection, session_id: str, *, after: int = -1, limit: int = 50) -> JSON | None:
+    """One session's turns in order from index `after + 1`, with each turn's own messages."""
+    se = conn.execute(sa.select(t.sessions).where(t.sessions.c.id == session_id)).first()
+    if se is None:
+        return None
+    tu = t.turns.c
+    n = _limit(limit)
+    rows = conn.execute(sa.select(*_TURN_COLS).where(tu.session_id == session_id, tu.idx > after)
+                        .order_by(tu.idx).limit(n + 1)).all()
+    more, rows = len(rows) > n, rows[:n]
+    return {
+        "session": {"id": se.id, "source": se.source, "created_at": _iso(se.created_at),
+                    "updated_at": _iso(se.updated_at), "turns": se.turns, "main_turns": se.main_turns,
+                    "done": bool(se.done), "done_reason": se.done_reason},
+        "turns": _annotate(conn, rows, whole=True),
+        "next": str(rows[-1].idx) if more else None,
+    }
+
+
+def reactions(conn: sa.Connection) -> dict[int, JSON]:
+    """Per version that served the turns: how many were judged +1, -1 and 0, and their mean."""
+    s = t.samples.c
+    q = (sa.select(s.version,
+                   sa.func.count(s.reward).label("n"),
+                   sa.func.sum(sa.case((s.reward > 0, 1), else_=0)).label("up"),
+                   sa.func.sum(sa.case((s.reward < 0, 1), else_=0)).label("down"),
+                   sa.func.avg(s.reward).label("mean"))
+         .where(s.reward.is_not(None)).group_by(s.version))
+    out: dict[int, JSON] = {}
+    for r in conn.execute(q):
+        n, up, down = int(r.n), int(r.up or 0), int(r.down or 0)
+        out[int(r.version)] = {"judged": n, "up": up, "down": down, "neutral": n - up - down,
+                               "mean_reward": None if r.mean is None else float(r.mean)}
+    return out
+
+
+def versions(conn: sa.Connection) -> list[JSON]:
+    """Every published version, oldest first (v0, the base model, included)."""
+    pv = t.policy_versions.c
+    rows = conn.execute(sa.select(pv.version, pv.step, pv.samples, pv.mean_reward, pv.path, pv.created_at)
+                        .order_by(pv.version)).all()
+    out: list[JSON] = [] if any(r.version == 0 for r in rows) else [
+        {"version": 0, "step": None, "samples": 0, "train_mean_reward": None, "path": None, "created_at": None}]
+    out += [{"version": r.version, "step": r.step, "samples": r.samples, "train_mean_reward": r.mean_reward,
+             "path": r.path, "created_at": _iso(r.created_at)} for r in rows]
+    return out
+
+
+def meta(conn: sa.Connection, key: str) -> Any:
+    return conn.execute(sa.select(t.meta.c.value).where(t.meta.c.key == key)).scalar()
+
+
+def waiting(conn: sa.Connection) -> JSON:
+    """What the learning loop has in front of it: samples being judged, samples judged and
+    waiting for a step (ranges of the (state, id) index), and among the newest turns those
+    with a next state and no sample yet (the judge's queue; the collector takes oldest first)."""
+    s, tu = t.samples.c, t.turns.c
+    counts = {state: int(conn.execute(sa.select(sa.func.count()).select_from(t.samples)
+                                      .where(s.state == state)).scalar_one())
+              for state in ("pending", "judged")}
+    newest = sa.select(tu.id, tu.turn_type, tu.train).order_by(tu.created_at.desc()).limit(WAITING_WINDOW).subquery()
+    to_judge = conn.execute(
+        sa.select(sa.func.count()).select_from(newest)
+        .where(newest.c.turn_type == "main", newest.c.train == sa.true(),
+               sa.exists().where(t.next_states.c.turn_id == newest.c.id),
+               ~sa.exists().where(s.turn_id == newest.c.id))).scalar_one()
+    return {"samples_being_judged": counts["pending"], "samples_to_train": counts["judged"],
+            "turns_to_judge": int(to_judge), "turns_window": WAITING_WINDOW}
+
+
+def change_token(conn: sa.Connection, keys: Sequence[str] = ()) -> str:
+    """Changes whenever something the page shows changes: a turn, a next state, a judgment, a
+    sample, a step, a version, or one of the meta `keys` (gate decisions, rollbacks). Each part
+    is an index's last entry (or a primary-key lookup), so polling it costs microseconds."""
+    parts: list[Any] = [
+        conn.execute(sa.select(sa.func.max(t.turns.c.created_at))).scalar(),
+        _next_states_mark(conn),
+        conn.execute(sa.select(sa.func.max(t.judgments.c.id))).scalar(),
+        conn.execute(sa.select(sa.func.max(t.samples.c.id))).scalar(),
+        conn.execute(sa.select(sa.func.max(t.training_steps.c.step))).scalar(),
+        conn.execute(sa.select(sa.func.max(t.policy_versions.c.version))).scalar(),
+    ]
+    s = t.samples.c
+    for state in ("pending", "judged"):  # a sample settled (judged -> trained, pending -> dropped)
+        parts.append(conn.execute(sa.select(sa.func.count()).select_from(t.samples).where(s.state == state)).scalar())
+    for key in keys:
+        parts.append(conn.execute(sa.select(t.meta.c.updated_at).where(t.meta.c.key == key)).scalar())
+    return encode_cursor(*parts)
+
+
+def _next_states_mark(conn: sa.Connection) -> Any:
+    """Moves whenever a next state is attached. Rows are only ever inserted: on SQLite the
+    newest rowid (the table's b-tree key: one page read); elsewhere a count."""
+    if conn.dialect.name == "sqlite":
+        return conn.execute(sa.text("SELECT max(rowid) FROM next_states")).scalar()
+    return conn.execute(sa.select(sa.func.count()).select_from(t.next_states)).scalar()
+
+
+def hints(conn: sa.Connection, limit: int = 20) -> list[JSON]:
+    """The hints the newest samples carry (what the user asked for, in the judge's words),
+    de-duplicated, newest first, with how many samples carried each and how many trained."""
+    s = t.samples.c
+    top = conn.execute(sa.select(sa.func.max(s.id))).scalar() or 0
+    q = (sa.select(s.hint, sa.func.count().label("n"),
+                   sa.func.sum(sa.case((s.state == "trained", 1), else_=0)).label("trained"),
+                   sa.func.max(s.updated_at).label("last"))
+         .where(s.id > top - HINT_WINDOW, s.hint.is_not(None))
+         .group_by(s.hint).order_by(sa.func.max(s.updated_at).desc()).limit(_limit(limit)))
+    return [{"hint": r.hint, "samples": int(r.n), "trained": int(r.trained or 0), "last": _iso(r.last)}
+            for r in conn.execute(q)]
+
+
+def steps(conn: sa.Connection, limit: int = 50) -> list[JSON]:
+    """The newest training steps (step, versions, samples, loss and reward), oldest first."""
+    ts = t.training_steps.c
+    rows = conn.execute(sa.select(ts.step, ts.version_before, ts.version_after, ts.samples, ts.metrics,
+                                  ts.created_at).order_by(ts.step.desc()).limit(_limit(limit))).all()
+    out = []
+    for r in reversed(rows):
+        m = r.metrics or {}
+        out.append({"step": r.step, "version_before": r.version_before, "version_after": r.version_after,
+                    "samples": r.samples, "created_at": _iso(r.created_at),
+                    "metrics": {k: v for k, v in m.items() if isinstance(v, int | float)}})
+    return out
+
+
+class Browse:
+    """The queries above in read transactions of a store (`await store.run(browse.turns, ...)`)."""
+
+    def __init__(self, store: StoreBase) -> None:
+        self.store = store
+
+    @contextmanager
+    def _conn(self) -> Iterator[sa.Connection]:
+        with self.store.engine.connect() as conn, conn.begin():
+            yield conn
+
+    def _in(self, fn: Callable[..., R], *args: Any, **kw: Any) -> R:
+        with self._conn() as conn:
+            return fn(conn, *args, **kw)
+
+    def turns(self, before: str | None = None, limit: int = 30) -> JSON:
+        return self._in(recent_turns, before=before, limit=limit)
+
+    def conversation(self, session_id: str, after: int = -1, limit: int = 50) -> JSON | None:
+        return self._in(conversation, session_id, after=after, limit=limit)
+
+    def progress(self, gate_key: str, rollbacks_key: str) -> JSON:
+        """Versions with their reactions, gate decisions and rollbacks; the steps; the hints."""
+        with self._conn() as conn:
+            vs = versions(conn)
+            react = reactions(conn)
+            gate = {int(g["version"]): g for g in meta(conn, gate_key) or [] if isinstance(g, dict) and "version" in g}
+            rollbacks = {int(k): int(v) for k, v in (meta(conn, rollbacks_key) or {}).items()}
+            for v in vs:
+                v["reactions"] = react.get(v["version"])
+                v["gate"] = gate.get(v["version"])
+                v["restores"] = rollbacks.get(v["version"])
+            return {"versions": vs, "steps": steps(conn), "hints": hints(conn)}
+
+    def waiting(self) -> JSON:
+        return self._in(waiting)
+
+    def token(self, keys: Sequence[str] = ()) -> str:
+        return self._in(change_token, keys)

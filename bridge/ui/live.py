@@ -1,0 +1,108 @@
+"""The boards the page reads: the running server's (`live_board`: the proxy's view of serving,
+the learner's of learning, rollback and pause) and a data directory's with no server
+(`offline_board`, for `clawbridge ui --data-dir`: read-only)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from clawbridge.backends.costs import read_spend
+from clawbridge.learning.gate import GATE_KEY
+from clawbridge.learning.trainer import ROLLBACKS_KEY
+from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
+from clawbridge.ui.routes import Board, RouteError
+from starlette.requests import Request
+
+if TYPE_CHECKING:
+    from clawbridge.config import Settings
+    from clawbridge.learning.learner import Learner
+    from clawbridge.serving.proxy import Proxy
+    from clawbridge.store import Store
+
+JSON = dict[str, Any]
+PAUSED_FROM_PAGE = "paused by the user (POST /ui/api/training)"
+
+
+def spend(data_dir: Path) -> JSON | None:
+    """The cost so far, where the backend keeps one (`costs.json`, as `clawbridge status`)."""
+    try:
+        return read_spend(data_dir / "costs.json")
+    except (OSError, ValueError):
+        return None
+
+
+def learner_status(learner: Learner) -> JSON:
+    out: JSON = {"fields": {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()},
+                 "paused": getattr(learner, "paused", None), "stopped": learner.training_stopped,
+                 "errors": learner.errors, "busy": learner.lock.locked()}
+    if (d := learner.trainer.decisions[-1] if learner.trainer and learner.trainer.decisions else None) is not None:
+        out["last_gate"] = d.record()
+    return out
+
+
+def _live(proxy: Proxy, learner: Learner | None) -> Board:
+    settings = proxy.settings
+
+    async def status() -> JSON:
+        c = proxy.counters
+        out: JSON = {"live": True, "model": proxy.model_name, "backend": proxy.backend.name,
+                     "version": proxy.backend.version, "uptime_s": round(time.time() - proxy.started, 1),
+                     "requests": c.requests, "in_flight": c.in_flight, "errors_5xx": c.errors_5xx,
+                     "sessions_open": len(proxy.sessions), "spend": spend(settings.data_dir),
+                     "learner": None if learner is None else learner_status(learner)}
+        return out
+
+    async def rollback(version: int) -> JSON:
+        assert learner is not None
+        try:
+            rb = await learner.rollback(proxy.backend, proxy.store, version)
+        except UnknownVersion as e:
+            raise RouteError(404, str(e), "version_not_found", "version") from None
+        except TransientBackendError as e:
+            raise RouteError(503, f"The backend is temporarily unavailable: {e}") from None
+        except BackendError as e:
+            raise RouteError(500, f"The rollback failed: {e}") from None
+        return {"object": "policy.rollback", "version": rb.version, "restored": rb.restored,
+                "previous": rb.previous, "path": rb.path, "checkpoint": rb.checkpoint}
+
+    def pause(paused: bool) -> JSON:
+        assert learner is not None
+        learner.paused = PAUSED_FROM_PAGE if paused else None  # type: ignore[attr-defined]
+        learner.wake.set()
+        return {"object": "training", "paused": paused, "reason": learner.paused}  # type: ignore[attr-defined]
+
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return Board(proxy.store, key, status, GATE_KEY, ROLLBACKS_KEY,
+                 rollback=rollback if learner is not None else None,
+                 pause=pause if learner is not None else None)
+
+
+def live_board(learner: Learner | None) -> Callable[[Request], Board]:
+    """The board of the server whose request this is (the proxy is the app's state, as for the
+    learner's other routes); `learner` is None when training is off."""
+    boards: dict[int, Board] = {}
+
+    def board_of(request: Request) -> Board:
+        proxy: Proxy = request.app.state.proxy
+        board = boards.get(id(proxy))
+        if board is None:
+            board = boards[id(proxy)] = _live(proxy, learner)
+        return board
+
+    return board_of
+
+
+def offline_board(settings: Settings, store: Store) -> Board:
+    """A data directory with no server running: everything it recorded, no actions."""
+
+    async def status() -> JSON:
+        latest = await store.run(store.latest_version)
+        return {"live": False, "model": settings.model, "backend": settings.backend,
+                "version": latest.version if latest is not None else 0, "data_dir": str(settings.data_dir),
+                "spend": spend(settings.data_dir), "learner": None}
+
+    key = settings.api_key.get_secret_value() if settings.api_key else None
+    return Board(store, key, status, GATE_KEY, ROLLBACKS_KEY)

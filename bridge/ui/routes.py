@@ -1,0 +1,223 @@
+"""The page's routes (docs/ui.md lists them with their bodies):
+
+    GET  /                     -> 307 to /ui
+    GET  /ui                   the page (or, with a key and no session, the sign-in form: 401)
+    POST /ui/login             form field `key` -> the session cookie, 303 to /ui
+    POST /ui/logout            drops the cookie
+    GET  /ui/static/{name}     the page's CSS and JS (shipped in the package)
+    GET  /ui/api/now           serving and learning now, what is waiting, the change token
+    GET  /ui/api/progress      versions with reactions, gate decisions, rollbacks; steps; hints
+    GET  /ui/api/turns         ?before=CURSOR&limit=N: the newest turns with verdicts
+    GET  /ui/api/sessions/{id} ?after=INDEX&limit=N: one conversation
+    POST /ui/api/rollback      {"version": K}: serve vK's weights again (the admin rollback)
+    POST /ui/api/training      {"paused": true|false}: pause or resume training steps
+
+Data routes answer JSON and take the API key as a bearer header or the page's cookie. The page
+itself is static: it fills in every value with `textContent` and SVG text nodes, never markup,
+and a Content-Security-Policy forbids inline script, so no conversation can run code in it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from clawbridge.store import Store
+from clawbridge.store.browse import BadCursor, Browse
+from clawbridge.ui import auth
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+
+log = logging.getLogger(__name__)
+JSON = dict[str, Any]
+
+STATIC = {"app.js": "text/javascript", "app.css": "text/css", "index.html": "text/html", "login.html": "text/html"}
+# Nothing but our own files: no inline script or style, no framing, no other origin.
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+SECURITY_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff",
+                    "referrer-policy": "no-referrer", "cache-control": "no-store"}
+MAX_BODY = 4096
+
+
+class RouteError(Exception):
+    """An action the board refuses: the HTTP status and an OpenAI-shaped message."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+
+@dataclass
+class Board:
+    """What the page reads and acts on. `status` is the live server's view (version serving,
+    backend, model, learner); `rollback` and `pause` are None where no server runs (read-only)."""
+
+    store: Store
+    api_key: str | None
+    status: Callable[[], Awaitable[JSON]]
+    gate_key: str
+    rollbacks_key: str
+    rollback: Callable[[int], Awaitable[JSON]] | None = None
+    pause: Callable[[bool], JSON] | None = None
+    poll_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        self.browse = Browse(self.store)
+
+
+@cache
+def asset(name: str) -> bytes:
+    return resources.files("clawbridge.ui").joinpath("static", name).read_bytes()
+
+
+def _json(body: Any, status: int = 200) -> Response:
+    return Response(json.dumps(body), status_code=status, media_type="application/json",
+                    headers={"cache-control": "no-store"})
+
+
+def error(status: int, message: str, code: str | None = None, param: str | None = None) -> Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return _json({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _page(name: str, status: int = 200, extra: dict[str, str] | None = None) -> Response:
+    return Response(asset(name), status_code=status, media_type=STATIC[name],
+                    headers={**SECURITY_HEADERS, **(extra or {})})
+
+
+def _int(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RouteError(400, f"`{name}` must be an integer", "invalid_value", name) from None
+
+
+async def _body(request: Request) -> JSON:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise RouteError(413, "the body is too large")
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise RouteError(400, "the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise RouteError(400, "the body must be a JSON object")
+    return body
+
+
+def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
+    """The page's routes; `board_of(request)` gives the board (the live server's, or a fixed one)."""
+
+    def guarded(fn: Callable[[Request, Board], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            board = board_of(request)
+            if not auth.authorized(request, board.api_key):
+                if board.api_key is not None and auth.COOKIE in request.cookies and request.method not in auth.SAFE_METHODS:
+                    return error(403, "A signed-in page sends `X-Clawbridge-UI: 1` with every action.", "missing_ui_header")
+                return error(401, "Incorrect API key provided: send `Authorization: Bearer KEY`, or sign in at /ui.",
+                             "invalid_api_key")
+            try:
+                return await fn(request, board)
+            except RouteError as e:
+                return error(e.status, str(e), e.code, e.param)
+            except BadCursor as e:
+                return error(400, str(e), "invalid_cursor")
+
+        return endpoint
+
+    async def root(request: Request) -> Response:
+        return RedirectResponse("/ui", status_code=307)
+
+    async def page(request: Request) -> Response:
+        board = board_of(request)
+        if not auth.authorized(request, board.api_key):
+            return _page("login.html", 401)
+        return _page("index.html")
+
+    async def login(request: Request) -> Response:
+        board = board_of(request)
+        if board.api_key is None:
+            return RedirectResponse("/ui", status_code=303)
+        raw = await request.body()
+        given = urllib.parse.parse_qs(raw[:MAX_BODY].decode("utf-8", "replace")).get("key", [""])[0]
+        if not auth.key_matches(given, board.api_key):
+            log.warning("ui: a sign-in with a wrong key")
+            return _page("login.html", 401, {"x-clawbridge-login": "failed"})
+        r = RedirectResponse("/ui", status_code=303)
+        r.headers["set-cookie"] = auth.cookie_header(board.api_key, secure=request.url.scheme == "https")
+        return r
+
+    async def logout(request: Request) -> Response:
+        r = RedirectResponse("/ui", status_code=303)
+        r.headers["set-cookie"] = auth.clear_cookie_header()
+        return r
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in STATIC or name.endswith(".html"):
+            return error(404, f"No file `{name}`.", "not_found")
+        return Response(asset(name), media_type=STATIC[name], headers=SECURITY_HEADERS)
+
+    async def now(request: Request, board: Board) -> Response:
+        store = board.store
+        status = await board.status()
+        waiting = await store.run(board.browse.waiting)
+        token = await store.run(board.browse.token, (board.gate_key, board.rollbacks_key))
+        return _json({"status": status, "waiting": waiting, "token": token, "poll_s": board.poll_s,
+                      "actions": {"rollback": board.rollback is not None, "pause": board.pause is not None}})
+
+    async def progress(request: Request, board: Board) -> Response:
+        return _json(await board.store.run(board.browse.progress, board.gate_key, board.rollbacks_key))
+
+    async def turns(request: Request, board: Board) -> Response:
+        before = request.query_params.get("before") or None
+        return _json(await board.store.run(board.browse.turns, before, _int(request, "limit", 30)))
+
+    async def session(request: Request, board: Board) -> Response:
+        sid = request.path_params["sid"]
+        out = await board.store.run(board.browse.conversation, sid, _int(request, "after", -1),
+                                    _int(request, "limit", 50))
+        if out is None:
+            raise RouteError(404, f"No session `{sid}`.", "not_found")
+        return _json(out)
+
+    async def rollback(request: Request, board: Board) -> Response:
+        if board.rollback is None:
+            raise RouteError(409, "No server is running on this data directory: the page is read-only.", "read_only")
+        version = (await _body(request)).get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise RouteError(400, "`version` must be a version number (0 or more)", "invalid_value", "version")
+        return _json(await board.rollback(version))
+
+    async def training(request: Request, board: Board) -> Response:
+        if board.pause is None:
+            raise RouteError(409, "No learning loop runs here: there is no training to pause.", "read_only")
+        paused = (await _body(request)).get("paused")
+        if not isinstance(paused, bool):
+            raise RouteError(400, "`paused` must be true or false", "invalid_value", "paused")
+        return _json(board.pause(paused))
+
+    return [
+        Route("/", root, methods=["GET"]),
+        Route("/ui", page, methods=["GET"]),
+        Route("/ui/login", login, methods=["POST"]),
+        Route("/ui/logout", logout, methods=["POST"]),
+        Route("/ui/static/{name}", static, methods=["GET"]),
+        Route("/ui/api/now", guarded(now), methods=["GET"]),
+        Route("/ui/api/progress", guarded(progress), methods=["GET"]),
+        Route("/ui/api/turns", guarded(turns), methods=["GET"]),
+        Route("/ui/api/sessions/{sid}", guarded(session), methods=["GET"]),
+        Route("/ui/api/rollback", guarded(rollback), methods=["POST"]),
+        Route("/ui/api/training", guarded(training), methods=["POST"]),
+    ]
