@@ -15,9 +15,9 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from clawbridge.backends.sglang import SGLangBackend
 from clawbridge.local_gpu import layout, models
 from clawbridge.local_gpu.fsdp import FSDPTrainer
-from clawbridge.local_gpu.sglang import SGLangBackend
 from clawbridge.local_gpu.supervisor import ServerSpec, Supervisor, plan_specs, serving_mode
 from clawbridge.protocol import BackendError
 

@@ -1,7 +1,7 @@
 """The bridge's handle on the FSDP2 LoRA trainer: launches `torchrun` (one rank per actor GPU, or
 CPU ranks on gloo) running `clawbridge.local_gpu.fsdp_worker`, and drives it over a small
 authenticated RPC (`multiprocessing.connection`, pickled dataclasses) so the ranks keep the model
-and optimizer between steps. Implements `clawbridge.local_gpu.sglang.Trainer`.
+and optimizer between steps. Implements `clawbridge.backends.sglang.Trainer`.
 
 The trainer runs in its own process group: `close()` asks it to shut down, then `killpg` with
 SIGTERM and, after a grace period, SIGKILL — never anything by name.

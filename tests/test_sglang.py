@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from clawbridge.backends.sglang import SGLangBackend
 from clawbridge.local_gpu.sglang import (
-    SGLangBackend,
     SGLangClient,
     SGLangError,
     StreamCursor,
