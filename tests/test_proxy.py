@@ -30,7 +30,10 @@ def live(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("proxy")
     settings = Settings(model=MODEL, port=0, data_dir=data, train=False, max_request_bytes=256 * 1024,
                         default_max_tokens=16)
-    server = LiveServer(settings, build_backend(settings), hooks=ProxyHooks()).start()
+    signalled = asyncio.Event()  # set by the hook the learner wakes on, for every next state
+    hooks = ProxyHooks(on_next_state=lambda _ns: signalled.set())
+    server = LiveServer(settings, build_backend(settings), hooks=hooks).start()
+    server.signalled = signalled  # type: ignore[attr-defined]
     yield server
     server.stop()
 
@@ -162,8 +165,8 @@ def test_url_prefix_names_the_session(live: LiveServer):
 
 
 def test_next_main_request_attaches_the_next_state_and_signals_it(live: LiveServer, client: openai.OpenAI):
-    hooks = live.proxy.hooks
-    hooks.next_state_event.clear()
+    signalled: asyncio.Event = live.signalled  # type: ignore[attr-defined]
+    signalled.clear()
     h = {"X-Session-Id": "ns-1"}
     m1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "first"}]
     r1 = client.chat.completions.create(model=MODEL, messages=m1, max_tokens=5, extra_headers=h)
@@ -174,7 +177,7 @@ def test_next_main_request_attaches_the_next_state_and_signals_it(live: LiveServ
     user2 = {"role": "user", "content": "second"}
     client.chat.completions.create(model=MODEL, messages=[*m1, reply, user2], max_tokens=5,
                                    extra_headers={**h, "X-Session-Done": "true"})
-    live.call(asyncio.wait_for(hooks.next_state_event.wait(), 10))
+    live.call(asyncio.wait_for(signalled.wait(), 10))
     t1, t_side, t2 = turns(live, "ns-1")
     assert t1.next_state == [user2]
     assert t_side.turn_type == "side" and t_side.next_state is None
@@ -281,7 +284,7 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI):
 
 
 def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
-    from clawbridge.serving.proxy import create_app
+    from clawbridge.serving.app import create_app
     from starlette.testclient import TestClient
 
     settings = Settings(model=MODEL, port=0, data_dir=tmp_path, api_key="sk-secret-123", train=False)
@@ -295,9 +298,9 @@ def test_api_key_is_required_when_configured(tmp_path: Path, live: LiveServer):
 
 
 def test_both_chat_routes_answer_errors_the_same_way(tmp_path: Path, live: LiveServer):
-    """`/v1/chat/completions` skips Starlette's middleware stack (`proxy._App`); its errors must
+    """`/v1/chat/completions` skips Starlette's middleware stack (`app._App`); its errors must
     still get the handlers the session-prefixed route gets through the stack."""
-    from clawbridge.serving.proxy import create_app
+    from clawbridge.serving.app import create_app
     from starlette.testclient import TestClient
 
     class Broken:  # a backend with a bug: sampling raises something that is no BackendError
@@ -472,7 +475,7 @@ def test_a_client_leaving_before_the_first_byte_is_counted_out_and_its_next_stat
 
 def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
     from clawbridge.protocol import BackendError
-    from clawbridge.serving.proxy import _Prefetch
+    from clawbridge.serving.streaming import Prefetch
     from clawbridge.types import TokenChunk
 
     closed = []
@@ -489,7 +492,7 @@ def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
             closed.append(True)
 
     async def read(gaps: bool) -> list[TokenChunk]:
-        feed, out = _Prefetch(source(gaps)), []
+        feed, out = Prefetch(source(gaps)), []
         while (c := await feed.next()) is not None:
             out.append(c)
             if c.finish_reason:
@@ -504,7 +507,7 @@ def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
     assert [c.tokens for c in spaced] == [(i,) for i in range(6)]  # nothing waits for company
 
     async def failing() -> list[tuple[int, ...]]:
-        feed, got = _Prefetch(source(gaps=False, fail=True)), []
+        feed, got = Prefetch(source(gaps=False, fail=True)), []
         with pytest.raises(BackendError):
             while True:
                 got.append((await feed.next()).tokens)  # type: ignore[union-attr]
@@ -514,7 +517,7 @@ def test_stream_chunks_that_arrive_together_leave_together_and_in_order():
     assert asyncio.run(asyncio.wait_for(failing(), 10)) == [(0, 1, 2, 3)]  # the error comes after what preceded it
 
     async def abandoned() -> None:
-        feed = _Prefetch(source(gaps=True))
+        feed = Prefetch(source(gaps=True))
         await feed.next()
         await feed.aclose()  # a client gone: the source is closed, its generation stops
 

@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from clawbridge.chat.messages import Delta, RenderError
-from clawbridge.serving import surface, wire
-from clawbridge.serving.proxy import Draft, Metrics, Proxy
-from clawbridge.serving.surface import Answer
+from clawbridge.serving import pipeline, wire
+from clawbridge.serving.metrics import Metrics
+from clawbridge.serving.pipeline import Answer, Endpoint
+from clawbridge.serving.proxy import Ask, Draft, Proxy
+from clawbridge.serving.streaming import sse
 from clawbridge.serving.wire import APIError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,6 +41,8 @@ from starlette.routing import BaseRoute, Route
 # refuses it. The header is optional here (curl users forget it).
 _VERSION = re.compile(r"^(\d{4})-(\d{2})-(\d{2})$")
 FIRST_VERSION = "2023-01-01"
+# chat request fields → this API's names for them, so an error names the field the client sent
+RENAMED = {"stop": "stop_sequences"}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
@@ -182,7 +186,7 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     version = request.headers.get("anthropic-version")
     if version is not None and not (_VERSION.match(version) and version >= FIRST_VERSION):
         raise _bad(f"anthropic-version: {version!r} is not a valid version (a date, {FIRST_VERSION} or later)")
-    body = surface.parse_body(raw)
+    body = pipeline.parse_body(raw)
     if not isinstance(body.get("max_tokens"), int):
         raise _bad("max_tokens: Field required (an integer)")
     stops = body.get("stop_sequences")
@@ -202,9 +206,9 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     for key in ("session_id", "turn_type", "session_done"):  # clawbridge's own body keys
         if key in body:
             chat[key] = body[key]
-    req, d = await surface.admit(proxy, request, chat, {"stop": "stop_sequences"})
-    d.request_params = {**d.request_params, "api": "messages"}
-    return _Call(d, req.stream, "msg_" + surface.turn_hex(d))
+    req, keys = wire.chat_request({k: v for k, v in chat.items() if v is not None}, RENAMED)
+    d = await proxy.admit(request, Ask.of(req, keys, len(raw), names=RENAMED, api={"api": "messages"}))
+    return _Call(d, req.stream, "msg_" + pipeline.turn_hex(d))
 
 
 def stop_reason(a: Answer, proxy: Proxy, stops: tuple[str, ...]) -> tuple[str, str | None]:
@@ -254,11 +258,10 @@ class _Call:
     streaming: bool
     id: str
 
-    async def answer(self, request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
+    async def answer(self, proxy: Proxy, request: Request) -> Response:
         if self.streaming:
-            return await surface.stream(proxy, self.draft, _Events(self, proxy))
-        [a] = await surface.complete(proxy, self.draft, request)
+            return await pipeline.stream(proxy, self.draft, _Events(self, proxy))
+        [a] = await pipeline.complete(proxy, self.draft, request)
         reason, seq = stop_reason(a, proxy, self.draft.params.stop)
         body = {**self.message([], None, None), "content": content_blocks(a), "stop_reason": reason,
                 "stop_sequence": seq, "usage": _usage(a.prompt_tokens, len(a.completion.tokens))}
@@ -279,8 +282,8 @@ class _Events:
         self.open: str | None = None  # "text" | "thinking"
 
     def start(self) -> list[bytes]:
-        return [surface.sse("message_start", {"type": "message_start", "message": self.call.message([], None, None)}),
-                surface.sse("ping", {"type": "ping"})]
+        return [sse("message_start", {"type": "message_start", "message": self.call.message([], None, None)}),
+                sse("ping", {"type": "ping"})]
 
     def _close(self) -> list[bytes]:
         if self.open is None:
@@ -289,17 +292,17 @@ class _Events:
         if self.open == "thinking":
             out.append(self._delta({"type": "signature_delta", "signature": ""}))
         self.open = None
-        return [*out, surface.sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return [*out, sse("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _start(self, block: dict[str, Any]) -> bytes:
         self.index += 1
-        return surface.sse("content_block_start",
+        return sse("content_block_start",
                            {"type": "content_block_start", "index": self.index, "content_block": block})
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
-        return surface.sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
-    def deltas(self, deltas: list[Delta], tokens: Any, logprobs: Any) -> list[bytes]:
+    def deltas(self, deltas: list[Delta], tokens: Any, logprobs: Any, top: Any = None) -> list[bytes]:
         out: list[bytes] = []
         for d in deltas:
             if d.tool_call is not None:
@@ -307,7 +310,7 @@ class _Events:
                 out += self._close()
                 out.append(self._start({"type": "tool_use", "id": tc.id, "name": tc.name, "input": {}}))
                 out.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(_input(tc.arguments))}))
-                out.append(surface.sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+                out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
                 continue
             kind = "thinking" if d.reasoning_content is not None else "text"
             if self.open != kind:
@@ -324,26 +327,25 @@ class _Events:
     def finish(self, a: Answer) -> list[bytes]:
         reason, seq = stop_reason(a, self.proxy, self.call.draft.params.stop)
         return [*self._close(),
-                surface.sse("message_delta", {"type": "message_delta",
+                sse("message_delta", {"type": "message_delta",
                                               "delta": {"stop_reason": reason, "stop_sequence": seq},
                                               "usage": {"output_tokens": len(a.completion.tokens)}}),
-                surface.sse("message_stop", {"type": "message_stop"})]
+                sse("message_stop", {"type": "message_stop"})]
 
     def error(self, err: APIError) -> list[bytes]:
-        return [surface.sse("error", {"type": "error", "error": {
+        return [sse("error", {"type": "error", "error": {
             "type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}})]
 
 
 def routes(proxy: Proxy, metrics: Metrics) -> list[BaseRoute]:
-    run = surface.endpoint(proxy, metrics, _admit, error=error_response,
-                           auth=lambda request: check_auth(proxy, request))
+    run = Endpoint(proxy, metrics, _admit, error=error_response, auth=lambda request: check_auth(proxy, request))
 
     async def count_tokens(request: Request) -> Response:
         """The prompt's length in tokens, rendered as /v1/messages would render it; nothing is
         sampled or recorded."""
         try:
             check_auth(proxy, request)
-            body = surface.parse_body(await proxy.read_body(request))
+            body = pipeline.parse_body(await proxy.read_body(request))
             if not isinstance(body.get("model"), str):
                 raise _bad("model: Field required")
             if body["model"] != proxy.model_name:

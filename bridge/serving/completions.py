@@ -2,7 +2,7 @@
 
 The prompt is tokenised as it is (or taken as token ids when it is a list of ints) and the
 completion decoded as raw text: no reasoning or tool-call parsing, only the end-of-turn tokens
-and the `stop` strings end it. Admission, sampling and capture are the chat route's; the turn
+and the `stop` strings end it. Admission, sampling and capture are every wire format's (`pipeline`); the turn
 records the prompt as one user message (`request_params.api = "completions"` says it was not
 templated) and the text as the assistant's reply.
 """
@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 from clawbridge.chat.decode import token_bytes_table
 from clawbridge.chat.messages import AssistantMessage, Delta
-from clawbridge.serving import surface, wire
-from clawbridge.serving.proxy import Draft, Metrics, Prepared, Proxy
-from clawbridge.serving.surface import Answer
+from clawbridge.serving import pipeline, wire
+from clawbridge.serving.metrics import Metrics
+from clawbridge.serving.pipeline import Answer, Endpoint
+from clawbridge.serving.proxy import Ask, Draft, Proxy
 from clawbridge.serving.wire import APIError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request
@@ -135,28 +136,24 @@ def _prompt_ids(proxy: Proxy, prompt: Any) -> list[int]:
     return ids
 
 
-def _prepare(proxy: Proxy, body: CompletionRequest, keys: dict[str, Any]) -> Any:
-    """Admission's parse-and-render step for a plain prompt: its token ids, untemplated."""
-
-    def prepare(raw: bytes, *, cache: bool = True) -> tuple[wire.ChatRequest, dict[str, Any], Prepared]:
-        ids = _prompt_ids(proxy, body.prompt)
-        text = proxy.renderer.decode(ids)
-        req = wire.ChatRequest.model_construct(
-            model=body.model, messages=[], n=body.n, stream=body.stream, stream_options=body.stream_options,
-            stop=body.stop, max_tokens=body.max_tokens, max_completion_tokens=None,
-            temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-            logprobs=body.logprobs is not None, top_logprobs=body.logprobs, tools=None, tool_choice=None,
-            user=body.user,
-        )
-        params = {k: v for k, v in body.model_dump(exclude_none=True).items() if k not in ("model", "prompt")}
-        return req, keys, Prepared([{"role": "user", "content": text}], None, {**params, "api": "completions"}, ids)
-
-    return prepare
-
+def _ask(proxy: Proxy, body: CompletionRequest, keys: dict[str, Any], size: int) -> Ask:
+    """A plain prompt as admission reads it: its token ids, untemplated, recorded as one user
+    message; the turn records this endpoint's own parameters."""
+    ids = _prompt_ids(proxy, body.prompt)
+    req = wire.ChatRequest.model_construct(
+        model=body.model, messages=[], n=body.n, stream=body.stream, stream_options=body.stream_options,
+        stop=body.stop, max_tokens=body.max_tokens, max_completion_tokens=None,
+        temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+        logprobs=body.logprobs is not None, top_logprobs=body.logprobs, tools=None, tool_choice=None,
+        user=body.user,
+    )
+    params = {k: v for k, v in body.model_dump(exclude_none=True).items() if k not in ("model", "prompt")}
+    messages = [{"role": "user", "content": proxy.renderer.decode(ids)}]
+    return Ask(req, keys, messages, None, {**params, "api": "completions"}, size, prompt=ids)
 
 
 async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
-    data = surface.parse_body(raw)
+    data = pipeline.parse_body(raw)
     keys = wire.session_keys({k: data.pop(k) for k in wire.SESSION_BODY_KEYS if k in data})
     try:
         body = CompletionRequest.model_validate(data)
@@ -165,7 +162,7 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     if body.echo or body.suffix is not None or (body.best_of or body.n) != body.n:
         what = "echo" if body.echo else "suffix" if body.suffix is not None else "best_of"
         raise APIError(400, f"'{what}' is not supported.", param=what)
-    _, d = await proxy.admit(request, raw, prepare=_prepare(proxy, body, keys))
+    d = await proxy.admit(request, await proxy.off_loop(len(raw), _ask, proxy, body, keys, len(raw)))
     d.id = f"cmpl-{os.urandom(12).hex()}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return _Call(d, body.n, body.stream, body.logprobs, include_usage)
@@ -179,12 +176,11 @@ class _Call:
     logprobs: int | None
     include_usage: bool
 
-    async def answer(self, request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
+    async def answer(self, proxy: Proxy, request: Request) -> Response:
         d = self.draft
         if self.streaming:
-            return await surface.stream(proxy, d, _Events(self, proxy), _decoder(proxy, d))
-        answers = await surface.complete(proxy, d, request, self.n, lambda: _decoder(proxy, d))
+            return await pipeline.stream(proxy, d, _Events(self, proxy), _decoder(proxy, d))
+        answers = await pipeline.complete(proxy, d, request, self.n, lambda: _decoder(proxy, d))
         choices = [self.choice(proxy, i, a.message.content or "", a.completion.tokens, a.completion.logprobs,
                                a.completion.top_logprobs, _finish(a.message.finish_reason))
                    for i, a in enumerate(answers)]
@@ -204,7 +200,7 @@ class _Call:
                top: Any, finish: str | None, offset: int = 0) -> dict[str, Any]:
         logprobs = None
         if self.logprobs is not None:
-            entries = surface.token_logprobs(proxy, tokens, lps, top)
+            entries = pipeline.token_logprobs(proxy, tokens, lps, top)
             offsets, pos = [], offset
             for e in entries:
                 offsets.append(pos)
@@ -230,7 +226,9 @@ class _Events:
     def start(self) -> list[bytes]:
         return []
 
-    def deltas(self, deltas: list[Delta], tokens: Sequence[int], logprobs: Sequence[float]) -> list[bytes]:
+    def deltas(
+        self, deltas: list[Delta], tokens: Sequence[int], logprobs: Sequence[float], top: Any = None
+    ) -> list[bytes]:
         text = "".join(d.content or "" for d in deltas)
         if not text and not tokens:
             return []
@@ -250,6 +248,6 @@ class _Events:
 
 
 def routes(proxy: Proxy, metrics: Metrics) -> list[BaseRoute]:
-    run = surface.endpoint(proxy, metrics, _admit)
+    run = Endpoint(proxy, metrics, _admit)
     return [Route("/v1/completions", run, methods=["POST"]),
             Route("/s/{session_id}/v1/completions", run, methods=["POST"])]

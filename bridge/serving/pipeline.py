@@ -1,38 +1,41 @@
-"""What the other wire formats share with chat completions: one admission, one capture path.
+"""The one serving pipeline: every wire format's request goes through the same endpoint,
+admission, sampling loop and capture; a format only translates.
 
-    surface request --translate--> chat request --Proxy.admit--> Draft (session, prompt ids, K)
-    backend tokens --decoder--> deltas --the surface's Events--> its SSE events, or its body
-    Proxy.record: the same TurnRecord as a chat completion's, durable before the last byte
+    Endpoint: auth -> read body -> the format's admit (its schema, then Proxy.admit) -> Call
+    Call.answer: complete() (sample n, parse, record)  or  stream() (the one streaming loop)
+    stream: backend tokens --Prefetch--> decoder --> deltas --the format's Events--> its SSE bytes
+    Proxy.record: one TurnRecord per answer, durable before the last byte leaves
+    the request's end (however it ends): counted out, the next state it carried kept
 
-A surface module (`responses`, `anthropic`, `completions`) holds only its translation: its request
-in, its body, events and errors out. Sessions, next states, main/side, the opt-out, the policy
-version pinned at admission and the store are the chat route's, unchanged.
+A wire format module (`chat_completions`, `responses`, `anthropic`, `completions`) holds only its
+translation: its request in, its body, `Events` and errors out. Sessions, next states, main/side,
+the opt-out, the policy version pinned at admission and the store are the proxy's, unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clawbridge.chat.messages import AssistantMessage, Delta
 from clawbridge.protocol import BackendError
 from clawbridge.serving import wire
-from clawbridge.serving.proxy import (
-    SSE_HEADERS,
-    Draft,
-    Metrics,
-    Proxy,
-    _backend_error,
-    _EventStream,
-    _Prefetch,
-)
+from clawbridge.serving.errors import SERVER_ERROR, backend_error
+from clawbridge.serving.streaming import SSE_HEADERS, EventStream, Prefetch
 from clawbridge.serving.wire import APIError
 from clawbridge.store.records import new_turn_id
 from clawbridge.types import Completion, TokenChunk
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+
+if TYPE_CHECKING:
+    from clawbridge.serving.metrics import Metrics
+    from clawbridge.serving.proxy import Draft, Proxy
+
+log = logging.getLogger(__name__)
 
 
 class Decoder(Protocol):
@@ -45,7 +48,7 @@ class Decoder(Protocol):
 
 @dataclass(frozen=True)
 class Answer:
-    """One sampled answer, parsed: what a surface turns into its body or its last events."""
+    """One sampled answer, parsed: what a wire format turns into its body or its last events."""
 
     completion: Completion
     message: AssistantMessage  # its finish_reason: "stop" | "length" | "tool_calls"
@@ -53,104 +56,102 @@ class Answer:
 
 
 class Events(Protocol):
-    """One streamed answer in a surface's format; stateful (which item or block is open)."""
+    """One streamed answer in a wire format's events; stateful (which item or block is open).
+    `deltas` gets the deltas the decoder made of the tokens sampled since its last call (and
+    those tokens, their logprobs and top alternatives): a token whose text the decoder holds
+    back (an incomplete UTF-8 sequence, a possible tag start) shows with a later delta."""
 
     def start(self) -> list[bytes]: ...
-    def deltas(self, deltas: list[Delta], tokens: Sequence[int], logprobs: Sequence[float]) -> list[bytes]: ...
+    def deltas(
+        self, deltas: list[Delta], tokens: Sequence[int], logprobs: Sequence[float], top: Sequence[Any] | None = None
+    ) -> list[bytes]: ...
     def finish(self, answer: Answer) -> list[bytes]: ...
     def error(self, err: APIError) -> list[bytes]: ...
 
 
 class Call(Protocol):
-    """An admitted request of some surface: its draft, and how to answer it."""
+    """An admitted request of some wire format: its draft, and how to answer it."""
 
     draft: Draft
 
-    async def answer(self, request: Request) -> Response: ...
+    async def answer(self, proxy: Proxy, request: Request) -> Response: ...
 
 
-Admit = Callable[[Proxy, Request, bytes], Awaitable[Call]]
-
-
-def reply_of(msg: AssistantMessage) -> dict[str, Any]:
-    """The assistant message a turn records: the chat completion's, whatever the surface."""
-    calls = [c.to_openai() for c in msg.tool_calls] or None
-    return wire.assistant_message(msg.content, msg.reasoning_content, calls)
+Admit = Callable[["Proxy", Request, bytes], Awaitable[Call]]
 
 
 def openai_error(err: APIError) -> Response:
     return Response(wire.dumps(err.body()), status_code=err.status, media_type="application/json")
 
 
-def endpoint(
-    proxy: Proxy,
-    metrics: Metrics,
-    admit: Admit,
-    *,
-    error: Callable[[APIError], Response] = openai_error,
-    auth: Callable[[Request], None] | None = None,
-) -> Callable[[Request], Awaitable[Response]]:
-    """A route over `admit`: counted, timed and authenticated as the chat route is, its errors
-    in the surface's shape. The next state a request carried is kept however it ends."""
-    check = auth or proxy.check_auth
+class Endpoint:
+    """A wire format's route, a raw ASGI app: counted, timed and authenticated as every other,
+    its errors in the format's shape (`error`). However the request ends (answered, refused,
+    failed, or the client gone mid-stream), it is counted out and the next state it carried is
+    kept, once, after its response."""
 
-    async def run(request: Request) -> Response:
+    def __init__(
+        self,
+        proxy: Proxy,
+        metrics: Metrics,
+        admit: Admit,
+        *,
+        error: Callable[[APIError], Response] = openai_error,
+        auth: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.proxy, self.metrics, self.admit, self.error = proxy, metrics, admit, error
+        self.auth = auth or proxy.check_auth
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        proxy = self.proxy
         counters = proxy.counters
         counters.requests += 1
         counters.in_flight += 1
         t0 = time.perf_counter()
-        status, streaming, call = 200, False, None
+        call: Call | None = None
         try:
-            check(request)
-            call = await admit(proxy, request, await proxy.read_body(request))
-            response = await call.answer(request)
-            streaming = isinstance(response, _EventStream)  # counts itself out when it ends
-            return response
-        except (APIError, BackendError) as e:
-            err = e if isinstance(e, APIError) else _backend_error(e)
-            status = err.status
-            if status >= 500:
-                counters.errors_5xx += 1
-            else:
-                counters.errors_4xx += 1
-            return error(err)
+            request = Request(scope, receive, send)
+            try:
+                self.auth(request)
+                call = await self.admit(proxy, request, await proxy.read_body(request))
+                response = await call.answer(proxy, request)
+            except (APIError, BackendError) as e:
+                err = e if isinstance(e, APIError) else backend_error(e)
+                counters.error(err.status)
+                response = self.error(err)
+            except ClientDisconnect:  # the client left; no error of ours, nobody to answer
+                log.info("client left during %s", scope["path"])
+                response = Response(status_code=499)
+            except Exception:
+                counters.error(500)
+                log.exception("unhandled error on %s", scope["path"])
+                response = self.error(APIError(500, SERVER_ERROR, type="server_error"))
+            self.metrics.observe(response.status_code, time.perf_counter() - t0)
+            await response(scope, receive, send)
         finally:
-            if not streaming:
-                counters.in_flight -= 1
-                if call is not None:  # a no-op once its turn was written with it
-                    proxy.attach_next_state(call.draft)
-            metrics.observe(status, time.perf_counter() - t0)
-
-    return run
-
-
-async def admit(
-    proxy: Proxy, request: Request, chat: dict[str, Any], renamed: dict[str, str] | None = None
-) -> tuple[wire.ChatRequest, Draft]:
-    """A translated request through the chat route's own admission (validation, the session,
-    rendering, the context check, the policy version): the body is the chat request it became.
-    `renamed`: the surface's names for chat fields, so an error names the field the client sent."""
-    try:
-        return await proxy.admit(request, wire.dumps({k: v for k, v in chat.items() if v is not None}))
-    except APIError as e:
-        if renamed and e.param in renamed:
-            old, e.param = e.param, renamed[e.param]
-            e.message = e.message.replace(f"'{old}'", f"'{e.param}'").replace(f"{old} is", f"{e.param} is")
-        raise
+            counters.in_flight -= 1
+            if call is not None:  # a no-op once its turn was written with it
+                proxy.attach_next_state(call.draft)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A surface's JSON body, bounded in depth before anything walks it."""
+    """A wire format's JSON body, bounded in depth before anything walks it."""
     body = wire.json_object(raw)
     wire.check_depth(body)
     return body
+
+
+def reply_of(msg: AssistantMessage) -> dict[str, Any]:
+    """The assistant message a turn records: the chat completion's, whatever the format."""
+    calls = [c.to_openai() for c in msg.tool_calls] or None
+    return wire.assistant_message(msg.content, msg.reasoning_content, calls)
 
 
 async def complete(
     proxy: Proxy, d: Draft, request: Request, n: int = 1, decoder: Callable[[], Decoder] | None = None
 ) -> list[Answer]:
     """Sample, parse and record (one turn per answer, committed before this returns). A client
-    that leaves meanwhile stops the generation and nothing is recorded, as for chat."""
+    that leaves meanwhile stops the generation and nothing is recorded."""
     comps = await proxy.sample(d, n, request)
     answers = []
     for c in comps:
@@ -166,21 +167,21 @@ async def complete(
     return answers
 
 
-async def stream(proxy: Proxy, d: Draft, events: Events, decoder: Decoder | None = None) -> Response:
+async def stream(
+    proxy: Proxy, d: Draft, events: Events, decoder: Decoder | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
     """Stream one answer as `events` formats it; the turn is recorded before the last event."""
     chunks = proxy.backend.sample_stream(d.prompt_ids, d.params, version=d.version)
-    # As for chat: the first chunk comes before the status line, so a refusal is a proper 4xx.
+    # The first chunk is awaited before the status line goes out, so a backend that refuses the
+    # prompt still gets a proper 4xx; the first token is what a client waits for anyway.
     try:
         first = await anext(aiter(chunks))
     except StopAsyncIteration:
         first = TokenChunk((), (), d.version, "stop")
     dec = decoder or proxy.renderer.stream(d.params.stop)
-    return _EventStream(
-        _events(proxy, d, chunks, first, events, dec),
-        on_close=lambda: proxy._stream_closed(d, chunks),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-    )
+    return EventStream(_events(proxy, d, chunks, first, events, dec), source=chunks,
+                       headers={**SSE_HEADERS, **(headers or {})})
 
 
 async def _events(
@@ -188,11 +189,13 @@ async def _events(
     dec: Decoder,
 ) -> AsyncIterator[bytes]:
     ttft_ms = (time.perf_counter() - d.t0) * 1000
-    feed = _Prefetch(chunks)
+    feed = Prefetch(chunks)
     tokens: list[int] = []
     lps: list[float] = []
     tops: list[Any] = []
     finish: str | None = None
+    # One write per backend chunk: the events a chunk produces leave together (the opening
+    # events with the first token's), so the socket sees one send where it would see several.
     out = events.start()
     try:
         chunk: TokenChunk | None = first
@@ -201,7 +204,7 @@ async def _events(
             lps.extend(chunk.logprobs)
             if chunk.top_logprobs:
                 tops.extend(chunk.top_logprobs)
-            out += events.deltas(dec.feed(chunk.tokens), chunk.tokens, chunk.logprobs)
+            out += events.deltas(dec.feed(chunk.tokens), chunk.tokens, chunk.logprobs, chunk.top_logprobs)
             if chunk.finish_reason is not None:
                 finish = chunk.finish_reason
                 break
@@ -211,7 +214,7 @@ async def _events(
             chunk = await feed.next()
         out += events.deltas(dec.finish(finish or "stop"), (), ())
     except BackendError as e:
-        yield b"".join([*out, *events.error(_backend_error(e))])
+        yield b"".join([*out, *events.error(backend_error(e))])
         return
     finally:
         await feed.aclose()
@@ -222,7 +225,7 @@ async def _events(
         version=first.version,
         top_logprobs=tuple(tops) if tops else None,
     )
-    msg = dec.message()
+    msg = dec.message()  # the same tool-call ids the client was streamed
     await proxy.record(d, [comp], [reply_of(msg)], [msg.finish_reason], ttft_ms)
     proxy.counters.completion_tokens += len(tokens)
     out += events.finish(Answer(comp, msg, len(d.prompt_ids)))
@@ -230,7 +233,7 @@ async def _events(
 
 
 def turn_hex(d: Draft) -> str:
-    """Give the draft's turn an id of our choosing and return its hex part: a surface names its
+    """Give the draft's turn an id of our choosing and return its hex part: a format names its
     answer after it (`resp_<hex>`, `msg_<hex>`), so an answer id leads to the stored turn."""
     tid = new_turn_id()
     d.turn_ids = (tid,)
@@ -240,8 +243,3 @@ def turn_hex(d: Draft) -> str:
 def token_logprobs(proxy: Proxy, tokens: Sequence[int], lps: Sequence[float], top: Any) -> list[dict[str, Any]]:
     """OpenAI's per-token logprob entries (token, logprob, bytes, top_logprobs)."""
     return list(proxy.logprobs(tokens, lps, top)["content"])
-
-
-def sse(event: str | None, obj: Any) -> bytes:
-    head = f"event: {event}\n".encode() if event else b""
-    return head + b"data: " + wire.dumps(obj) + b"\n\n"

@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clawbridge.chat.messages import Delta
-from clawbridge.serving import surface, wire
-from clawbridge.serving.proxy import Draft, Metrics, Proxy
-from clawbridge.serving.surface import Answer
+from clawbridge.serving import pipeline, wire
+from clawbridge.serving.metrics import Metrics
+from clawbridge.serving.pipeline import Answer, Endpoint
+from clawbridge.serving.proxy import Ask, Draft, Proxy
+from clawbridge.serving.streaming import sse
 from clawbridge.serving.wire import APIError
 from clawbridge.store.records import StoredTurn
 from starlette.requests import Request
@@ -40,7 +42,7 @@ from starlette.routing import BaseRoute, Route
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _RESPONSE_ID = re.compile(r"^resp_([0-9a-f]{32})$")
-# chat request fields named in an admission error → this API's names for them
+# chat request fields → this API's names for them, so an error names the field the client sent
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}
 
 
@@ -170,7 +172,7 @@ def _previous(turn: StoredTurn) -> list[dict[str, Any]]:
 
 
 async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
-    body = surface.parse_body(raw)
+    body = pipeline.parse_body(raw)
     model = _str(body, "model")
     instructions = body.get("instructions")
     if isinstance(instructions, list):  # input items as instructions
@@ -215,12 +217,12 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
             chat[key] = body[key]
     if session is not None and "session_id" not in chat:
         chat["session_id"] = session  # the chain is one session (a header still wins)
-    req, d = await surface.admit(proxy, request, chat, RENAMED)
-    d.request_params = {**d.request_params, "api": "responses",
-                        **({"instructions": True} if instructions else {}),
-                        **({"previous_response_id": prev_id} if prev_id else {})}
+    req, keys = wire.chat_request({k: v for k, v in chat.items() if v is not None}, RENAMED)
+    api = {"api": "responses", **({"instructions": True} if instructions else {}),
+           **({"previous_response_id": prev_id} if prev_id else {})}
+    d = await proxy.admit(request, Ask.of(req, keys, len(raw), names=RENAMED, api=api))
     call = _Call(d, req.stream, logprobs, instructions, prev_id, body)
-    call.id = "resp_" + surface.turn_hex(d)
+    call.id = "resp_" + pipeline.turn_hex(d)
     return call
 
 
@@ -235,11 +237,10 @@ class _Call:
     id: str = ""
     created_at: int = field(default_factory=lambda: int(time.time()))
 
-    async def answer(self, request: Request) -> Response:
-        proxy: Proxy = request.app.state.proxy
+    async def answer(self, proxy: Proxy, request: Request) -> Response:
         if self.streaming:
-            return await surface.stream(proxy, self.draft, _Events(self, proxy))
-        [a] = await surface.complete(proxy, self.draft, request)
+            return await pipeline.stream(proxy, self.draft, _Events(self, proxy))
+        [a] = await pipeline.complete(proxy, self.draft, request)
         items = output_items(a, self.logprobs, proxy)
         return Response(wire.dumps(self.response(items, a)), media_type="application/json")
 
@@ -322,7 +323,7 @@ def output_items(a: Answer, logprobs: bool, proxy: Proxy) -> list[dict[str, Any]
     if msg.reasoning_content:
         items.append(_reasoning_item(_item_id("rs"), msg.reasoning_content, "completed"))
     if msg.content:
-        lps = surface.token_logprobs(proxy, c.tokens, c.logprobs, c.top_logprobs) if logprobs else None
+        lps = pipeline.token_logprobs(proxy, c.tokens, c.logprobs, c.top_logprobs) if logprobs else None
         items.append(_message_item(_item_id("msg"), msg.content, lps, "completed"))
     for call in msg.tool_calls:
         items.append(_call_item(_item_id("fc"), call.id, call.name, call.arguments, "completed"))
@@ -344,7 +345,7 @@ class _Events:
     def _ev(self, type: str, **fields: Any) -> bytes:
         obj = {"type": type, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return surface.sse(type, obj)
+        return sse(type, obj)
 
     def start(self) -> list[bytes]:
         r = self.call.response([], None)
@@ -384,7 +385,7 @@ class _Events:
         return [*out, self._ev("response.output_item.added", output_index=idx, item=item),
                 self._ev("response.content_part.added", item_id=oid, output_index=idx, content_index=0, part=part)]
 
-    def deltas(self, deltas: list[Delta], tokens: Any, logprobs: Any) -> list[bytes]:
+    def deltas(self, deltas: list[Delta], tokens: Any, logprobs: Any, top: Any = None) -> list[bytes]:
         out: list[bytes] = []
         self.pending += zip(tokens, logprobs, strict=True)
         for d in deltas:
@@ -415,7 +416,7 @@ class _Events:
                 lps: list[dict[str, Any]] = []
                 if o["logprobs"] is not None and taken:
                     toks, vals = zip(*taken, strict=True)
-                    lps = surface.token_logprobs(self.proxy, toks, vals, None)
+                    lps = pipeline.token_logprobs(self.proxy, toks, vals, None)
                     o["logprobs"] += lps
                 out.append(self._ev("response.output_text.delta", **base, delta=text, logprobs=lps))
             else:
@@ -436,7 +437,7 @@ class _Events:
 
 
 def routes(proxy: Proxy, metrics: Metrics) -> list[BaseRoute]:
-    run = surface.endpoint(proxy, metrics, _admit)
+    run = Endpoint(proxy, metrics, _admit)
     return [Route("/v1/responses", run, methods=["POST"]),
             Route("/s/{session_id}/v1/responses", run, methods=["POST"])]
 

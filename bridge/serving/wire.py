@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import orjson
@@ -218,13 +219,22 @@ class ChatRequest(_Lenient):
 
 
 def parse_chat_request(raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
-    """Validate a body; returns the request and the clawbridge session keys found in it."""
+    """Validate a chat completions body; returns the request and the clawbridge session keys
+    found in it."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise APIError(400, f"We could not parse the JSON body of your request: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    return chat_request(data)
+
+
+def chat_request(data: dict[str, Any], names: Mapping[str, str] | None = None) -> tuple[ChatRequest, dict[str, Any]]:
+    """Validate a chat request given as parsed JSON (a chat body, or another wire format's
+    request translated into one); returns the request and clawbridge's session keys. `names`:
+    the client's names for chat fields (`max_tokens` is `max_output_tokens` in the Responses
+    API), so an error names the field the client sent."""
     check_depth(data)
     ours = session_keys({k: data.pop(k) for k in SESSION_BODY_KEYS if k in data})
     try:
@@ -232,6 +242,8 @@ def parse_chat_request(raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
+        if param is not None and names:
+            param = names.get(param, param)
         raise APIError(400, f"Invalid value for '{param}': {err['msg']}", param=param) from None
 
 

@@ -1,0 +1,66 @@
+"""Prometheus exposition of the proxy's counters (and the learning loop's gauges, through a hook)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from clawbridge.serving.proxy import Proxy
+
+
+class _ExtraGauges:
+    """A Prometheus collector over a hook's numbers, read at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self.read = read
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        for name, value in self.read().items():
+            yield GaugeMetricFamily(f"clawbridge_{name}", name.replace("_", " "), value=float(value))
+
+    def describe(self) -> list[Any]:
+        return []  # values appear at scrape time; nothing to check at registration
+
+
+class Metrics:
+    """Prometheus exposition on a registry of its own (several apps may live in one process)."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self._by_status: dict[int, Any] = {}
+        self.requests = Counter(
+            "clawbridge_requests", "Chat completion requests by status", ["status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "clawbridge_request_seconds", "Time to the response headers (stream) or body",
+            registry=self.registry,
+        )
+        c = proxy.counters
+        for name, doc, fn in (
+            ("clawbridge_in_flight", "Requests being answered", lambda: c.in_flight),
+            ("clawbridge_turns_recorded", "Turns committed to the store", lambda: c.turns_recorded),
+            ("clawbridge_record_failures", "Turns the store failed to write", lambda: c.record_failures),
+            ("clawbridge_completion_tokens", "Tokens generated", lambda: c.completion_tokens),
+            ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
+            ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
+        ):
+            Gauge(name, doc, registry=self.registry).set_function(fn)
+        if proxy.hooks.metrics_extra is not None:
+            self.registry.register(_ExtraGauges(proxy.hooks.metrics_extra))
+
+    def observe(self, status: int, seconds: float) -> None:
+        child = self._by_status.get(status)
+        if child is None:  # `labels()` costs a lock and a tuple lookup: once per status
+            child = self._by_status[status] = self.requests.labels(str(status))
+        child.inc()
+        self.latency.observe(seconds)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
