@@ -22,7 +22,8 @@ from clawbridge.learning.learner import Learner
 from clawbridge.learning.trainer import Trainer, pending_candidate
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
-from clawbridge.serving.proxy import Proxy, ProxyHooks, create_app
+from clawbridge.serving.app import create_app
+from clawbridge.serving.proxy import Proxy, ProxyHooks
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
