@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import torch
 from clawbridge.local_gpu import adapters, models
-from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
+from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, PrefixCache, SlotBatch, cache_of
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
@@ -456,10 +456,10 @@ class Engine:
                 with torch.inference_mode():
                     out = self._prefill(seq)
                     # kept before the first token goes out: a caller that has it sees the entry
-                    self._prefixes.store(seq.version, seq.prompt, out.past_key_values)
+                    self._prefixes.store(seq.version, seq.prompt, cache_of(out))
                     token = self._take(seq, out.logits[0, -1])
                     if token is not None:
-                        self._batch.add(out.past_key_values, len(seq.prompt), token)
+                        self._batch.add(cache_of(out), len(seq.prompt), token)
             except BaseException as exc:
                 self._release(seq.version)
                 seq.emit(exc)
@@ -481,7 +481,7 @@ class Engine:
         }
         if cached is not None:
             log.debug("prefix cache: %d of %d prompt tokens reused", start, len(seq.prompt))
-            inputs["past_key_values"] = cached
+            inputs[CACHE] = cached
             inputs["position_ids"] = torch.arange(start, len(seq.prompt), device=self.device).view(
                 1, -1
             )

@@ -19,6 +19,17 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# What transformers calls the KV cache, as a forward argument and an output field: `cache` in the
+# releases that deprecate `past_key_values` (5.24 warns on it; 5.40 removes it), the old name
+# before (5.5). Read off the output type, so either release runs without a deprecation warning.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_of(out: Any) -> Any:
+    """The KV cache of a model's output."""
+    return getattr(out, CACHE)
 
 
 def _full_layers(cache: DynamicCache) -> list[Any]:
@@ -90,7 +101,7 @@ class KVBatch:
         inputs: dict[str, torch.Tensor | DynamicCache] = {
             "input_ids": torch.tensor(self.next_tokens, device=device).view(-1, 1),
             "position_ids": torch.tensor(self.positions, device=device).view(-1, 1),
-            "past_key_values": self.cache,
+            CACHE: self.cache,
         }
         if self.padded:
             inputs["attention_mask"] = self.mask
@@ -225,7 +236,7 @@ class SlotBatch:
         return {
             "input_ids": self._ids[:rows].view(-1, 1),
             "position_ids": pos.view(-1, 1),
-            "past_key_values": self,
+            CACHE: self,
             "attention_mask": mask[:, None, None, :],
         }
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine, collect
-from clawbridge.local_gpu.kvbatch import SlotBatch
+from clawbridge.local_gpu.kvbatch import CACHE, SlotBatch
 from clawbridge.types import Completion, SamplingParams
 
 G = torch.Generator().manual_seed(7)
@@ -82,7 +82,7 @@ def test_a_step_writes_each_row_at_its_own_position_and_masks_the_rest(bucketed:
     def forward(inputs: dict) -> torch.Tensor:  # one attention layer's view of the step
         rows = inputs["input_ids"].shape[0]
         new = -torch.arange(1, rows + 1, dtype=torch.float32).view(rows, 1, 1, 1)
-        seen["keys"], _ = inputs["past_key_values"].update(new, torch.zeros(rows, 1, 1, 1), 0)
+        seen["keys"], _ = inputs[CACHE].update(new, torch.zeros(rows, 1, 1, 1), 0)
         seen["mask"], seen["positions"] = inputs["attention_mask"][:, 0, 0], inputs["position_ids"]
         return torch.zeros(rows, 7)
 
