@@ -1,16 +1,17 @@
 """clawbridge: serve your agent's model over the OpenAI API, learn from every conversation.
 
-The SDK for custom agents is `clawbridge.Client` (see `clawbridge.sdk.client`).
+The SDK for custom agents is `clawbridge.Client` and `clawbridge.AsyncClient` (see `clawbridge.sdk.client`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["AsyncEpisode", "AsyncGroup", "AsyncSession", "Client", "Episode", "Group", "Session"]
+__all__ = ["AsyncClient", "AsyncEpisode", "AsyncGroup", "AsyncSession", "Client", "Episode", "Group", "Session"]
 
 if TYPE_CHECKING:
     from clawbridge.sdk.client import (
+        AsyncClient,
         AsyncEpisode,
         AsyncGroup,
         AsyncSession,

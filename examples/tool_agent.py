@@ -58,13 +58,12 @@ async def main() -> None:
     ap.add_argument("--max-steps", type=int, default=4, help="Model calls per user message.")
     a = ap.parse_args()
 
-    cb = clawbridge.Client(a.url, api_key=a.api_key)
-    model = cb.models()[0]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You answer weather questions. Call get_weather for facts."},
     ]
     tool_calls_made = 0
-    async with cb.async_session(user="tool-agent") as chat:
+    async with clawbridge.AsyncClient(a.url, api_key=a.api_key) as cb, cb.session(user="tool-agent") as chat:
+        model = (await cb.models())[0]
         for text in ["What's the weather in Paris?", "And in Tokyo? Answer in five words."]:
             messages.append({"role": "user", "content": text})
             print(f"user: {text}")

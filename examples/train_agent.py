@@ -102,6 +102,30 @@ async def episode(ep: clawbridge.AsyncEpisode, model: str, question: str, expect
     return reward
 
 
+async def run(cb: clawbridge.AsyncClient, a: argparse.Namespace) -> dict[str, Any]:
+    """The groups, one task each, then their states once the learner settled them."""
+    model = (await cb.models())[0]
+    rng = random.Random(a.seed)
+    groups = []
+    for _ in range(a.tasks):
+        question, expected = make_task(rng)
+        async with cb.group(a.n, task={"question": question, "answer": expected}) as g:
+            rewards = await asyncio.gather(*(
+                episode(ep, model, question, expected, a.max_tokens, a.max_steps) for ep in g))
+        print(f"{g.id}: {question} -> outcomes {rewards}")
+        groups.append(g.id)
+    # Leaving the block closed each group; the learner settles it in the background: GRPO
+    # samples for the trainer, or "dropped" with the reason when every outcome was equal.
+    deadline = time.monotonic() + a.wait
+    states: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        states = {gid: await cb.get_group(gid) for gid in groups if gid is not None}
+        if all(s["state"] in ("trained", "dropped") for s in states.values()):
+            break
+        await asyncio.sleep(0.25)
+    return states
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", default="http://127.0.0.1:30000")
@@ -114,26 +138,8 @@ async def main() -> None:
     ap.add_argument("--wait", type=float, default=20.0, help="Seconds to wait for the groups to settle.")
     a = ap.parse_args()
 
-    cb = clawbridge.Client(a.url, api_key=a.api_key)
-    model = cb.models()[0]
-    rng = random.Random(a.seed)
-    groups = []
-    for _ in range(a.tasks):
-        question, expected = make_task(rng)
-        async with cb.async_group(a.n, task={"question": question, "answer": expected}) as g:
-            rewards = await asyncio.gather(*(
-                episode(ep, model, question, expected, a.max_tokens, a.max_steps) for ep in g))
-        print(f"{g.id}: {question} -> outcomes {rewards}")
-        groups.append(g.id)
-    # Leaving the block closed each group; the learner settles it in the background: GRPO
-    # samples for the trainer, or "dropped" with the reason when every outcome was equal.
-    deadline = time.monotonic() + a.wait
-    states: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        states = {gid: cb.get_group(gid) for gid in groups if gid is not None}
-        if all(s["state"] in ("trained", "dropped") for s in states.values()):
-            break
-        await asyncio.sleep(0.25)
+    async with clawbridge.AsyncClient(a.url, api_key=a.api_key) as cb:
+        states = await run(cb, a)
     for gid, s in states.items():
         print(f"{gid}: {s['state']} ({s['reason']})")
     print(json.dumps({"groups": [{"id": gid, "state": s["state"], "reason": s["reason"],

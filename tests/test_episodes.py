@@ -265,10 +265,8 @@ def test_n_choices_form_a_group_whose_choices_are_addressed_by_turn_id(live: Liv
 
 
 def test_the_async_sdk_runs_episodes_concurrently(live: LiveServer):
-    cb = clawbridge.Client(live.url)
-
     async def main() -> str:
-        async with cb.async_group(4, task="async") as g:
+        async with clawbridge.AsyncClient(live.url) as cb, cb.group(4, task="async") as g:
             async def one(ep: clawbridge.AsyncEpisode, outcome: float) -> None:
                 r = await ep.chat.completions.create(
                     model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "go"}])
