@@ -54,6 +54,12 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request sets none.")
     default_turn_type: Literal["main", "side"] = Field("main", description="Turn type of untagged requests.")
     session_idle_timeout_s: float = Field(1800.0, gt=0, description="A session with no request for this long is closed.")
+    shutdown_grace_s: float = Field(
+        3.0, ge=1,
+        description="On SIGTERM or Ctrl-C, streams in flight may finish for this long before they are ended; the "
+        "learner's work in flight is abandoned at once (redone after a restart), so the process exits within a "
+        "few seconds of it (container runtimes send SIGKILL after 10 s).",
+    )
 
     # --- learning ------------------------------------------------------------------------------
     train: bool = Field(True, description="Judge and train in the background (false: serve and capture only).")

@@ -1,9 +1,15 @@
 """The composition root: backend + store + proxy (+ the learning loop) under uvicorn, background
-tasks, banner, status line, and a clean drain on Ctrl-C (uvicorn stops accepting, finishes
-in-flight requests, then the store flushes its writer and the backend closes).
+tasks, banner, status line, and a clean, fast stop on SIGTERM or Ctrl-C: uvicorn stops
+accepting, the streams in flight finish or are ended after `shutdown_grace_s`, the learner is
+cancelled (its judging, scoring or step abandoned: the store holds every turn, and a sample is
+`trained` only in its step's commit, so nothing is lost or trained twice), the store flushes
+its writer and the backend closes (the engine abandons the forward it is in between chunks).
 
-Serving and learning never import each other; this module wires them: the learner's routes,
-wake-up and status fields go to the proxy as `ProxyHooks`, its loop runs as a background task."""
+Everything is built once, here, and handed to the parts that use it: one renderer (the proxy,
+the judges, the teacher, the gate), one teacher scorer (the collector, the episodes, the hint
+judge), the judges and the gate (`build_learning`). Serving and learning never import each
+other: the learner's routes, wake-up and status fields go to the proxy as `ProxyHooks`, its loop
+runs as a background task."""
 
 from __future__ import annotations
 
@@ -18,12 +24,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from clawbridge.learning.learner import Learner
+from clawbridge.chat.renderer import Renderer
+from clawbridge.judges import Teacher, build_judges
+from clawbridge.judges.pairwise import PairwiseJudge
+from clawbridge.learning.collector import Collector
+from clawbridge.learning.episodes import EpisodeLearner
+from clawbridge.learning.gate import Gate, GateProbe, probe_check
+from clawbridge.learning.learner import Learner, LearningParts
+from clawbridge.learning.probes import Probe, general_probes
 from clawbridge.learning.trainer import Trainer, pending_candidate
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
 from clawbridge.serving.proxy import Proxy, ProxyHooks
+from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
@@ -56,6 +70,7 @@ class Running:
     backend: Backend
     store: Store
     proxy: Proxy
+    renderer: Renderer  # the one renderer: messages <-> tokens for the proxy and the learner
     base_url: str
     server: uvicorn.Server  # set `server.should_exit = True` to drain and stop
 
@@ -76,9 +91,69 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
 
 def learner_task(learner: Learner) -> BackgroundTask:
     async def run(running: Running) -> None:
-        await learner.run(running.backend, running.store)
+        bind_learner(learner, running.backend, running.store, running.renderer)
+        await learner.run()
 
     return run
+
+
+def bind_learner(learner: Learner, backend: Backend, store: Store, renderer: Renderer | None = None) -> None:
+    """Build the learner's parts on the live backend and store and bind them. `renderer`: the
+    server's own (`Running.renderer`); a new one only where no server runs (tools, tests)."""
+    learner.bind(build_learning(learner.settings, backend, store, renderer or Renderer(backend.tokenizer()),
+                                lock=learner.lock, probes=learner.extra_probes))
+
+
+def build_learning(
+    settings: Settings, backend: Backend, store: Store, renderer: Renderer, *,
+    lock: asyncio.Lock | None = None, probes: Sequence[GateProbe] = (),
+) -> LearningParts:
+    """The learner's parts, each built once: the teacher scorer shared by the collector, the
+    episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
+    judge model's pairwise comparison when there is one; the trainer that runs it."""
+    teacher = Teacher(backend, renderer, model=settings.teacher, clip=settings.opd_clip)
+    judges = build_judges(settings, backend, renderer=renderer,
+                          teacher=teacher if settings.hint_selection == "overlap" else None)
+    client = getattr(judges.reward, "client", None)  # a judge model (the rules judge has none)
+    pairwise = PairwiseJudge(client, seed=settings.seed) if client is not None else None
+    gate = build_gate(settings, backend, renderer, pairwise, probes)
+    return LearningParts(
+        judges=judges,
+        collector=Collector(settings, backend, store, judges, teacher),
+        episodes=EpisodeLearner(settings, backend, store, judges, teacher),
+        trainer=Trainer(settings, backend, store, lock=lock, gate=gate),
+    )
+
+
+def build_gate(
+    settings: Settings, backend: Backend, renderer: Renderer,
+    pairwise: PairwiseJudge | None = None, extra: Sequence[GateProbe] = (),
+) -> Gate | None:
+    """The gate the settings ask for: a spread of the general probe set plus the caller's
+    probes (`extra`), and with a judge model the user's recent prompts compared pairwise (the
+    offline rules judge cannot compare two answers). None: the gate is off or has nothing to ask."""
+    s = settings
+    if s.gate == "off":
+        return None
+    pool = general_probes()
+    k = min(s.gate_probes, len(pool))
+    chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
+    rest = [p for p in pool if p not in chosen][: max(0, min(s.gate_probes_max, len(pool)) - k)]
+
+    def ask(qs: list[Probe]) -> list[GateProbe]:
+        return [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
+                for p in qs]
+
+    probes = ask(chosen) + list(extra)
+    if s.gate_recent == 0:
+        pairwise = None
+    if not probes and pairwise is None:
+        return None
+    params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
+    return Gate(backend, renderer, probes, params=params, samples=s.gate_samples,
+                margin=s.gate_margin, alpha=s.gate_alpha, alpha_base=s.gate_alpha_base,
+                non_inferiority=s.gate_v0_test == "non_inferiority", pairwise=pairwise,
+                reserve=ask(rest))
 
 
 def serving_extras(settings: Settings) -> dict[str, Any]:
@@ -202,7 +277,8 @@ async def serve(
         # the newest version never passed the gate (a restart while it judged): its predecessor
         # serves until the learner's gate has decided (`Trainer.judge_pending`)
         backend.serve(pending[1])
-    app = create_app(settings, backend, store, hooks, surfaces=SURFACES)
+    renderer = Renderer(backend.tokenizer())
+    app = create_app(settings, backend, store, hooks, renderer=renderer, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
     await proxy.restore_sessions()  # open conversations continue across a restart
     if freeze_gc:
@@ -218,7 +294,8 @@ async def serve(
         log_level="warning",
         lifespan="off",
         access_log=False,
-        timeout_graceful_shutdown=60,
+        # on SIGTERM/SIGINT the streams in flight finish, or are cancelled after this grace
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
         http="httptools",
         loop="uvloop",
         proxy_headers=False,  # nothing reads the client address; the middleware costs every request
@@ -240,7 +317,7 @@ async def serve(
     port = server.servers[0].sockets[0].getsockname()[1]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     base_url = f"http://{host}:{port}"
-    running = Running(settings, backend, store, proxy, base_url, server)
+    running = Running(settings, backend, store, proxy, renderer, base_url, server)
     if not quiet:
         print(banner(settings, backend, proxy, base_url), flush=True)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(t(running)) for t in background]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from clawbridge.backends import redact
-from clawbridge.protocol import Backend, HostsJudge
+from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJudgeClient
 from clawbridge.judges.hints import HintJudge, HintScorer
@@ -15,7 +16,7 @@ from clawbridge.judges.prm import PRMJudge
 from clawbridge.judges.rules import RulesJudge
 from clawbridge.judges.teacher import Teacher
 from clawbridge.judges.types import HintJudgment, HintSource, Judgment, RewardJudge, TurnContext
-from clawbridge.types import Method
+from clawbridge.protocol import Backend, HostsJudge
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +28,19 @@ class Judges:
     reward: RewardJudge
     hint: HintSource
 
-    async def run(self, turn: TurnContext, method: Method) -> tuple[Judgment | None, HintJudgment | None]:
-        """Only what the method uses: binary needs a reward, opd a hint, combine both
-        (concurrently)."""
-        if method == "binary":
-            return await self.reward.judge(turn), None
-        if method == "opd":
-            return None, await self.hint.hint(turn)
-        judgment, hint = await asyncio.gather(self.reward.judge(turn), self.hint.hint(turn))
-        return judgment, hint
+    async def run(
+        self, turn: TurnContext, kinds: Collection[str],
+    ) -> tuple[Judgment | None, HintJudgment | None]:
+        """The judgments of the kinds asked for ("prm": a reward, "hint": a hint), concurrently;
+        which kinds a method needs is the learner's to say (`learning.collector.judge_kinds`)."""
+        async def reward() -> Judgment | None:
+            return await self.reward.judge(turn) if "prm" in kinds else None
+
+        async def hint() -> HintJudgment | None:
+            return await self.hint.hint(turn) if "hint" in kinds else None
+
+        judgment, hinted = await asyncio.gather(reward(), hint())
+        return judgment, hinted
 
     async def aclose(self) -> None:
         """Close the judges' HTTP clients (shared ones once)."""
@@ -59,9 +64,11 @@ def build_judges(
     *,
     teacher: Teacher | None = None,
     scorer: HintScorer | None = None,
+    renderer: Renderer | None = None,
 ) -> Judges:
     """The judges the settings ask for. `hint_selection="overlap"` scores candidates with
-    `scorer`, or the teacher's agreement; without either it falls back to the longest hint."""
+    `scorer`, or the teacher's agreement; without either it falls back to the longest hint.
+    `renderer`: the server's own, for a judge that asks the backend itself (`judge="backend"`)."""
     kind = judge_kind(settings)
     if kind == "rules":
         rules = RulesJudge()
@@ -81,7 +88,7 @@ def build_judges(
             url, model = backend.judge_endpoint
             client = OpenAIJudgeClient(url, model, None)
         else:
-            client = BackendJudgeClient(backend, version=0)
+            client = BackendJudgeClient(backend, version=0, renderer=renderer)
     if scorer is None and teacher is not None:
         scorer = teacher.agreement
     selection = settings.hint_selection

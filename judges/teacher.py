@@ -1,6 +1,7 @@
 """The OPD teacher: the turn's prompt with the hint appended, scored on the student's own
-completion tokens (DESIGN.md §5). `logprobs` feeds `advantages.opd_advantages`; `agreement` is a
-hint scorer for `HintJudge(selection="overlap")`.
+completion tokens (docs/methods.md). The one teacher scorer: the collector and the episodes'
+hint OPD take `logprobs` for their advantages; `agreement` is a hint scorer for
+`HintJudge(selection="overlap")`. The composition root builds one and hands it to each.
 
 The Backend protocol scores only the given tokens (no top-k), so agreement stands in for
 OpenClaw-RL's top-k overlap with what the protocol can measure: minus the mean clipped gap
@@ -44,7 +45,9 @@ class Teacher:
         if not turn.completion_ids:
             raise ValueError("the teacher needs the turn's completion ids")
         prompt = self.prompt_ids(turn, hint)
-        key = (tuple(prompt), turn.completion_ids, self.model, turn.temperature)
+        # the live policy's scores change with its version; the frozen base's never do
+        version = self.backend.version if self.model == "policy" else 0
+        key = (tuple(prompt), turn.completion_ids, self.model, version, turn.temperature)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]

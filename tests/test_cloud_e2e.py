@@ -16,7 +16,7 @@ from clawbridge.backends.tinker import TinkerBackend
 from clawbridge.config import Settings
 from clawbridge.learning.learner import Learner
 from clawbridge.protocol import Backend
-from clawbridge.server import learner_hooks
+from clawbridge.server import bind_learner, learner_hooks
 from fakes.fake_fireworks import FakeFiretitanService
 from fakes.fake_modal import FakeEngine
 from fakes.fake_tinker import FakeTinkerService
@@ -55,7 +55,7 @@ def test_cloud_backend_serves_judges_and_trains_through_the_proxy(make_backend, 
     live = LiveServer(settings, backend, hooks=learner_hooks(learner)).start()
     try:
         assert live.running is not None
-        learner.bind(backend, live.running.store)
+        bind_learner(learner, backend, live.running.store)
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         headers = {"X-Session-Id": "e2e"}

@@ -15,10 +15,11 @@ import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
-from clawbridge.judges import build_judges
 from clawbridge.learning.collector import Collector, combine_signal, judge_kinds
 from clawbridge.learning.trainer import Trainer
 from clawbridge.local_gpu import models
+from clawbridge.protocol import Backend
+from clawbridge.server import build_learning
 from clawbridge.store import JudgeVote, Judgment, Store, TurnRecord
 
 REPLIES = ["Thanks, that's perfect.", "Too long. Please answer in one short sentence.", "ok"]
@@ -29,6 +30,11 @@ def settings_for(data_dir: Path, **kw: object) -> Settings:
                                    method="combine", batch_size=2, lora_rank=4, lora_alpha=4)
     base.update(kw)
     return Settings(**base)  # type: ignore[arg-type]
+
+
+def collector_for(settings: Settings, backend: Backend, store: Store) -> Collector:
+    """The collector as the composition root wires it (its judges, the teacher, one renderer)."""
+    return build_learning(settings, backend, store, Renderer(backend.tokenizer())).collector
 
 
 def record_turns(store: Store, n: int) -> list[str]:
@@ -79,7 +85,7 @@ async def test_a_pending_sample_with_stored_judgments_is_finished_without_judgin
         sid, _ = store.create_sample(tid, "combine", state="pending")
         store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="prm", votes=(JudgeVote(raw="+1", value=1),), reward=1.0))
         store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="hint", votes=(JudgeVote(raw="none"),)))
-        collector = Collector(settings, backend, store, build_judges(settings))
+        collector = collector_for(settings, backend, store)
         assert await collector.run_once() == 1
         [s] = store.get_samples([sid])
         assert s.state == "judged" and s.reward == 1.0 and s.advantages == (1.0,) * len(s.completion_ids)
@@ -95,10 +101,8 @@ CHILD = textwrap.dedent(
     import asyncio, os, signal, sys
     from pathlib import Path
     sys.path.insert(0, {tests!r})
-    from test_collector import settings_for
+    from test_collector import collector_for, settings_for
     from clawbridge.backends.local import LocalBackend
-    from clawbridge.learning.collector import Collector
-    from clawbridge.judges import build_judges
     from clawbridge.store import Store
 
     async def main():
@@ -106,7 +110,7 @@ CHILD = textwrap.dedent(
         store = Store.open(settings.db_url)
         backend = LocalBackend.from_settings(settings)
         await backend.start()
-        n = await Collector(settings, backend, store, build_judges(settings)).run_once()
+        n = await collector_for(settings, backend, store).run_once()
         print("settled", n, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # between judging and training: no clean shutdown
 
@@ -136,7 +140,7 @@ async def test_kill_between_judging_and_training_loses_nothing_and_trains_nothin
         votes_before = {t: len(store.judgments(t)) for t in turns}
         assert all(n == 2 for n in votes_before.values())  # a reward and a hint judgment each
 
-        collector = Collector(settings, backend, store, build_judges(settings))
+        collector = collector_for(settings, backend, store)
         assert await collector.run_once() == 0  # resumed: nothing left to judge
         assert {t: len(store.judgments(t)) for t in turns} == votes_before
 

@@ -16,7 +16,7 @@ import pytest
 from clawbridge.config import Settings
 from clawbridge.learning.episodes import Step, group_advantages, length_penalty, step_rewards
 from clawbridge.learning.learner import Learner
-from clawbridge.server import build_backend, learner_hooks
+from clawbridge.server import build_backend, learner_hooks, learner_task
 from clawbridge.store import EpisodeError, NewEpisode, Sample, Store, TurnRecord
 from live_server import LiveServer
 from pg import pg_cluster  # noqa: F401
@@ -137,7 +137,7 @@ def live(tmp_path_factory: pytest.TempPathFactory):
     learner = Learner(settings, poll_s=0.1)
     server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
     assert server.loop is not None and server.running is not None
-    task = asyncio.run_coroutine_threadsafe(learner.run(server.running.backend, server.running.store), server.loop)
+    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(server.running), server.loop)
     yield server
     server.loop.call_soon_threadsafe(task.cancel)
     server.stop()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from clawbridge.config import Settings
 from clawbridge.learning.learner import Learner
-from clawbridge.server import build_backend, learner_hooks
+from clawbridge.server import build_backend, learner_hooks, learner_task
 from clawbridge.store import Store
 from live_server import LiveServer
 
@@ -26,7 +26,7 @@ def live(tmp_path_factory: pytest.TempPathFactory):
     learner = Learner(settings, poll_s=0.1)
     server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
     assert server.loop is not None and server.running is not None
-    task = asyncio.run_coroutine_threadsafe(learner.run(server.running.backend, server.running.store), server.loop)
+    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(server.running), server.loop)
     yield server
     server.loop.call_soon_threadsafe(task.cancel)  # as `serve` does: the loop stops before the store
     server.stop()

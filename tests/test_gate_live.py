@@ -12,13 +12,11 @@ from typing import Any
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.judges import build_judges
-from clawbridge.learning.collector import Collector
 from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe
 from clawbridge.learning.trainer import ROLLBACKS_KEY, Trainer
 from clawbridge.store import Store
 from clawbridge.types import SamplingParams
-from test_collector import record_turns, settings_for
+from test_collector import collector_for, record_turns, settings_for
 
 PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is Peru?", "What is snow?",
            "How do birds fly?"]
@@ -64,7 +62,7 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
                   for i, p in enumerate(PROMPTS)]
         gate = Gate(backend, renderer, probes, params=params, margin=0.05, alpha=0.1)
         record_turns(store, 2)
-        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        await collector_for(settings, backend, store).run_once()
         trainer = Trainer(settings, backend, store, gate=gate)
         step = await trainer.step_once()
         assert step is not None and step.version == 1
@@ -90,7 +88,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         v0 = await _answers(backend, renderer, params, 0)
         record_turns(store, 2)
-        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        await collector_for(settings, backend, store).run_once()
         # the step publishes and records v1; the gate's decision never comes (the kill)
         assert (await Trainer(settings, backend, store).step_once()).version == 1  # type: ignore[union-attr]
         assert await pending_candidate(store) == (1, 0)
@@ -129,7 +127,7 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
         more = [probe(q, True) for q in questions[4:]]
         gate = Gate(backend, renderer, first, params=params, margin=0.05, alpha=0.1, reserve=more if reserve else ())
         record_turns(store, 2)
-        await Collector(settings, backend, store, build_judges(settings)).run_once()
+        await collector_for(settings, backend, store).run_once()
         trainer = Trainer(settings, backend, store, gate=gate)
         assert await trainer.step_once() is not None
         [decision] = trainer.decisions

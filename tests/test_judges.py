@@ -364,13 +364,15 @@ def test_overlap_selection_without_a_scorer_is_refused() -> None:
 
 
 async def test_judges_run_only_what_the_method_needs() -> None:
+    from clawbridge.learning.collector import judge_kinds
+
     rules = RulesJudge()
     judges = Judges(reward=rules, hint=rules)
-    judgment, hint = await judges.run(TURN, "binary")
+    judgment, hint = await judges.run(TURN, judge_kinds("binary"))
     assert judgment is not None and hint is None
-    judgment, hint = await judges.run(TURN, "opd")
+    judgment, hint = await judges.run(TURN, judge_kinds("opd"))
     assert judgment is None and hint is not None
-    judgment, hint = await judges.run(TURN, "combine")
+    judgment, hint = await judges.run(TURN, judge_kinds("combine"))
     assert judgment is not None and judgment.reward == -1 and hint is not None and hint.accepted
 
 

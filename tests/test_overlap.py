@@ -8,6 +8,7 @@ from pathlib import Path
 from clawbridge.backends.local import LocalBackend
 from clawbridge.judges.hints import HintJudge
 from clawbridge.learning.learner import Learner
+from clawbridge.server import bind_learner
 from clawbridge.store import Store
 from test_collector import record_turns, settings_for
 
@@ -20,7 +21,7 @@ async def test_overlap_selection_ranks_hints_with_the_teacher(tmp_path: Path):
     try:
         [tid] = record_turns(store, 1)
         learner = Learner(settings)
-        learner.bind(backend, store)
+        bind_learner(learner, backend, store)
         assert learner.collector is not None
         hint = learner.collector.judges.hint
         assert isinstance(hint, HintJudge) and hint.selection == "overlap" and hint.scorer is not None

@@ -9,16 +9,15 @@ from pathlib import Path
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.judges import build_judges, teacher_messages
+from clawbridge.judges import teacher_messages
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER
 from clawbridge.learning.advantages import anchored, sample_advantages, scale_negatives
-from clawbridge.learning.collector import Collector
 from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
 from clawbridge.learning.trainer import Trainer, to_datums
 from clawbridge.local_gpu import models
 from clawbridge.store import Rewrite, Store, TurnRecord
 from clawbridge.types import SamplingParams
-from test_collector import record_turns, settings_for
+from test_collector import collector_for, record_turns, settings_for
 
 
 def short_turns(store: Store, replies: list[str], first: int = 0) -> list[str]:
@@ -130,7 +129,7 @@ async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answe
     await backend.start()
     try:
         turns = short_turns(store, ["Thanks, that's perfect.", "Too long. Please answer in one short sentence."])
-        collector = Collector(settings, backend, store, build_judges(settings))
+        collector = collector_for(settings, backend, store)
         assert await collector.run_once() == 2
         thanked, corrected = (next(s for s in store.pending_samples() if s.turn_id == t) for t in turns)
         assert thanked.hint is None and thanked.rewrite is None
@@ -161,7 +160,7 @@ async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: 
     await backend.start()
     try:
         turns = short_turns(store, ["Thanks, that's perfect.", "Too long. Please answer in one short sentence."])
-        assert await Collector(settings, backend, store, build_judges(settings)).run_once() == 2
+        assert await collector_for(settings, backend, store).run_once() == 2
         thanked, corrected = (next(s for s in store.pending_samples() if s.turn_id == t) for t in turns)
         assert corrected.advantages is not None and min(corrected.advantages) >= 0.0
         assert corrected.rewrite is not None and min(thanked.advantages or (0.0,)) > 0
@@ -216,7 +215,7 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
     await backend.start()
     try:
         replies = ["Thanks, that's perfect.", "Too long. Please answer in one short sentence."]
-        collector = Collector(settings, backend, store, build_judges(settings))
+        collector = collector_for(settings, backend, store)
         short_turns(store, replies)
         assert await collector.run_once() == 2
         [first] = [s for s in store.pending_samples() if s.rewrite is not None]

@@ -18,7 +18,7 @@ import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.cli.main import app
 from clawbridge.learning.learner import Learner
-from clawbridge.server import learner_hooks
+from clawbridge.server import bind_learner, learner_hooks
 from live_server import LiveServer
 from test_collector import settings_for
 from test_trainer import judged_samples
@@ -75,7 +75,7 @@ def test_rollback_under_streaming_load_serves_the_old_weights_as_a_new_version(t
     store = live.running.store
     try:
         judged_samples(store, 6)
-        learner.bind(backend, store)
+        bind_learner(learner, backend, store)
         trainer = learner.trainer
         assert trainer is not None
         assert live.call(trainer.step_once(), timeout=120).version == 1

@@ -20,10 +20,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import HintJudgment as JudgeHint
-from clawbridge.judges import Judges, TurnContext, teacher_messages
+from clawbridge.judges import Judges, Teacher, TurnContext
 from clawbridge.judges import Judgment as JudgeReward
 from clawbridge.learning.advantages import Advantages, anchored, sample_advantages, scale_negatives
 from clawbridge.learning.rewrite import write_rewrite
@@ -75,6 +74,16 @@ def _reward_record(turn_id: str, j: JudgeReward) -> Judgment:
 def _hint_record(turn_id: str, h: JudgeHint) -> Judgment:
     votes = tuple(JudgeVote(raw=v.raw_text, value=v.hint, error=v.error) for v in h.votes)
     return Judgment(turn_id=turn_id, judge=h.judge, kind="hint", votes=votes, hint=h.hint)
+
+
+def turn_context(turn: StoredTurn) -> TurnContext:
+    """What the judges and the teacher see of a turn; the completion's ids, logprobs and
+    temperature are what the teacher scores (OPD, and ranking hints: `hint_selection = overlap`)."""
+    return TurnContext(
+        messages=turn.messages, response=turn.response, next_state=turn.next_state or [],
+        tools=turn.tools, completion_ids=tuple(turn.completion_ids), logprobs=tuple(turn.logprobs),
+        temperature=turn.sampling.temperature,
+    )
 
 
 @dataclass
@@ -201,13 +210,7 @@ class Collector:
 
     @staticmethod
     def context(turn: StoredTurn) -> TurnContext:
-        """What the judges see of a turn; the completion's ids, logprobs and temperature are
-        what the teacher needs to rank hints (`hint_selection = overlap`)."""
-        return TurnContext(
-            messages=turn.messages, response=turn.response, next_state=turn.next_state or [],
-            tools=turn.tools, completion_ids=tuple(turn.completion_ids), logprobs=tuple(turn.logprobs),
-            temperature=turn.sampling.temperature,
-        )
+        return turn_context(turn)
 
     async def _judge_missing(self, turn: StoredTurn, have: set[str]) -> list[Judgment]:
         """Run only the judges whose judgment this turn lacks, and store every vote."""

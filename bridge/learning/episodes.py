@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
-from clawbridge.judges import Judges, TurnContext, teacher_messages
+from clawbridge.judges import Judges, Teacher
 from clawbridge.learning.advantages import (
     anchored,
     binary_advantages,
@@ -36,6 +35,7 @@ from clawbridge.learning.advantages import (
     integrated_reward,
     overlong_penalty,
 )
+from clawbridge.learning.collector import turn_context
 from clawbridge.protocol import Backend
 from clawbridge.store import EpisodeRow, GroupRow, JudgeVote, Judgment, Store, StoredTurn
 from clawbridge.store.records import utcnow
@@ -117,13 +117,15 @@ class _Scored:
 class EpisodeLearner:
     """Expires episodes past the timeout and turns settled groups into samples."""
 
-    def __init__(self, settings: Settings, backend: Backend, store: Store, judges: Judges | None) -> None:
+    def __init__(
+        self, settings: Settings, backend: Backend, store: Store, judges: Judges | None, teacher: Teacher,
+    ) -> None:
         self.settings = settings
         self.backend = backend
         self.store = store
         self.judges = judges
+        self.teacher = teacher  # hint OPD's scorer, the collector's own
         self.stats = EpisodeStats()
-        self.renderer: Renderer | None = None  # for hint OPD's teacher prompt, built on first use
 
     async def run_once(self, limit: int = 16) -> int:
         """One pass; returns the number of groups settled."""
@@ -188,12 +190,7 @@ class EpisodeLearner:
         if hint is None:
             token_adv = binary_advantages(s.w_rl * advantage, len(turn.completion_ids))
         else:  # hint OPD on top of the group advantage: w_opd * clip(teacher - old) + w_rl * A
-            if self.renderer is None:
-                self.renderer = Renderer(self.backend.tokenizer())
-            prompt = self.renderer.render(teacher_messages(turn.messages, hint), turn.tools)
-            teacher_lp = await self.backend.score(
-                prompt, turn.completion_ids, model=s.teacher, temperature=turn.sampling.temperature,
-            )
+            teacher_lp = await self.teacher.logprobs(turn_context(turn), hint)
             token_adv = combine_advantages(teacher_lp, turn.logprobs, advantage, s.w_opd, s.w_rl, s.opd_clip)
         if s.kl_anchor > 0:
             base_lp = await self.backend.score(
@@ -224,12 +221,7 @@ class EpisodeLearner:
         if have:
             rec = have[0]
         else:
-            ctx = TurnContext(
-                messages=turn.messages, response=turn.response, next_state=turn.next_state, tools=turn.tools,
-                completion_ids=tuple(turn.completion_ids), logprobs=tuple(turn.logprobs),
-                temperature=turn.sampling.temperature,
-            )
-            j = await self.judges.reward.judge(ctx)
+            j = await self.judges.reward.judge(turn_context(turn))
             rec = Judgment(
                 turn_id=turn.id, judge=j.judge, kind="prm", reward=float(j.reward),
                 votes=tuple(JudgeVote(raw=v.raw_text, value=v.value, error=v.error) for v in j.votes),

@@ -1,11 +1,17 @@
 """The learning loop beside the server: the collector and the trainer as two background tasks
-that never block serving (DESIGN.md §1).
+that never block serving (docs/how-it-works.md).
 
-The composition root (`clawbridge.server`) wires it to the proxy: the `POST /v1/feedback` and
-`POST /v1/admin/rollback` routes (`clawbridge.routes`), a wake-up on every next state, and the
-status-line and metrics fields. The learner binds to the live backend and store when its
-background task starts. A rollback and a training step share one lock: neither runs while the
-other does.
+The composition root (`clawbridge.server`) builds the parts (judges, teacher, collector,
+episodes, trainer, gate) once and binds them here; it also wires the learner to the proxy: the
+`POST /v1/feedback` and `POST /v1/admin/rollback` routes (`clawbridge.routes`), a wake-up on
+every next state, and the status-line and metrics fields. A rollback and a training step share
+one lock: neither runs while the other does.
+
+Two events, no polling where one exists: `wake` (a next state, feedback or an episode outcome
+arrived: the one channel from capture to the learner) starts a collector pass; `ready` (the
+collector settled samples) makes the trainer look for a batch. The collector's pass also runs
+on a timer (`poll_s`), which is its clock for what no event announces: episodes expiring and
+samples kept pending by a judge that failed.
 """
 
 from __future__ import annotations
@@ -14,87 +20,62 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import BudgetExceeded
 from clawbridge.config import Settings
-from clawbridge.judges import build_judges, judge_kind
-from clawbridge.judges.pairwise import PairwiseJudge
+from clawbridge.judges import Judges, judge_kind
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
-from clawbridge.learning.gate import Gate, GateProbe, probe_check
-from clawbridge.learning.probes import Probe, general_probes
+from clawbridge.learning.gate import GateProbe
 from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
-from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
-    from clawbridge.protocol import Backend
+    from clawbridge.backends.base import Backend
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LearningParts:
+    """What the composition root builds for the learner (`clawbridge.server.build_learning`)."""
+
+    judges: Judges
+    collector: Collector
+    episodes: EpisodeLearner  # SDK groups: outcome rewards (learning.episodes)
+    trainer: Trainer
 
 
 class Learner:
     def __init__(self, settings: Settings, *, poll_s: float = 1.0, probes: Sequence[GateProbe] = ()) -> None:
         self.settings = settings
         self.extra_probes = list(probes)  # the caller's own gate probes (the demo: a validation split)
-        self.poll_s = poll_s
-        self.wake = asyncio.Event()  # a next state arrived, feedback came, or samples are ready
-        self.collector: Collector | None = None
-        self.episodes: EpisodeLearner | None = None  # SDK groups: outcome rewards (learning.episodes)
-        self.trainer: Trainer | None = None
+        self.poll_s = poll_s  # the collector's clock (expiry, retries) and the pause after a failed step
+        self.wake = asyncio.Event()  # a next state arrived, feedback came, or an episode ended
+        self.ready = asyncio.Event()  # the collector settled samples: a batch may be full
+        self.parts: LearningParts | None = None
         self.judge_name = judge_kind(settings)
         self.errors = 0
         self.training_stopped: str | None = None  # why training stopped (the budget)
         self.lock = asyncio.Lock()  # a training step or a rollback, never both
         self.last_rollback: RollbackResult | None = None
 
-    def bind(self, backend: Backend, store: Store) -> None:
-        teacher = None
-        if self.settings.hint_selection == "overlap":
-            # the hint judge ranks its candidates by the hinted teacher's agreement with the
-            # student's own tokens (judges/teacher.py), scored on this backend
-            from clawbridge.chat.renderer import Renderer
-            from clawbridge.judges.teacher import Teacher
+    def bind(self, parts: LearningParts) -> None:
+        self.parts = parts
 
-            teacher = Teacher(backend, Renderer(backend.tokenizer()), model=self.settings.teacher,
-                              clip=self.settings.opd_clip)
-        judges = build_judges(self.settings, backend, teacher=teacher)
-        self.collector = Collector(self.settings, backend, store, judges)
-        self.episodes = EpisodeLearner(self.settings, backend, store, judges)
-        client = getattr(judges.reward, "client", None)  # a judge model (the rules judge has none)
-        pairwise = PairwiseJudge(client, seed=self.settings.seed) if client is not None else None
-        self.trainer = Trainer(self.settings, backend, store, lock=self.lock,
-                               gate=self.build_gate(backend, pairwise))
+    @property
+    def collector(self) -> Collector | None:
+        return self.parts.collector if self.parts is not None else None
 
-    def build_gate(self, backend: Backend, pairwise: PairwiseJudge | None = None) -> Gate | None:
-        """The gate the settings ask for: a spread of the general probe set plus the caller's
-        probes, and with a judge model the user's recent prompts compared pairwise (the offline
-        rules judge cannot compare two answers)."""
-        s = self.settings
-        if s.gate == "off":
-            return None
-        from clawbridge.chat.renderer import Renderer
+    @property
+    def episodes(self) -> EpisodeLearner | None:
+        return self.parts.episodes if self.parts is not None else None
 
-        pool = general_probes()
-        k = min(s.gate_probes, len(pool))
-        chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
-        rest = [p for p in pool if p not in chosen][: max(0, min(s.gate_probes_max, len(pool)) - k)]
-
-        def ask(qs: list[Probe]) -> list[GateProbe]:
-            return [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
-                    for p in qs]
-
-        probes = ask(chosen) + self.extra_probes
-        if s.gate_recent == 0:
-            pairwise = None
-        if not probes and pairwise is None:
-            return None
-        params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
-        return Gate(backend, Renderer(backend.tokenizer()), probes, params=params, samples=s.gate_samples,
-                    margin=s.gate_margin, alpha=s.gate_alpha, alpha_base=s.gate_alpha_base,
-                    non_inferiority=s.gate_v0_test == "non_inferiority", pairwise=pairwise,
-                    reserve=ask(rest))
+    @property
+    def trainer(self) -> Trainer | None:
+        return self.parts.trainer if self.parts is not None else None
 
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
@@ -103,34 +84,40 @@ class Learner:
         self.last_rollback = await trainer.rollback(version)
         return self.last_rollback
 
-    async def run(self, backend: Backend, store: Store) -> None:
-        """The background task: collect and train until cancelled."""
-        self.bind(backend, store)
-        assert self.trainer is not None
-        # the trainer resumed before serving began (`server.serve`: the newest version serves);
-        # a candidate the gate never decided on (a restart mid-gate) is judged first
-        await self.trainer.judge_pending()
-        await asyncio.gather(self._collect_loop(), self._train_loop())
+    async def run(self) -> None:
+        """The background task: collect and train until cancelled; the judges' clients are closed
+        however it ends. Cancelled mid-judging, mid-scoring or mid-step, it loses nothing: the
+        store holds every turn, and a sample becomes `trained` only in the step's commit."""
+        if self.parts is None:
+            raise RuntimeError("Learner.run before bind: the composition root builds the parts")
+        try:
+            # the trainer resumed before serving began (`server.serve`: the newest version
+            # serves); a candidate the gate never decided on (a restart mid-gate) is judged first
+            await self.parts.trainer.judge_pending()
+            await asyncio.gather(self._collect_loop(self.parts), self._train_loop(self.parts.trainer))
+        finally:
+            await self.parts.judges.aclose()
 
-    async def _collect_loop(self) -> None:
-        assert self.collector is not None and self.episodes is not None
+    async def _collect_loop(self, parts: LearningParts) -> None:
         while True:
+            self.wake.clear()  # before the pass: a wake-up during it runs another
             try:
-                if await self.collector.run_once() + await self.episodes.run_once():
-                    self.wake.set()
+                if await parts.collector.run_once() + await parts.episodes.run_once():
+                    self.ready.set()
                     continue
             except asyncio.CancelledError:
                 raise
             except Exception:
                 self.errors += 1
                 log.exception("collector pass failed; retrying")
-            await self._sleep()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.poll_s)
 
-    async def _train_loop(self) -> None:
-        assert self.trainer is not None
+    async def _train_loop(self, trainer: Trainer) -> None:
         while True:
+            self.ready.clear()  # before the look: samples settled during the step wake the next
             try:
-                if await self.trainer.step_once() is not None:
+                if await trainer.step_once() is not None:
                     continue
             except asyncio.CancelledError:
                 raise
@@ -141,12 +128,9 @@ class Learner:
             except Exception:
                 self.errors += 1
                 log.exception("training step failed; the samples stay judged and are retried")
-            await asyncio.sleep(self.poll_s)
-
-    async def _sleep(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), self.poll_s)
-        self.wake.clear()
+                await asyncio.sleep(self.poll_s)
+                continue
+            await self.ready.wait()
 
     @property
     def last_step(self) -> StepResult | None:
@@ -175,7 +159,6 @@ class Learner:
             out["learner errors"] = self.errors
         return out
 
-
     def metrics(self) -> dict[str, float]:
         """Gauges for /metrics: judging and sample counts, and the last training step's metrics."""
         out: dict[str, float] = {"learner_errors": self.errors,
@@ -183,12 +166,12 @@ class Learner:
         if self.collector is not None:
             st = self.collector.stats
             out.update(learner_judged=st.judged, learner_samples=st.samples, learner_dropped=st.dropped)
+            if st.mean_reward is not None:
+                out["learner_mean_reward"] = st.mean_reward
         if self.episodes is not None:
             ep = self.episodes.stats
             out.update(episode_groups_trained=ep.groups_trained, episode_groups_dropped=ep.groups_dropped,
                        episodes_expired=ep.episodes_expired, episode_samples=ep.samples)
-            if st.mean_reward is not None:
-                out["learner_mean_reward"] = st.mean_reward
         if self.trainer is not None:
             decisions = self.trainer.decisions
             out["gate_accepted"] = float(sum(d.decision == "accepted" for d in decisions))
