@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from clawbridge.demo import tools
-from clawbridge.demo.runner import Progress
+from clawbridge.demo.rounds import Progress
 
 
 def _recipe(sc: tools.ToolsScenario, sets: list[str]) -> tools.ToolsScenario:
@@ -40,13 +40,13 @@ def _recipe(sc: tools.ToolsScenario, sets: list[str]) -> tools.ToolsScenario:
 async def base_rate(sc: tools.ToolsScenario, model: str | None, seed: int) -> dict[str, Any]:
     """policy@v0 on the held-out tasks through the same stack (no training)."""
     from clawbridge.backends.local import LocalBackend
-    from clawbridge.demo.runner import _threads
-    from clawbridge.sdk.client import Client
+    from clawbridge.demo.rounds import threads
+    from clawbridge.sdk.client import AsyncClient
     from clawbridge.server import serve
 
     data = Path(tempfile.mkdtemp(prefix="cb-tools-base-"))
     settings = tools.tools_settings(sc, data, model=model, seed=seed, gate="off")
-    backend = LocalBackend.from_settings(settings, threads=_threads())
+    backend = LocalBackend.from_settings(settings, threads=threads())
     ready: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     server = asyncio.create_task(
         serve(settings, backend=backend, quiet=True, started=ready.set_result)
@@ -54,7 +54,7 @@ async def base_rate(sc: tools.ToolsScenario, model: str | None, seed: int) -> di
     running = await ready
     t0 = time.monotonic()
     try:
-        agent = tools.Agent(Client(running.base_url, timeout=1800), running.proxy.model_name, sc)
+        agent = tools.Agent(AsyncClient(running.base_url, timeout=1800), running.proxy.model_name, sc)
         rated = await asyncio.gather(*(_all(agent, t) for t in sc.heldout_tasks))
     finally:
         running.server.should_exit = True
@@ -79,7 +79,7 @@ async def _all(
     agent: tools.Agent, task: tools.Task
 ) -> tuple[list[tools.Grade], list[tools.Transcript]]:
     async def one() -> tuple[tools.Grade, tools.Transcript]:
-        async with agent.sem, agent.cb.async_session(user="bench", train=False) as s:
+        async with agent.sem, agent.cb.session(user="bench", train=False) as s:
             t = await tools.attempt(s, agent.model, agent.sc, task)
         return tools.grade(t, agent.sc.recipe.partial_credit), t
 
@@ -131,11 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
             row = {"seed": seed, **result.summary()}
-            lo, hi = row["interval"]
+            lo, hi = row["solved_interval"]
             print(
-                f"seed {seed}: solved {row['before']:.2f} -> {row['after']:.2f}  "
-                f"[{100 * lo:+.0f}, {100 * hi:+.0f}] pts  clean {row['truly_before']:.2f} -> "
-                f"{row['truly_after']:.2f}  lookup {row['on_topic_before']:.2f} -> {row['on_topic_after']:.2f}  "
+                f"seed {seed}: solved {row['solved_before']:.2f} -> {row['solved_after']:.2f}  "
+                f"[{100 * lo:+.0f}, {100 * hi:+.0f}] pts  clean {row['clean_before']:.2f} -> "
+                f"{row['clean_after']:.2f}  lookup {row['looked_up_before']:.2f} -> {row['looked_up_after']:.2f}  "
                 f"probe {row['probe_before']} -> {row['probe_after']}  steps {row['steps']}  "
                 f"{row['seconds']:.0f} s",
                 flush=True,

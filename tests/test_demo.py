@@ -62,6 +62,24 @@ def test_a_scenario_file_with_overlapping_prompts_is_refused(tmp_path: Path):
         scenario.load("no-such-scenario")
 
 
+def test_numbers_in_a_keyword_list_are_keywords(tmp_path: Path):
+    """An unquoted `100` in YAML is a number; as an answer keyword it means the text "100"."""
+    path = tmp_path / "numbers.yaml"
+    path.write_text(
+        "name: numbers\ncheck: {max_words: 20}\n"
+        "replies: {satisfied: [Thanks.], unsatisfied: [Shorter please.]}\n"
+        "train_prompts: ['What is rain?']\nheldout_prompts: ['At what temperature does water boil?', 'What is pi?']\n"
+        "answers:\n  keywords:\n    'At what temperature does water boil?': [100, celsius]\n"
+        "    'What is pi?': [3.14]\n"
+    )
+    sc = scenario.load(path)
+    assert sc.answers.keywords == {"At what temperature does water boil?": ["100", "celsius"],
+                                   "What is pi?": ["3.14"]}
+    check = sc.answer_check("At what temperature does water boil?")
+    assert check.answered("Water boils at 100 degrees at sea level.")
+    assert not check.answered("Water boils when it gets very hot indeed.")
+
+
 def test_paired_interval_by_hand():
     mean, lo, hi = scenario.paired_interval([0, 0, 0.5, 0], [1, 0.5, 1, 1])
     # d = [1, .5, .5, 1]: mean .75, sd .2887, t(3) = 3.182 -> half width .4593
@@ -149,6 +167,12 @@ def test_the_demo_command_prints_the_table_and_writes_the_summary(tmp_path: Path
     assert summary["scenario"] == "tiny" and summary["steps"] == 1
     assert json.loads((out / "tiny.json").read_text()) == summary
     assert "held-out prompts the training never saw (tiny)" in res.stderr
+    # not a terminal: the progress is one plain line per event, no redraws
+    assert "\r" not in res.stderr and "\x1b[" not in res.stderr
+    events = [ln for ln in res.stderr.splitlines() if ln.startswith("[")]
+    assert [e.split("] ", 1)[1] for e in events][:3] == [
+        "0/3 starting the stack", "0/3 measuring policy@v0", "1/3 round 1/1: conversations"]
+    assert events[-1].endswith("3/3 done")
 
 
 @pytest.mark.timeout(280)

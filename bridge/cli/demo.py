@@ -1,14 +1,20 @@
-"""`clawbridge demo`: runs a scenario with a progress bar, then prints the held-out table."""
+"""`clawbridge demo`: runs a scenario with a progress bar, then prints the held-out table.
+
+On a terminal the progress is a live bar; piped to a file it is one plain line per event (no
+redraws, no carriage returns), so a log of the run reads top to bottom.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Coroutine, Iterable
+import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import typer
 from rich.console import Console
@@ -16,9 +22,20 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from clawbridge.demo.runner import DemoResult
-    from clawbridge.demo.runner import Progress as ProgressFn
+    from clawbridge.demo.rounds import Progress as ProgressFn
     from clawbridge.demo.tools import ToolsScenario
+
+
+class _Result(Protocol):
+    plot: str | None
+
+    @property
+    def improved(self) -> bool: ...
+
+    def summary(self) -> dict[str, Any]: ...
+
+
+R = TypeVar("R", bound=_Result)
 
 
 def run_demo_command(
@@ -34,6 +51,7 @@ def run_demo_command(
 ) -> None:
     from clawbridge.demo import runner as demo
     from clawbridge.demo import scenario, tools
+    from clawbridge.demo.rounds import default_data_dir
 
     console = Console(stderr=as_json)
     try:
@@ -53,7 +71,7 @@ def run_demo_command(
     if method is not None or rounds is not None:
         recipe = sc.recipe.model_copy(update={k: v for k, v in (("method", method), ("rounds", rounds)) if v is not None})
         sc = sc.model_copy(update={"recipe": recipe})
-    folder = Path(data_dir) if data_dir else demo.default_data_dir()
+    folder = Path(data_dir) if data_dir else default_data_dir()
     settings = demo.demo_settings(sc, folder, model=model, seed=seed)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
@@ -70,7 +88,7 @@ def run_demo_command(
     lines = [f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}"
              for ex in result.examples[:2]]
     _report(console, result, sc.name, out_dir, f"held-out prompts the training never saw ({sc.name})",
-            demo.result_table(result), lines, improved=result.improved, as_json=as_json)
+            demo.result_table(result), lines, as_json=as_json)
 
 
 def run_tools_command(
@@ -86,8 +104,8 @@ def run_tools_command(
     seed: int,
 ) -> None:
     """The agentic scenario (`--scenario tools`): groups of tool-calling episodes through the SDK."""
-    from clawbridge.demo import runner as demo
     from clawbridge.demo import tools
+    from clawbridge.demo.rounds import default_data_dir
 
     if method is not None:
         typer.echo("clawbridge demo: the tools scenario trains from outcomes (GRPO within each group); "
@@ -96,7 +114,7 @@ def run_tools_command(
     if rounds is not None:
         sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
     r = sc.recipe
-    folder = Path(data_dir) if data_dir else demo.default_data_dir()
+    folder = Path(data_dir) if data_dir else default_data_dir()
     settings = tools.tools_settings(sc, folder, model=model, seed=seed)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
@@ -112,37 +130,51 @@ def run_tools_command(
     lines = [f"  [dim]{ex['prompt']} (code {ex['code']})[/]\n    before: {ex['before']}\n    after:  {ex['after']}"
              for ex in result.examples[:3]]
     _report(console, result, sc.name, out_dir, f"held-out tasks the training never saw ({sc.name})",
-            tools.result_table(result), lines, improved=result.interval[0] > 0, as_json=as_json)
+            tools.result_table(result), lines, as_json=as_json)
 
 
-def _with_progress(
-    console: Console, total: int, run: Callable[[ProgressFn], Coroutine[Any, Any, DemoResult]]
-) -> DemoResult:
-    """Run a demo under a progress bar of `total` phases."""
-    from clawbridge.demo.runner import DemoStopped
+def _with_progress(console: Console, total: int, run: Callable[[ProgressFn], Coroutine[Any, Any, R]]) -> R:
+    """Run a demo under the progress display of `total` phases."""
+    from clawbridge.demo.rounds import DemoStopped
 
+    try:
+        with _progress(console, total) as progress:
+            return asyncio.run(run(progress))
+    except DemoStopped as e:
+        typer.echo(f"clawbridge demo: {e}", err=True)
+        raise typer.Exit(130) from None
+
+
+@contextlib.contextmanager
+def _progress(console: Console, total: int) -> Iterator[ProgressFn]:
+    """A live bar on a terminal; elsewhere one line per event, with the seconds since the start."""
+    if not console.is_terminal:
+        t0 = time.monotonic()
+
+        def line(phase: str, done: int, total: int) -> None:
+            console.print(f"[{time.monotonic() - t0:5.0f} s] {done}/{total} {phase}", markup=False,
+                          highlight=False, soft_wrap=True)
+
+        line("starting the stack", 0, total)
+        yield line
+        line("done", total, total)
+        return
     with Progress(
         TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=False,
     ) as bar:
         task = bar.add_task("starting the stack", total=total)
 
-        def progress(phase: str, done: int, total: int) -> None:
+        def update(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        try:
-            result = asyncio.run(run(progress))
-        except DemoStopped as e:
-            bar.stop()
-            typer.echo(f"clawbridge demo: {e}", err=True)
-            raise typer.Exit(130) from None
+        yield update
         bar.update(task, completed=total, description="done")
-    return result
 
 
 def _report(
-    console: Console, result: DemoResult, name: str, out_dir: Path, title: str,
-    rows: Iterable[tuple[str, str]], examples: Iterable[str], *, improved: bool, as_json: bool,
+    console: Console, result: _Result, name: str, out_dir: Path, title: str,
+    rows: Iterable[tuple[str, str]], examples: Iterable[str], *, as_json: bool,
 ) -> None:
     """Write the summary JSON, print the table, a few examples and the verdict (and the JSON line)."""
     summary = result.summary()
@@ -154,7 +186,7 @@ def _report(
     console.print(table)
     for line in examples:
         console.print(line)
-    verdict = "improved" if improved else "no significant change"
+    verdict = "improved" if result.improved else "no significant change"
     console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (name + '.json')}")
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")

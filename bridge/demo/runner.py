@@ -9,25 +9,25 @@
         evaluate the new version on the held-out prompts
     report before/after with a 95 % interval of the paired difference, a PNG, a JSON summary
 
-Nothing here trains directly: the demo is a user of the public API, like any agent.
+The rounds themselves are `rounds.play`, shared with the tools demo; this module is what a
+round and a measurement mean here. Nothing here trains directly: the demo is a user of the public
+API, like any agent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import os
-import tempfile
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.config import Settings
+from clawbridge.demo import report
+from clawbridge.demo.report import Series, change, difference, gate_counts, r4
+from clawbridge.demo.rounds import Progress, Settle, play
 from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import GateProbe
@@ -35,13 +35,8 @@ from clawbridge.learning.probes import Probe, general_probes, rate
 from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
 
 if TYPE_CHECKING:
-    from clawbridge.learning.learner import Learner
     from clawbridge.server import Running
     from openai import AsyncOpenAI
-
-log = logging.getLogger(__name__)
-
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 
 @dataclass(frozen=True)
@@ -113,7 +108,6 @@ class DemoResult:
 
     def summary(self) -> dict[str, Any]:
         """The `--json` document."""
-        r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731
         return {
             "scenario": self.scenario,
             "model": self.model,
@@ -266,16 +260,6 @@ def eval_seed(prompt: str) -> int:
     return zlib.crc32(prompt.encode())
 
 
-async def _settled(running: Running) -> tuple[int, int]:
-    """(judged samples waiting for the trainer, turns still on their way to a sample)."""
-    st = await running.store.run(running.store.stats)
-    waiting = st.samples.get("judged", 0)
-    unsettled = st.samples.get("pending", 0)
-    kinds = judge_kinds(running.settings.method)
-    awaiting = len(await running.store.run(running.store.turns_awaiting_judgment, kinds, 1000))
-    return waiting, unsettled + awaiting
-
-
 def _client(base_url: str) -> AsyncOpenAI:
     """The simulated user's client. uvicorn closes a keep-alive connection after 5 s idle (the
     demo idles longer while a step trains): expire pooled connections sooner on this side, and
@@ -285,6 +269,71 @@ def _client(base_url: str) -> AsyncOpenAI:
 
     http = DefaultAsyncHttpxClient(timeout=1800, limits=httpx2.Limits(keepalive_expiry=2.0))
     return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="clawbridge", timeout=1800, max_retries=3, http_client=http)
+
+
+class PreferenceRounds:
+    """The preference demo's side of the rounds (`rounds.Player`): a round is `batch_size`
+    conversations; a version is measured when it serves new weights, and at the end."""
+
+    def __init__(self, scenario: Scenario, running: Running) -> None:
+        self.scenario, self.running = scenario, running
+        self.client = _client(running.base_url)
+        self.user = SimulatedUser(self.client, running.proxy.model_name, scenario)
+        self.asked = 0
+        self.shown: dict[int, list[dict[str, Any]]] = {}  # each measured version's examples
+
+    def round_label(self, rnd: int, rounds: int) -> str:
+        return f"round {rnd + 1}/{rounds}: conversations"
+
+    async def play_round(self, rnd: int) -> None:
+        order, n = self.scenario.training_prompts, self.scenario.recipe.batch_size
+        batch = [order[(self.asked + j) % len(order)] for j in range(n)]
+        await asyncio.gather(*(self.user.converse(p, self.asked + j) for j, p in enumerate(batch)))
+        self.asked += len(batch)
+
+    async def settle(self, *, stepped: bool) -> Settle:
+        if stepped:
+            return "done"
+        waiting, unsettled = await self._pending()
+        # a reply the judge found neutral gave no sample: the user talks a bit more
+        return "more" if unsettled == 0 and waiting < self.scenario.recipe.batch_size else "wait"
+
+    async def more(self) -> None:
+        order = self.scenario.training_prompts
+        await self.user.converse(order[self.asked % len(order)], self.asked)
+        self.asked += 1
+
+    async def _pending(self) -> tuple[int, int]:
+        """(judged samples waiting for the trainer, turns still on their way to a sample)."""
+        store = self.running.store
+        st = await store.run(store.stats)
+        kinds = judge_kinds(self.running.settings.method)
+        awaiting = len(await store.run(store.turns_awaiting_judgment, kinds, 1000))
+        return st.samples.get("judged", 0), st.samples.get("pending", 0) + awaiting
+
+    def wants_measure(self, served: int, previous: VersionEval, *, held_back: bool, last: bool) -> bool:
+        return (served != previous.version and not held_back) or last
+
+    async def measure(self, version: int, previous: VersionEval | None, *,
+                      last: bool) -> tuple[VersionEval, list[dict[str, Any]]]:
+        if previous is None:
+            ev, ex = await self.user.evaluate(version, probe=True)
+        else:
+            store = self.running.store
+            rollbacks = await store.run(store.get_meta, ROLLBACKS_KEY) or {}
+            copied = reusable(previous, version, rollbacks, probe=last, conversations=self.user.conversations)
+            if copied is not None:
+                ev, ex = copied, self.shown[previous.version]
+            else:
+                ev, ex = await self.user.evaluate(version, probe=last)
+        self.shown[ev.version] = ex
+        return ev, ex
+
+    def headline(self, ev: VersionEval) -> str:
+        return f"policy@v{ev.version}: truly satisfied {ev.truly:.0%}"
+
+    async def aclose(self) -> None:
+        await self.client.close()
 
 
 async def run_demo(
@@ -298,134 +347,30 @@ async def run_demo(
     from clawbridge.learning.learner import Learner
 
     t0 = time.monotonic()
-    report = progress or (lambda phase, done, total: None)
     learner = Learner(settings, poll_s=0.2, probes=gate_probes(scenario))
-    async with demo_stack(settings, learner) as running:
-        return await _play(scenario, settings, learner, running, report, plot_path, step_timeout_s, t0)
+    players: list[PreferenceRounds] = []
 
+    def player_for(running: Running) -> PreferenceRounds:
+        players.append(PreferenceRounds(scenario, running))
+        return players[-1]
 
-@contextlib.asynccontextmanager
-async def demo_stack(settings: Settings, learner: Learner) -> AsyncIterator[Running]:
-    """The whole stack in-process on a free loopback port (local backend, store, proxy, the
-    learner's loops), stopped on the way out; raises why it could not start."""
-    from clawbridge.backends.local import LocalBackend
-    from clawbridge.server import learner_hooks, learner_task, serve
-
-    backend = LocalBackend.from_settings(settings, threads=_threads())
-    ready: asyncio.Future[Running] = asyncio.get_running_loop().create_future()
-    server = asyncio.create_task(
-        serve(settings, backend=backend, hooks=learner_hooks(learner), background=[learner_task(learner)],
-              quiet=True, started=ready.set_result)
-    )
-    racing: set[asyncio.Future[Any]] = {server, ready}
-    done_first, _ = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-    if server in done_first:
-        await server  # raises why it could not start
-    running = ready.result()
-    body = asyncio.current_task()
-    stopped = asyncio.Event()
-
-    async def watch() -> None:  # a signal (Ctrl-C, SIGTERM) told the server to exit: stop playing
-        while not running.server.should_exit:
-            await asyncio.sleep(0.2)
-        stopped.set()
-        if body is not None:
-            body.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        yield running
-    except BaseException:  # the cancel, or what a client saw while the server went away
-        if stopped.is_set():
-            raise DemoStopped(f"stopped by a signal; what was captured and trained is in {settings.data_dir}") from None
-        raise
-    finally:
-        watcher.cancel()
-        running.server.should_exit = True
-        await asyncio.wait_for(server, 120)
-
-
-class DemoStopped(Exception):
-    """The demo was stopped from outside (a signal) before it finished."""
-
-
-async def _play(
-    scenario: Scenario, settings: Settings, learner: Learner, running: Running, report: Progress,
-    plot_path: Path | None, step_timeout_s: float, t0: float,
-) -> DemoResult:
-    r = scenario.recipe
-    served = running.backend  # what the proxy serves (the gate may hold a newer candidate back)
-    client = _client(running.base_url)
-    model = running.proxy.model_name
-    user = SimulatedUser(client, model, scenario)
-    total = r.rounds * 2 + 1
-    versions: list[VersionEval] = []
-    examples: dict[int, list[dict[str, Any]]] = {}
-    try:
-        report("evaluating policy@v0", 0, total)
-        ev, ex = await user.evaluate(served.version, probe=True)
-        versions.append(ev)
-        examples[ev.version] = ex
-        order = scenario.training_prompts
-        asked = 0
-        for rnd in range(r.rounds):
-            report(f"round {rnd + 1}/{r.rounds}: conversations", 2 * rnd + 1, total)
-            steps_before = _step_of(learner)
-            batch = [order[(asked + j) % len(order)] for j in range(r.batch_size)]
-            await asyncio.gather(*(user.converse(p, asked + j) for j, p in enumerate(batch)))
-            asked += len(batch)
-            report(f"round {rnd + 1}/{r.rounds}: judging, training, gate", 2 * rnd + 2, total)
-            deadline = time.monotonic() + step_timeout_s
-            while _step_of(learner) <= steps_before:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no training step within {step_timeout_s:.0f} s")
-                if learner.lock.locked():  # a step (and its gate) is under way: slow, not stuck
-                    deadline = time.monotonic() + step_timeout_s
-                    await asyncio.sleep(0.2)
-                    continue
-                waiting, unsettled = await _settled(running)
-                if unsettled == 0 and waiting < r.batch_size:
-                    # a reply the judge found neutral gave no sample: the user talks a bit more
-                    p = order[asked % len(order)]
-                    await user.converse(p, asked)
-                    asked += 1
-                    continue
-                await asyncio.sleep(0.2)
-            last = rnd == r.rounds - 1
-            decisions = learner.trainer.decisions if learner.trainer is not None else []
-            held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
-            if (served.version != versions[-1].version and not held_back) or last:
-                async with learner.lock:  # no step may publish while a version is being measured
-                    rollbacks = await running.store.run(running.store.get_meta, ROLLBACKS_KEY) or {}
-                    copied = reusable(versions[-1], served.version, rollbacks, probe=last,
-                                      conversations=user.conversations)
-                    if copied is not None:
-                        ev, ex = copied, examples[versions[-1].version]
-                    else:
-                        ev, ex = await user.evaluate(served.version, probe=last)
-                versions.append(ev)
-                examples[ev.version] = ex
-                report(f"policy@v{ev.version}: truly satisfied {ev.truly:.0%}", 2 * rnd + 3, total)
-            else:
-                report(f"held back by the gate: still policy@v{served.version}", 2 * rnd + 3, total)
-    finally:
-        await client.close()
-    before, after = versions[0], versions[-1]
+    played, model = await play(settings, learner, player_for, rounds=scenario.recipe.rounds,
+                               progress=progress, step_timeout_s=step_timeout_s)
+    user = players[0].user
+    before, after = played.first, played.last
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
     _, tlo, thi = paired_interval(before.truly_per_prompt, after.truly_per_prompt)
-    steps = len(await asyncio.to_thread(_steps, settings))
-    gate_records = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
     shown = [
         {"prompt": b["prompt"], "before": b["answer"], "after": a["answer"],
          "after_preferred": a["preferred"], "after_answered": a["answered"]}
-        for b, a in zip(examples[before.version][:5], examples[after.version][:5], strict=True)
+        for b, a in played.example_pairs(5)
     ]
     result = DemoResult(
         scenario=scenario.name, model=model, method=settings.method, before=before.rate,
-        after=after.rate, delta=delta, interval=(lo, hi), steps=steps, versions=versions,
+        after=after.rate, delta=delta, interval=(lo, hi), steps=played.steps, versions=played.versions,
         seconds=time.monotonic() - t0, train_conversations=user.conversations,
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),
-        eval_samples=r.eval_samples, truly_interval=(tlo, thi), gate=gate_records, examples=shown,
+        eval_samples=scenario.recipe.eval_samples, truly_interval=(tlo, thi), gate=played.gate, examples=shown,
     )
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))
@@ -443,93 +388,43 @@ def reusable(prev: VersionEval, version: int, rollbacks: dict[str, int], *, prob
     return replace(prev, version=version, seconds=0.0, conversations=conversations)
 
 
-def _threads() -> int | None:
-    """One torch thread when the machine is busier than it has cores. Two intra-op threads wait
-    on each other at every barrier, and when other processes hold the cores each wait is a lost
-    time slice: measured here at load average 9 on 2 cores, the demo recorded 20 turns in 20
-    minutes with two threads and 70 in 2.5 minutes with one."""
-    cores = os.cpu_count() or 1
-    return 1 if os.getloadavg()[0] >= cores else None
-
-
-def _step_of(learner: Learner) -> int:
-    last = learner.last_step
-    return last.step if last is not None else 0
-
-
-def _steps(settings: Settings) -> list[Any]:
-    from clawbridge.store import Store
-
-    with Store.open(settings.db_url) as store:
-        return store.training_steps()
-
-
 def save_plot(result: DemoResult, path: Path) -> Path:
     """Per served version: truly satisfied, the preference rate, the on-topic rate, the general
-    probe's on-topic rate where measured; candidates the gate held back as red crosses (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [v.version for v in result.versions]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(xs, [100 * v.truly for v in result.versions], marker="o", color="#1f6feb", lw=2,
-            label="truly satisfied (preference AND answered)")
-    ax.plot(xs, [100 * v.rate for v in result.versions], marker=".", color="#8b949e", ls="--", label="preference met")
-    ax.plot(xs, [100 * v.on_topic for v in result.versions], marker=".", color="#2da44e", ls=":", label="answers the question")
-    probed = [(v.version, 100 * v.probe) for v in result.versions if v.probe is not None]
-    gate_probe = [(g["version"], 100 * g["figures"]["probe_candidate"]) for g in result.gate
+    probe's on-topic rate where measured (the gate's figures for the candidates it judged too)."""
+    vs = result.versions
+    probed = [(v.version, v.probe) for v in vs if v.probe is not None]
+    gate_probe = [(g["version"], g["figures"]["probe_candidate"]) for g in result.gate
                   if "probe_candidate" in g.get("figures", {})]
-    if probed or gate_probe:
-        pts = sorted(probed + gate_probe)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="s", ls="", color="#bf8700",
-                label="general probe: answers the question")
-    rejected = [g["version"] for g in result.gate if g["decision"] == "rejected"]
-    for x in rejected:
-        ax.axvline(x, color="#cf222e", alpha=0.3, lw=1)
-    if rejected:
-        ax.plot([], [], color="#cf222e", alpha=0.3, label="held back by the gate")
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("held-out rate (%)")
-    ax.set_ylim(-5, 105)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    series = [
+        Series("truly satisfied (preference AND answered)", [(v.version, v.truly) for v in vs],
+               {"marker": "o", "color": "#1f6feb", "lw": 2}),
+        Series("preference met", [(v.version, v.rate) for v in vs], {"marker": ".", "color": "#8b949e", "ls": "--"}),
+        Series("answers the question", [(v.version, v.on_topic) for v in vs],
+               {"marker": ".", "color": "#2da44e", "ls": ":"}),
+        Series("general probe: answers the question", sorted(probed + gate_probe),
+               {"marker": "s", "ls": "", "color": "#bf8700"}),
+    ]
     lo, hi = (100 * x for x in result.truly_interval)
-    ax.set_title(
-        f"{result.scenario}: truly satisfied {100 * result.first.truly:.0f}% → {100 * result.last.truly:.0f}% "
-        f"(Δ 95% CI [{lo:+.0f}, {hi:+.0f}] pts)", fontsize=10,
-    )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def default_data_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="clawbridge-demo-"))
+    title = (f"{result.scenario}: truly satisfied {100 * result.first.truly:.0f}% → {100 * result.last.truly:.0f}% "
+             f"(Δ 95% CI [{lo:+.0f}, {hi:+.0f}] pts)")
+    return report.save_plot(path, title, series, result.gate)
 
 
 def result_table(result: DemoResult) -> list[tuple[str, str]]:
     b, a = result.first, result.last
-    lo, hi = result.truly_interval
-    pct = lambda x: "-" if x is None else f"{x:.0%}"  # noqa: E731
-    rejected = sum(g["decision"] == "rejected" for g in result.gate)
     c80 = result.conversations_to_80
     return [
-        ("truly satisfied (preference met AND answered)", f"{pct(b.truly)} → {pct(a.truly)} (policy@v{a.version})"),
-        ("difference (95% interval)", f"{100 * (a.truly - b.truly):+.0f} pts [{100 * lo:+.0f}, {100 * hi:+.0f}]"),
-        ("preference met", f"{pct(b.rate)} → {pct(a.rate)}"),
-        ("answers the question (held-out)", f"{pct(b.on_topic)} → {pct(a.on_topic)}"),
-        ("general probe: answers the question", f"{pct(b.probe)} → {pct(a.probe)}" + (
-            "" if result.probe_interval is None
-            else f" [{100 * result.probe_interval[0]:+.0f}, {100 * result.probe_interval[1]:+.0f}]")),
-        ("gate: accepted / held back", f"{len(result.gate) - rejected} / {rejected}"),
+        ("truly satisfied (preference met AND answered)", f"{change(b.truly, a.truly)} (policy@v{a.version})"),
+        ("difference (95% interval)", difference(b.truly, a.truly, result.truly_interval)),
+        ("preference met", change(b.rate, a.rate)),
+        ("answers the question (held-out)", change(b.on_topic, a.on_topic)),
+        ("general probe: answers the question", change(b.probe, a.probe, result.probe_interval)),
+        ("gate: accepted / held back", gate_counts(result.gate)),
         ("conversations until 80% truly satisfied", "not reached" if c80 is None else str(c80)),
         ("training steps / conversations", f"{result.steps} / {result.train_conversations}"),
         ("wall time", f"{result.seconds:.0f} s"),
     ]
 
 
-__all__ = ["DemoResult", "SimulatedUser", "VersionEval", "demo_settings", "run_demo", "save_plot"]
+__all__ = ["DemoResult", "PreferenceRounds", "SimulatedUser", "VersionEval", "demo_settings", "run_demo",
+           "save_plot"]

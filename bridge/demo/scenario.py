@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerCheck
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -87,6 +87,15 @@ class Answers(BaseModel):
         "makes a careless user who thanks whatever meets the preference (echoes and dodges too): a "
         "harmful run the gate must catch. Truly satisfied is measured either way.",
     )
+
+    @field_validator("keywords", mode="before")
+    @classmethod
+    def _numbers_are_words(cls, keywords: Any) -> Any:  # (`object` is a field's name here)
+        """YAML reads an unquoted `100` or `3.14` as a number; as a keyword it means its text."""
+        if not isinstance(keywords, dict):
+            return keywords
+        return {k: [str(w) if isinstance(w, int | float) and not isinstance(w, bool) else w for w in ws]
+                if isinstance(ws, list) else ws for k, ws in keywords.items()}
 
 
 class Recipe(BaseModel):
