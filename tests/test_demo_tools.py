@@ -160,6 +160,7 @@ async def test_the_tools_demo_runs_end_to_end_on_the_tiny_model(
         "looked_up_after",
         "probe_before",
         "probe_after",
+        "episodes_to_80",
         "gate",
         "versions",
     ):

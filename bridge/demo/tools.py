@@ -183,6 +183,12 @@ class ToolsResult:
     def improved(self) -> bool:
         return self.solved_interval[0] > 0
 
+    @property
+    def episodes_to_80(self) -> int | None:
+        """Training episodes until a measured version solved >= 80 % of the held-out tasks
+        cleanly (None: never within the run)."""
+        return next((v.trained_episodes for v in self.versions if v.clean >= 0.8), None)
+
     def summary(self) -> dict[str, Any]:
         """The `--json` document."""
         b, a = self.first, self.last
@@ -200,6 +206,7 @@ class ToolsResult:
             "looked_up_after": r4(a.looked_up),
             "probe_before": r4(b.probe),
             "probe_after": r4(a.probe),
+            "episodes_to_80": self.episodes_to_80,
             "improved": self.improved,
             "steps": self.steps,
             "versions": [
