@@ -254,3 +254,21 @@ def test_actions_validate_their_bodies(store: Store, tmp_path: Path) -> None:
         now = httpx.get(app.url + "/ui/api/now", headers=BEARER).json()
     assert calls == [("rollback", 1), ("pause", True)]
     assert now["actions"] == {"rollback": True, "pause": True}
+
+
+def test_the_kept_reaction_sums_match_a_fresh_sum_as_samples_settle(store: Store, tmp_path: Path) -> None:
+    from clawbridge.store.browse import Browse, reactions
+
+    ids = seed_store(store, 9)
+    browse = Browse(store)
+    late = store.record_turn(turn("late", "q", "a"))
+    pending = judge(store, late, 0.0, state="pending")  # no reward yet: it is being judged
+    more = seed_store(store, 3, per_session=3)
+    with store.engine.connect() as conn, conn.begin():
+        assert browse.reactions(conn) == reactions(conn)
+    store.set_sample_advantages(pending, (1.0, 1.0), reward=1.0)  # settles after newer samples
+    judge(store, store.record_turn(turn("later", "q", "a", version=1)), -1.0)
+    with store.engine.connect() as conn, conn.begin():
+        kept, fresh = browse.reactions(conn), reactions(conn)
+    assert kept == fresh and kept[0]["judged"] == len(ids) + len(more) + 1 and kept[1]["down"] == 1
+    assert browse.reactions.mark > 0
