@@ -45,7 +45,8 @@ def start_up(port: int, data: Path) -> subprocess.Popen:
         [str(cli), "up", "--backend", "local", "--model", "tiny-random", "--port", str(port),
          "--data-dir", str(data), "--no-train"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        # the drain test's stream takes longer than the default grace (3 s) on a loaded machine
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "CLAWBRIDGE_SHUTDOWN_GRACE_S": "60"},
     )
 
 

@@ -1,7 +1,8 @@
 """A clean, fast stop: SIGTERM to a real `clawbridge up` while the engine scores a long prompt
 for the learner (the OPD teacher on a corrected turn) exits 0 within 5 s, every native thread
 joined, and the store keeps the turn with its sample not trained (it is judged again after a
-restart: nothing captured is lost, nothing trained twice)."""
+restart: nothing captured is lost, nothing trained twice). A stream longer than the grace
+period is ended when it runs out."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -24,16 +26,20 @@ pytestmark = pytest.mark.slow
 LONG = " ".join(f"w{i}" for i in range(4800))
 
 
-def test_sigterm_while_the_engine_scores_a_long_prompt_exits_0_within_5_s(tmp_path: Path):
-    port, data = free_port(), tmp_path / "data"
+def start_up(port: int, data: Path, log: IO[str], *flags: str) -> subprocess.Popen:
     cli = Path(sys.executable).with_name("clawbridge")
-    log = (tmp_path / "up.log").open("w")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [str(cli), "up", "--backend", "local", "--model", "tiny-random", "--port", str(port),
-         "--data-dir", str(data), "--method", "opd", "--judge", "rules"],
+         "--data-dir", str(data), *flags],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "CLAWBRIDGE_GATE": "off"},
     )
+
+
+def test_sigterm_while_the_engine_scores_a_long_prompt_exits_0_within_5_s(tmp_path: Path):
+    port, data = free_port(), tmp_path / "data"
+    log = (tmp_path / "up.log").open("w")
+    proc = start_up(port, data, log, "--method", "opd", "--judge", "rules")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc, timeout=240)
@@ -72,3 +78,31 @@ def test_sigterm_while_the_engine_scores_a_long_prompt_exits_0_within_5_s(tmp_pa
         assert store.pending_samples(state="trained") == []
         [sample] = store.pending_samples(state="pending")  # its advantages were never written
         assert sample.turn_id == turns[0].id
+
+
+def test_a_stream_longer_than_the_grace_period_is_ended_and_the_process_exits_0(tmp_path: Path):
+    port, data = free_port(), tmp_path / "data"
+    log = (tmp_path / "up.log").open("w")
+    proc = start_up(port, data, log, "--no-train")
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": "tiny-random", "max_tokens": 20000, "stream": True,
+            "messages": [{"role": "user", "content": "an endless answer please"}]}
+    try:
+        wait_ready(url, proc, timeout=240)
+        events = 0
+        with pytest.raises(httpx.HTTPError), httpx.stream(  # the server ends it: an incomplete body
+                "POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                events += line.startswith("data: ")
+                if events == 2:  # under way, and far from done: SIGTERM now
+                    t0 = time.monotonic()
+                    os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert elapsed < 5, f"stopped in {elapsed:.1f} s (grace 3 s)"
