@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,31 @@ def gate_counts(gate: Sequence[dict[str, Any]]) -> str:
 
 def r4(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
+
+
+class Run(Protocol):
+    """What every demo's result holds besides its own measures."""
+
+    scenario: str
+    model: str
+    method: str
+    steps: int
+    seconds: float
+    eval_samples: int
+    gate: list[dict[str, Any]]
+    plot: str | None
+    examples: list[dict[str, Any]]
+
+    @property
+    def improved(self) -> bool: ...
+
+
+def summary(run: Run, measures: dict[str, Any], versions: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `--json` document: what every demo reports, around the demo's own measures and
+    per-version figures."""
+    return {
+        "scenario": run.scenario, "model": run.model, "method": run.method, **measures,
+        "improved": run.improved, "steps": run.steps, "versions": versions, "gate": run.gate,
+        "seconds": round(run.seconds, 1), "eval_samples": run.eval_samples, "plot": run.plot,
+        "examples": run.examples,
+    }

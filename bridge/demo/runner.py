@@ -108,41 +108,26 @@ class DemoResult:
 
     def summary(self) -> dict[str, Any]:
         """The `--json` document."""
-        return {
-            "scenario": self.scenario,
-            "model": self.model,
-            "method": self.method,
-            "before": r4(self.before),
-            "after": r4(self.after),
-            "delta": r4(self.delta),
+        b, a = self.first, self.last
+        measures = {
+            "before": r4(self.before), "after": r4(self.after), "delta": r4(self.delta),
             "interval": [r4(self.interval[0]), r4(self.interval[1])],
-            "truly_before": r4(self.first.truly),
-            "truly_after": r4(self.last.truly),
-            "truly_delta": r4(self.last.truly - self.first.truly),
+            "truly_before": r4(b.truly), "truly_after": r4(a.truly), "truly_delta": r4(a.truly - b.truly),
             "truly_interval": [r4(self.truly_interval[0]), r4(self.truly_interval[1])],
-            "on_topic_before": r4(self.first.on_topic),
-            "on_topic_after": r4(self.last.on_topic),
-            "probe_before": r4(self.first.probe),
-            "probe_after": r4(self.last.probe),
+            "on_topic_before": r4(b.on_topic), "on_topic_after": r4(a.on_topic),
+            "probe_before": r4(b.probe), "probe_after": r4(a.probe),
             "probe_interval": None if self.probe_interval is None else [r4(x) for x in self.probe_interval],
             "conversations_to_80": self.conversations_to_80,
-            "improved": self.improved,
-            "steps": self.steps,
-            "versions": [
-                {"version": v.version, "rate": r4(v.rate), "on_topic": r4(v.on_topic), "truly": r4(v.truly),
-                 "probe": r4(v.probe), "samples": v.samples, "conversations": v.conversations,
-                 "seconds": round(v.seconds, 1)}
-                for v in self.versions
-            ],
-            "gate": self.gate,
-            "seconds": round(self.seconds, 1),
-            "train_conversations": self.train_conversations,
-            "train_satisfied": self.train_satisfied,
+            "train_conversations": self.train_conversations, "train_satisfied": self.train_satisfied,
             "heldout_prompts": self.heldout_prompts,
-            "eval_samples": self.eval_samples,
-            "plot": self.plot,
-            "examples": self.examples,
         }
+        versions = [
+            {"version": v.version, "rate": r4(v.rate), "on_topic": r4(v.on_topic), "truly": r4(v.truly),
+             "probe": r4(v.probe), "samples": v.samples, "conversations": v.conversations,
+             "seconds": round(v.seconds, 1)}
+            for v in self.versions
+        ]
+        return report.summary(self, measures, versions)
 
 
 def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Settings:

@@ -192,38 +192,23 @@ class ToolsResult:
     def summary(self) -> dict[str, Any]:
         """The `--json` document."""
         b, a = self.first, self.last
-        return {
-            "scenario": self.scenario,
-            "model": self.model,
-            "method": self.method,
-            "solved_before": r4(b.solved),
-            "solved_after": r4(a.solved),
-            "solved_delta": r4(a.solved - b.solved),
+        measures = {
+            "solved_before": r4(b.solved), "solved_after": r4(a.solved), "solved_delta": r4(a.solved - b.solved),
             "solved_interval": [r4(x) for x in self.solved_interval],
-            "clean_before": r4(b.clean),
-            "clean_after": r4(a.clean),
-            "looked_up_before": r4(b.looked_up),
-            "looked_up_after": r4(a.looked_up),
-            "probe_before": r4(b.probe),
-            "probe_after": r4(a.probe),
+            "clean_before": r4(b.clean), "clean_after": r4(a.clean),
+            "looked_up_before": r4(b.looked_up), "looked_up_after": r4(a.looked_up),
+            "probe_before": r4(b.probe), "probe_after": r4(a.probe),
             "episodes_to_80": self.episodes_to_80,
-            "improved": self.improved,
-            "steps": self.steps,
-            "versions": [
-                {"version": v.version, "solved": r4(v.solved), "clean": r4(v.clean), "looked_up": r4(v.looked_up),
-                 "probe": r4(v.probe), "episodes": v.episodes, "trained_episodes": v.trained_episodes,
-                 "seconds": round(v.seconds, 1)}
-                for v in self.versions
-            ],
-            "gate": self.gate,
-            "seconds": round(self.seconds, 1),
-            "train_episodes": self.train_episodes,
-            "train_solved": self.train_solved,
+            "train_episodes": self.train_episodes, "train_solved": self.train_solved,
             "heldout_tasks": self.heldout_tasks,
-            "eval_samples": self.eval_samples,
-            "plot": self.plot,
-            "examples": self.examples,
         }
+        versions = [
+            {"version": v.version, "solved": r4(v.solved), "clean": r4(v.clean), "looked_up": r4(v.looked_up),
+             "probe": r4(v.probe), "episodes": v.episodes, "trained_episodes": v.trained_episodes,
+             "seconds": round(v.seconds, 1)}
+            for v in self.versions
+        ]
+        return report.summary(self, measures, versions)
 
 
 # --- the agent: trains through the SDK's groups, is measured in sessions that never train ------
