@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 from clawbridge.local_gpu import models
-from clawbridge.local_gpu.engine import STALE, TRAIN, Engine
+from clawbridge.local_gpu.adapters import STALE, TRAIN
+from clawbridge.local_gpu.engine import Engine
 from clawbridge.types import SamplingParams
 from gpu_common import model_dir, write_result
 

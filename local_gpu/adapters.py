@@ -25,6 +25,9 @@ import torch
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
+BASE = "__base__"  # PEFT's row name for "no adapter"
+TRAIN = "default"  # the trainable adapter; saved without a sub-folder under this name
+STALE = "\0stale"  # no adapter's name: the LoRA layers must be pointed again before a forward
 SPARE = 1  # slots kept for the next publish once their version is no longer served
 
 

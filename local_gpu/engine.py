@@ -19,6 +19,11 @@ folder.
 
 `rollback(K)` copies vK's folder (or, for v0, the initial adapter kept from start-up) into the
 trainable adapter, drops the optimizer, and publishes it as the next version.
+
+This file holds the engine's lifecycle, its async verbs and the scheduler loop; the work the loop
+does lives beside it, one part per file, each mixed into `Engine`: `decoding` (admission, prefill,
+decode steps, drawing tokens), `versions` (slots, publish, rollback), `training` (score, the
+train step, checkpoints).
 """
 
 from __future__ import annotations
@@ -28,27 +33,23 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
-import math
 import queue
 import secrets
-import shutil
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from clawbridge.local_gpu import adapters, models
-from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, PrefixCache, SlotBatch, cache_of
-from clawbridge.local_gpu.packing import pack, packed_micro_batches
-from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
-from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
-from clawbridge.protocol import BackendError, UnknownVersion, require_published
+from clawbridge.local_gpu.adapters import BASE, TRAIN
+from clawbridge.local_gpu.decoding import Decoding, _Job, _Seq
+from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
+from clawbridge.local_gpu.training import Training
+from clawbridge.local_gpu.versions import VersionSlots
+from clawbridge.protocol import BackendError, UnknownVersion
 from clawbridge.types import (
     Completion,
     Datum,
@@ -62,44 +63,13 @@ from clawbridge.types import (
 
 log = logging.getLogger(__name__)
 
-BASE = "__base__"  # PEFT's row name for "no adapter"
-TRAIN = "default"  # the trainable adapter; saved without a sub-folder under this name
-STALE = "\0stale"  # no adapter's name: the LoRA layers must be pointed again before a forward
-# Scoring a longer sequence runs in forwards of this many tokens on one cache, so that one
-# layer's attention stays bounded and a closing engine abandons it soon. Chunks cost time on CPU
-# (tiny model, 8 K tokens: 1.8 s whole, 2.5 s in chunks of 4 K, 3.3 s of 2 K; same logprobs).
-SCORE_CHUNK = 4096
-
 
 class EngineClosing(BackendError):
     """The engine is closing: the forward in progress (a prefill, a score, a training step) is
     abandoned between two decoder layers, so that stopping never waits for a long prompt."""
 
 
-@dataclass(eq=False)
-class _Seq:
-    """One completion being generated."""
-
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    requested_version: int | None
-    emit: Callable[[TokenChunk | BaseException], None]
-    generator: torch.Generator
-    stop_ids: frozenset[int]
-    version: int = -1
-    tokens: list[int] = field(default_factory=list)
-    text_checked: int = 0
-    cancelled: bool = False
-
-
-@dataclass(frozen=True)
-class _Job:
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    future: concurrent.futures.Future[Any]
-
-
-class Engine:
+class Engine(Decoding, VersionSlots, Training):
     def __init__(
         self,
         spec: models.ModelSpec,
@@ -480,479 +450,6 @@ class Engine:
             elif isinstance(item, _Seq):
                 item.emit(error)
 
-    def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_batch:
-            seq = self._waiting.popleft()
-            if seq.cancelled:
-                continue
-            try:
-                seq.version = self._acquire(seq.requested_version)
-            except BaseException as exc:
-                seq.emit(exc)
-                continue
-            try:
-                with torch.inference_mode(), self._abandonable():
-                    out = self._prefill(seq)
-                    # kept before the first token goes out: a caller that has it sees the entry
-                    self._prefixes.store(seq.version, seq.prompt, cache_of(out))
-                    token = self._take(seq, out.logits[0, -1])
-                    if token is not None:
-                        self._batch.add(cache_of(out), len(seq.prompt), token)
-            except BaseException as exc:
-                self._release(seq.version)
-                seq.emit(exc)
-                continue
-            if token is None:
-                self._release(seq.version)
-            else:
-                self._active.append(seq)
-
-    def _prefill(self, seq: _Seq) -> Any:
-        """The forward over `seq`'s prompt, alone (no padding), with its cache; the prompt's
-        longest prefix cached on the same version is reused and only the rest is computed."""
-        cached = self._prefixes.lookup(seq.version, seq.prompt) if self._prefixes.budget else None
-        start = 0 if cached is None else cached.get_seq_length()
-        inputs: dict[str, Any] = {
-            "input_ids": torch.tensor([seq.prompt[start:]], device=self.device),
-            "use_cache": True,
-            "logits_to_keep": 1,
-        }
-        if cached is not None:
-            log.debug("prefix cache: %d of %d prompt tokens reused", start, len(seq.prompt))
-            inputs[CACHE] = cached
-            inputs["position_ids"] = torch.arange(start, len(seq.prompt), device=self.device).view(
-                1, -1
-            )
-        return self._forward([self._row(seq.version)], **inputs)
-
-    def _decode_step(self) -> None:
-        try:
-            with torch.inference_mode():
-                names = [self._row(s.version) for s in self._active]
-                if isinstance(self._batch, SlotBatch):
-                    unique = set(names)
-                    logits = self._batch.step(
-                        lambda inputs: self._forward(names, **inputs, use_cache=True).logits[:, -1],
-                        unique.pop() if len(unique) == 1 else None,
-                    )
-                else:
-                    logits = self._forward(
-                        names, **self._batch.step_inputs(), use_cache=True
-                    ).logits[:, -1]
-                nexts = self._take_all(logits)
-        except BaseException as exc:
-            log.exception("decode step failed; failing %d requests", len(self._active))
-            for seq in self._active:
-                seq.emit(exc)
-                self._release(seq.version)
-            self._active, self._batch = [], self._new_batch()
-            return
-        self._batch.advance([t if t is not None else 0 for t in nexts])
-        keep = [i for i, t in enumerate(nexts) if t is not None]
-        for i, t in enumerate(nexts):
-            if t is None:
-                self._release(self._active[i].version)
-        self._active = [self._active[i] for i in keep]
-        with torch.inference_mode():
-            self._batch.keep(keep)
-
-    def _take(self, seq: _Seq, logits: torch.Tensor) -> int | None:
-        """Draw the next token, stream it; the token to feed next, or None once finished."""
-        if seq.cancelled:
-            return None
-        return self._accept(seq, draw_token(logits, seq.params, self._uniform(seq)))
-
-    def _take_all(self, logits: torch.Tensor) -> list[int | None]:
-        """`_take` for every active row of a decode step, drawn together (`draw_tokens`)."""
-        live = [i for i, seq in enumerate(self._active) if not seq.cancelled]
-        if not live:
-            return [None] * len(self._active)
-        rows = (
-            logits
-            if len(live) == len(self._active)
-            else logits[torch.tensor(live, device=logits.device)]
-        )
-        seqs = [self._active[i] for i in live]
-        draws = draw_tokens(rows, [s.params for s in seqs], [self._uniform(s) for s in seqs])
-        nexts: list[int | None] = [None] * len(self._active)
-        for i, seq, draw in zip(live, seqs, draws, strict=True):
-            nexts[i] = self._accept(seq, draw)
-        return nexts
-
-    @staticmethod
-    def _uniform(seq: _Seq) -> float:
-        return (
-            float(torch.rand((), generator=seq.generator, dtype=torch.float64))
-            if needs_uniform(seq.params)
-            else 0.0
-        )
-
-    def _accept(self, seq: _Seq, draw: Draw) -> int | None:
-        seq.tokens.append(draw.token)
-        finish = self._finish_reason(seq, draw.token)
-        seq.emit(
-            TokenChunk(
-                tokens=(draw.token,),
-                logprobs=(draw.logprob,),
-                version=seq.version,
-                finish_reason=finish,
-                top_logprobs=(draw.top,) if draw.top is not None else None,
-            )
-        )
-        return None if finish is not None else draw.token
-
-    def _finish_reason(self, seq: _Seq, token: int) -> Literal["stop", "length"] | None:
-        if token in seq.stop_ids:
-            return "stop"
-        if seq.params.stop:
-            # decode the whole completion (merges and multi-byte characters settle late) but
-            # search only the text that could contain a new match
-            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
-            longest = max(len(s) for s in seq.params.stop)
-            window = text[max(0, seq.text_checked - longest + 1) :]
-            seq.text_checked = len(text)
-            if any(s and s in window for s in seq.params.stop):
-                return "stop"
-        if len(seq.tokens) >= seq.params.max_tokens:
-            return "length"
-        if len(seq.prompt) + len(seq.tokens) >= self.context_length:
-            return "length"
-        return None
-
-    # --- versions ------------------------------------------------------------------------------
-
-    def _row(self, version: int) -> str:
-        """The adapter name a row on `version` runs with (acquired: its slot is in memory)."""
-        return BASE if version == 0 else self._served[version]
-
-    def _acquire(self, requested: int | None) -> int:
-        version = self._newest if requested is None else requested
-        if version < 0 or version > self._newest:
-            raise BackendError(f"unknown policy version {version}; the newest is {self._newest}")
-        if version and version not in self._served:
-            self._serve(version, self._weights_of(version, BackendError))
-        self._refs[version] = self._refs.get(version, 0) + 1
-        return version
-
-    def _weights_of(
-        self, version: int, error: Callable[[str], Exception]
-    ) -> dict[str, torch.Tensor]:
-        """A published version's weights: still in memory while being persisted, else its folder."""
-        if version in self._pending:
-            return self._pending[version]
-        path = self._adapter_dir(version)
-        if not (path / adapters.WEIGHTS).exists():
-            raise error(
-                f"policy@v{version} is no longer available ({path / adapters.WEIGHTS} is missing)"
-            )
-        return adapters.read(path, str(self.device))
-
-    def _serve(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        """Put `version`'s weights in a slot, in the model's dtype. PEFT would upcast a loaded
-        adapter to fp32 (its default for training), and then every LoRA layer casts its input up
-        and its output back on every token: on a bf16 GPU model that was ~500 extra kernels per
-        token. Sampling and `score` of a version both run this copy, so their logprobs agree."""
-        assert self._slots is not None
-        self._served[version] = self._slots.fill(weights)
-        self._restale()
-
-    def _ensure_spare(self) -> None:
-        assert self._slots is not None
-        self._slots.ensure_spare()
-        self._restale()
-
-    def _restale(self) -> None:
-        assert self._slots is not None
-        if self._slots.changed:  # PEFT re-points layers when adapters come and go
-            self._pointed = STALE
-            self._slots.changed = False
-            if isinstance(self._batch, SlotBatch):
-                self._batch.invalidate()  # captured steps read the layers that were replaced
-
-    def _release(self, version: int) -> None:
-        self._refs[version] -= 1
-        self._collect()
-
-    def _collect(self) -> None:
-        """Free the slots of versions nobody uses any more (the newest always stays)."""
-        assert self._slots is not None
-        for version in sorted(self._served):
-            if version != self._newest and self._refs.get(version, 0) <= 0:
-                self._slots.free(self._served.pop(version))
-                self._refs.pop(version, None)
-        self._restale()
-        # cached prompts are keys computed through a version's weights: only its requests reuse
-        # them, so a version nobody is served on any more takes its entries along
-        live = {self._newest, *self._served, *(v for v, n in self._refs.items() if n > 0)}
-        self._prefixes.keep_versions(live)
-
-    def _adapter_dir(self, version: int) -> Path:
-        return adapters.folder(self.data_dir / "adapters", version)
-
-    def _publish(self) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
-        """Serve the trainable weights as the next version now; persist them in the background.
-
-        The number is reserved on disk first, so it is never reused: published weights are never
-        written over, and a version that served but was never persisted (a crash before the
-        rename) keeps its number too. The caller records the version only once the returned
-        future says its weights are on disk (`LocalBackend.publish`)."""
-        root = self.data_dir / "adapters"
-        version = self._newest + 1
-        while adapters.taken(root, version):
-            version += 1
-        adapters.reserve(root, version)
-        with torch.no_grad():
-            weights = {k: p.detach().clone() for k, p in self._train_params().items()}
-        self._serve(version, weights)
-        self._pending[version] = weights
-        previous, self._newest = self._newest, version
-        self._collect()
-        # the next publish must find a slot ready: make one after this iteration's admissions
-        # and decode step (the new version's first tokens), if freeing none left one spare
-        self._jobs.append(_Job(self._ensure_spare, (), concurrent.futures.Future()))
-        written = self._writer.submit(adapters.write, root, version, weights, self._adapter_config)
-        persisted: concurrent.futures.Future[None] = concurrent.futures.Future()
-        written.add_done_callback(
-            lambda f: self._inbox.put(_Job(self._persisted, (version, previous, f), persisted))
-        )
-        log.info("policy@v%d serves; persisting it to %s", version, self._adapter_dir(version))
-        return PolicyVersion(version, str(self._adapter_dir(version))), persisted
-
-    def _persisted(
-        self, version: int, previous: int, written: concurrent.futures.Future[Path]
-    ) -> None:
-        """On the scheduler thread once `version`'s write ended; its error is the publish's."""
-        self._pending.pop(version, None)
-        error = written.exception()
-        if error is None:
-            return
-        # Nothing may rely on weights that are not on disk: new requests go back to the previous
-        # version; the number stays taken (its reservation), rows already on it finish on it.
-        log.error(
-            "persisting policy@v%d failed (%s); serving policy@v%d again", version, error, previous
-        )
-        if self._newest == version:
-            self._newest = previous
-            self._collect()
-        raise error
-
-    def _train_params(self) -> dict[str, torch.nn.Parameter]:
-        assert self._slots is not None
-        return self._slots.trainable_params()
-
-    def _rollback(self, version: int) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
-        require_published(version, self._newest)
-        if version == 0:
-            weights = self._initial
-        else:
-            weights = self._weights_of(
-                version, lambda why: UnknownVersion(version, self._newest, why)
-            )
-        self._set_trainable(weights)  # Adam's moments belonged to the weights rolled away from
-        published, persisted = self._publish()
-        log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
-        return published, persisted
-
-    # --- scoring and training ----------------------------------------------------------------
-
-    def _score(
-        self,
-        prompt: tuple[int, ...],
-        completion: tuple[int, ...],
-        model: Literal["policy", "base"],
-        temperature: float,
-    ) -> list[float]:
-        if not prompt or not completion:
-            raise ValueError("score needs a non-empty prompt and completion")
-        name = BASE if model == "base" else self._row(self._newest)
-        ids, keep = prompt + completion, len(completion) + 1
-        with torch.inference_mode(), self._abandonable():
-            parts, cache = [], None
-            for at in range(0, len(ids), SCORE_CHUNK):  # one chunk unless the sequence is long
-                end = min(at + SCORE_CHUNK, len(ids))
-                want = end - max(at, len(ids) - keep)  # this chunk's positions among the last `keep`
-                inputs: dict[str, Any] = {"input_ids": torch.tensor([ids[at:end]], device=self.device),
-                                          "logits_to_keep": max(want, 1)}
-                if len(ids) > SCORE_CHUNK:
-                    inputs.update({"use_cache": True, CACHE: cache},
-                                  position_ids=torch.arange(at, end, device=self.device).view(1, -1))
-                out = self._forward([name], **inputs)
-                cache = cache_of(out)
-                if want > 0:
-                    parts.append(out.logits[0, -want:])
-            logits = torch.cat(parts)[:-1]
-            targets = torch.tensor(completion, device=self.device)
-            lp = token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
-        return [float(x) for x in lp.tolist()]
-
-    def _logits(self, ids: tuple[int, ...], requested: int | None) -> torch.Tensor:
-        if not ids:
-            raise ValueError("logits needs at least one token")
-        version = self._acquire(requested)
-        try:
-            with torch.inference_mode():
-                x = torch.tensor([ids], device=self.device)
-                return self._forward([self._row(version)], input_ids=x).logits[0].float().cpu()
-        finally:
-            self._release(version)
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self._model.parameters() if p.requires_grad]
-
-    def _get_optimizer(self) -> torch.optim.AdamW:
-        if self._optimizer is None:
-            self._optimizer = torch.optim.AdamW(self._params(), lr=1e-4)
-        return self._optimizer
-
-    def _batch_logprobs(self, group: list[Datum], name: str | None = None) -> torch.Tensor:
-        """New logprobs of every completion token of `group`, concatenated, each datum at its
-        own temperature, under adapter `name` (None: the trainable one). The group is packed
-        into one row without padding (`packing.py`); only completion positions' logits are
-        materialised."""
-        packed = pack(group)
-        device = self.device
-        logits = self._forward(
-            None if name is None else [name],
-            input_ids=torch.tensor([packed.ids], device=device),
-            position_ids=torch.tensor([packed.positions], device=device),
-            logits_to_keep=torch.tensor(packed.keep, device=device),
-            use_cache=False,  # with a cache transformers would not read the packed positions
-        ).logits[0]
-        targets = torch.tensor(packed.targets, device=device)
-        parts, at = [], 0
-        for d in group:
-            n = len(d.completion_ids)
-            temperature = d.temperature if d.temperature > 0 else 1.0
-            parts.append(token_logprobs(logits[at : at + n], targets[at : at + n], temperature))
-            at += n
-        return torch.cat(parts)
-
-    def _train_step(
-        self, batch: tuple[Datum, ...], loss: LossSpec, optim: OptimSpec
-    ) -> StepMetrics:
-        if not batch:
-            raise ValueError("train_step needs at least one Datum")
-        started = time.perf_counter()
-        total = batch_tokens(batch)
-        optimizer = self._get_optimizer()
-        for param_group in optimizer.param_groups:
-            param_group.update(
-                lr=optim.learning_rate,
-                betas=(optim.beta1, optim.beta2),
-                eps=optim.eps,
-                weight_decay=optim.weight_decay,
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = clipped = kl = 0.0
-        for group in packed_micro_batches(batch, self.train_token_budget):
-            base = None
-            if loss.kl_coef:
-                with torch.no_grad():
-                    base = self._batch_logprobs(group, BASE)
-            new = self._batch_logprobs(group)
-            old = torch.tensor(
-                [x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype
-            )
-            adv = torch.tensor(
-                [x for d in group for x in d.advantages], device=new.device, dtype=new.dtype
-            )
-            terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
-            part = terms.loss.sum() / total  # token-mean over the WHOLE batch
-            part.backward()
-            loss_sum += float(part.detach())
-            clipped += float(terms.clipped.sum())
-            kl += float(terms.approx_kl.sum())
-        max_norm = optim.grad_clip_norm if optim.grad_clip_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params(), max_norm))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self._steps += 1
-        return StepMetrics(
-            loss=loss_sum,
-            clip_fraction=clipped / total,
-            approx_kl=kl / total,
-            grad_norm=grad_norm,
-            tokens=total,
-            samples=len(batch),
-            seconds=time.perf_counter() - started,
-        )
-
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(self._model, adapter_name=TRAIN)
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-    # --- checkpoints ---------------------------------------------------------------------------
-
-    def _checkpoint_dir(self, name: str) -> Path:
-        path = Path(name)
-        return path if path.is_absolute() else self.data_dir / "checkpoints" / name
-
-    def _save_state(self, name: str) -> str:
-        path = self._checkpoint_dir(name)
-        tmp = path.with_name(f".{path.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self._model.save_pretrained(str(tmp / "adapter"), selected_adapters=[TRAIN])
-        optimizer = self._optimizer.state_dict() if self._optimizer is not None else None
-        torch.save({"optimizer": optimizer}, tmp / "optimizer.pt")
-        meta = {
-            "version": self._newest,
-            "steps": self._steps,
-            "lora_rank": self.lora_rank,
-            "lora_alpha": self.lora_alpha,
-            "model": self.spec.name,
-        }
-        (tmp / "state.json").write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        return str(path)
-
-    def _set_trainable(self, weights: dict[str, torch.Tensor]) -> None:
-        """The trainable adapter's weights, and a fresh optimizer for them."""
-        from peft import set_peft_model_state_dict
-
-        with torch.no_grad():
-            set_peft_model_state_dict(self._model, weights, adapter_name=TRAIN)
-        self._optimizer = None
-
-    def _restore(self, version: int, path: str | None) -> None:
-        """After a restart: train on from the weights published as `version` (at `path`), with a
-        fresh optimizer, and serve them as the newest version."""
-        if version == 0:
-            self._set_trainable(self._initial)
-        else:
-            folder = Path(path) if path else self._adapter_dir(version)
-            file = folder / adapters.WEIGHTS
-            if not file.exists():
-                raise UnknownVersion(
-                    version,
-                    self._newest,
-                    f"policy@v{version}'s weights are gone ({file} is missing)",
-                )
-            self._set_trainable(adapters.read(folder, str(self.device)))
-        self._prefixes.clear()  # a version number read back from disk: cache nothing across
-        self._newest = version
-        self._release(self._acquire(None))  # loads the newest version's adapter if missing
-
-    def _load_state(self, name: str) -> None:
-        from safetensors.torch import load_file
-
-        path = self._checkpoint_dir(name)
-        if not (path / "state.json").exists():
-            raise BackendError(f"no checkpoint at {path}")
-        meta = json.loads((path / "state.json").read_text())
-        self._set_trainable(
-            load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
-        )
-        saved = torch.load(path / "optimizer.pt", map_location=self.device, weights_only=True)
-        if saved["optimizer"] is not None:
-            self._get_optimizer().load_state_dict(saved["optimizer"])
-        self._steps = int(meta["steps"])
-        self._prefixes.clear()
-        self._newest = int(meta["version"])
-        self._release(self._acquire(None))  # loads the newest version's adapter if missing
 
 
 async def collect(stream: AsyncIterator[TokenChunk]) -> Completion:
@@ -978,4 +475,4 @@ async def collect(stream: AsyncIterator[TokenChunk]) -> Completion:
     )
 
 
-__all__ = ["BASE", "TRAIN", "Engine", "collect"]
+__all__ = ["Engine", "EngineClosing", "collect"]

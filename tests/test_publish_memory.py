@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from clawbridge.local_gpu import adapters
-from clawbridge.local_gpu.engine import TRAIN, Engine, collect
+from clawbridge.local_gpu.adapters import TRAIN
+from clawbridge.local_gpu.engine import Engine, collect
 from clawbridge.protocol import BackendError
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 

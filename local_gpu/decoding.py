@@ -1,0 +1,204 @@
+"""The engine's decode half, on the scheduler thread: admitting a waiting sequence (its
+prefill, with the prefix cache), one decode step of every running row, and drawing each
+row's next token exactly as `sampling` says (the recorded logprobs are the policy's)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, PrefixCache, SlotBatch, cache_of
+from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
+from clawbridge.types import (
+    SamplingParams,
+    TokenChunk,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One completion being generated."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    requested_version: int | None
+    emit: Callable[[TokenChunk | BaseException], None]
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    version: int = -1
+    tokens: list[int] = field(default_factory=list)
+    text_checked: int = 0
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    future: concurrent.futures.Future[Any]
+
+
+class Decoding:
+    """Admission and decoding, mixed into `engine.Engine` (whose `__init__` sets the state below)."""
+
+    context_length: int
+    device: str
+    max_batch: int
+    tokenizer: Any
+    _waiting: deque[_Seq]
+    _active: list[_Seq]
+    _batch: KVBatch | SlotBatch
+    _prefixes: PrefixCache
+    _abandonable: Callable[[], AbstractContextManager[None]]
+    _forward: Callable[..., Any]
+    _new_batch: Callable[[], KVBatch | SlotBatch]
+    _acquire: Callable[[int | None], int]
+    _release: Callable[[int], None]
+    _row: Callable[[int], str]
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch:
+            seq = self._waiting.popleft()
+            if seq.cancelled:
+                continue
+            try:
+                seq.version = self._acquire(seq.requested_version)
+            except BaseException as exc:
+                seq.emit(exc)
+                continue
+            try:
+                with torch.inference_mode(), self._abandonable():
+                    out = self._prefill(seq)
+                    # kept before the first token goes out: a caller that has it sees the entry
+                    self._prefixes.store(seq.version, seq.prompt, cache_of(out))
+                    token = self._take(seq, out.logits[0, -1])
+                    if token is not None:
+                        self._batch.add(cache_of(out), len(seq.prompt), token)
+            except BaseException as exc:
+                self._release(seq.version)
+                seq.emit(exc)
+                continue
+            if token is None:
+                self._release(seq.version)
+            else:
+                self._active.append(seq)
+
+    def _prefill(self, seq: _Seq) -> Any:
+        """The forward over `seq`'s prompt, alone (no padding), with its cache; the prompt's
+        longest prefix cached on the same version is reused and only the rest is computed."""
+        cached = self._prefixes.lookup(seq.version, seq.prompt) if self._prefixes.budget else None
+        start = 0 if cached is None else cached.get_seq_length()
+        inputs: dict[str, Any] = {
+            "input_ids": torch.tensor([seq.prompt[start:]], device=self.device),
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        if cached is not None:
+            log.debug("prefix cache: %d of %d prompt tokens reused", start, len(seq.prompt))
+            inputs[CACHE] = cached
+            inputs["position_ids"] = torch.arange(start, len(seq.prompt), device=self.device).view(
+                1, -1
+            )
+        return self._forward([self._row(seq.version)], **inputs)
+
+    def _decode_step(self) -> None:
+        try:
+            with torch.inference_mode():
+                names = [self._row(s.version) for s in self._active]
+                if isinstance(self._batch, SlotBatch):
+                    unique = set(names)
+                    logits = self._batch.step(
+                        lambda inputs: self._forward(names, **inputs, use_cache=True).logits[:, -1],
+                        unique.pop() if len(unique) == 1 else None,
+                    )
+                else:
+                    logits = self._forward(
+                        names, **self._batch.step_inputs(), use_cache=True
+                    ).logits[:, -1]
+                nexts = self._take_all(logits)
+        except BaseException as exc:
+            log.exception("decode step failed; failing %d requests", len(self._active))
+            for seq in self._active:
+                seq.emit(exc)
+                self._release(seq.version)
+            self._active, self._batch = [], self._new_batch()
+            return
+        self._batch.advance([t if t is not None else 0 for t in nexts])
+        keep = [i for i, t in enumerate(nexts) if t is not None]
+        for i, t in enumerate(nexts):
+            if t is None:
+                self._release(self._active[i].version)
+        self._active = [self._active[i] for i in keep]
+        with torch.inference_mode():
+            self._batch.keep(keep)
+
+    def _take(self, seq: _Seq, logits: torch.Tensor) -> int | None:
+        """Draw the next token, stream it; the token to feed next, or None once finished."""
+        if seq.cancelled:
+            return None
+        return self._accept(seq, draw_token(logits, seq.params, self._uniform(seq)))
+
+    def _take_all(self, logits: torch.Tensor) -> list[int | None]:
+        """`_take` for every active row of a decode step, drawn together (`draw_tokens`)."""
+        live = [i for i, seq in enumerate(self._active) if not seq.cancelled]
+        if not live:
+            return [None] * len(self._active)
+        rows = (
+            logits
+            if len(live) == len(self._active)
+            else logits[torch.tensor(live, device=logits.device)]
+        )
+        seqs = [self._active[i] for i in live]
+        draws = draw_tokens(rows, [s.params for s in seqs], [self._uniform(s) for s in seqs])
+        nexts: list[int | None] = [None] * len(self._active)
+        for i, seq, draw in zip(live, seqs, draws, strict=True):
+            nexts[i] = self._accept(seq, draw)
+        return nexts
+
+    @staticmethod
+    def _uniform(seq: _Seq) -> float:
+        return (
+            float(torch.rand((), generator=seq.generator, dtype=torch.float64))
+            if needs_uniform(seq.params)
+            else 0.0
+        )
+
+    def _accept(self, seq: _Seq, draw: Draw) -> int | None:
+        seq.tokens.append(draw.token)
+        finish = self._finish_reason(seq, draw.token)
+        seq.emit(
+            TokenChunk(
+                tokens=(draw.token,),
+                logprobs=(draw.logprob,),
+                version=seq.version,
+                finish_reason=finish,
+                top_logprobs=(draw.top,) if draw.top is not None else None,
+            )
+        )
+        return None if finish is not None else draw.token
+
+    def _finish_reason(self, seq: _Seq, token: int) -> Literal["stop", "length"] | None:
+        if token in seq.stop_ids:
+            return "stop"
+        if seq.params.stop:
+            # decode the whole completion (merges and multi-byte characters settle late) but
+            # search only the text that could contain a new match
+            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=False)
+            longest = max(len(s) for s in seq.params.stop)
+            window = text[max(0, seq.text_checked - longest + 1) :]
+            seq.text_checked = len(text)
+            if any(s and s in window for s in seq.params.stop):
+                return "stop"
+        if len(seq.tokens) >= seq.params.max_tokens:
+            return "length"
+        if len(seq.prompt) + len(seq.tokens) >= self.context_length:
+            return "length"
+        return None
