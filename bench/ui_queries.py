@@ -4,7 +4,7 @@ timed over repeated calls, on SQLite (WAL) as `clawbridge up` keeps it.
     .venv/bin/python bench/ui_queries.py [--turns 100000] [--db PATH] [--repeat 20]
 
 The store is built once (about a minute; kept at --db for reruns): sessions of 10 turns with a
-few hundred characters each, 90 % with the user's next message, 80 % judged (most trained,
+few hundred characters each, 90 % with the user's next message and judged (most trained,
 some dropped, a few waiting), 60 published versions with gate decisions. Prints the median and
 the 95th percentile of each query in milliseconds.
 """
@@ -50,7 +50,7 @@ def build(store: Store, n: int) -> None:
             conn.execute(t.next_states.insert(), [
                 {"turn_id": tid, "created_at": now, "messages": [{"role": "user", "content": "thanks, but shorter"}]}
                 for k, tid in enumerate(ids) if (lo + k) % 10 != 9])
-            judged = [(lo + k, tid) for k, tid in enumerate(ids) if (lo + k) % 10 < 8]
+            judged = [(lo + k, tid) for k, tid in enumerate(ids) if (lo + k) % 10 != 9]  # every next state
             conn.execute(t.judgments.insert(), [
                 {"turn_id": tid, "judge": "rules", "kind": "prm", "reward": float(i % 3 - 1), "hint": None,
                  "votes": [{"raw": "\\boxed{1}", "value": 1.0, "error": None}] * 3, "created_at": now}

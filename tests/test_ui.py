@@ -272,3 +272,21 @@ def test_the_kept_reaction_sums_match_a_fresh_sum_as_samples_settle(store: Store
         kept, fresh = browse.reactions(conn), reactions(conn)
     assert kept == fresh and kept[0]["judged"] == len(ids) + len(more) + 1 and kept[1]["down"] == 1
     assert browse.reactions.mark > 0
+
+
+def test_a_finished_run_s_data_directory_is_served_read_only(store: Store, tmp_path: Path) -> None:
+    from clawbridge.ui.live import data_dir_app
+
+    seed_store(store, 5)
+    store.close()
+    app, reopened = data_dir_app(Settings(data_dir=tmp_path / "data", model="tiny-random"))
+    try:
+        with Served(app) as served:
+            assert httpx.get(f"{served.url}/ui").status_code == 200
+            now = httpx.get(f"{served.url}/ui/api/now").json()
+            assert now["status"]["live"] is False and now["status"]["version"] == 0
+            assert len(httpx.get(f"{served.url}/ui/api/turns").json()["turns"]) == 5
+            r = httpx.post(f"{served.url}/ui/api/rollback", json={"version": 0})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "read_only"
+    finally:
+        reopened.close()

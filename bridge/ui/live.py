@@ -14,6 +14,7 @@ from clawbridge.learning.gate import GATE_KEY
 from clawbridge.learning.trainer import ROLLBACKS_KEY
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.ui.routes import Board, RouteError
+from starlette.applications import Starlette
 from starlette.requests import Request
 
 if TYPE_CHECKING:
@@ -106,3 +107,40 @@ def offline_board(settings: Settings, store: Store) -> Board:
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
     return Board(store, key, status, GATE_KEY, ROLLBACKS_KEY)
+
+
+def data_dir_app(settings: Settings) -> tuple[Starlette, Store]:
+    """The page alone over a data directory's store (no model, no training): the app and the
+    store it reads (close it when done)."""
+    from clawbridge.store import Store
+    from clawbridge.ui.routes import ui_routes
+
+    store = Store.open(settings.db_url)
+    board = offline_board(settings, store)
+    return Starlette(routes=ui_routes(lambda _request: board)), store
+
+
+def serve_data_dir(settings: Settings, host: str = "127.0.0.1", port: int = 30080,
+                   started: Callable[[str], None] | None = None) -> None:
+    """`clawbridge ui --data-dir DIR`: the page over a finished run (`make demo`'s), until Ctrl-C.
+    `started` gets the page's address once it listens."""
+    import asyncio
+
+    import uvicorn
+
+    app, store = data_dir_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started and started is not None:
+            bound = server.servers[0].sockets[0].getsockname()[1]
+            started(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{bound}/ui")
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        store.close()
