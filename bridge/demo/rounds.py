@@ -70,12 +70,13 @@ class Player(Protocol[E]):
 @dataclass(frozen=True)
 class Played(Generic[E]):
     """What the rounds left: every measured version (v0 first), their examples, the training
-    steps taken and the gate's decisions."""
+    steps taken, the gate's decisions and the served model's name."""
 
     versions: list[E]
     examples: dict[int, list[dict[str, Any]]]
     steps: int
     gate: list[dict[str, Any]]
+    model: str
 
     @property
     def first(self) -> E:
@@ -99,22 +100,22 @@ async def play(
     rounds: int,
     progress: Progress | None,
     step_timeout_s: float,
-) -> tuple[Played[E], str]:
-    """Run the stack, play `rounds` rounds, measure; returns the record and the served model's name."""
+) -> Played[E]:
+    """Run the stack, play `rounds` rounds with the player made for it, measure."""
     report = progress or (lambda phase, done, total: None)
     async with demo_stack(settings, learner) as running:
         player = player_for(running)
         try:
-            played = await _rounds(player, learner, running, rounds, report, step_timeout_s)
+            versions, examples = await _rounds(player, learner, running, rounds, report, step_timeout_s)
         finally:
             await player.aclose()
         steps = len(await asyncio.to_thread(_steps, settings))
         gate = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
-        return Played(played.versions, played.examples, steps, gate), running.proxy.model_name
+        return Played(versions, examples, steps, gate, running.proxy.model_name)
 
 
 async def _rounds(player: Player[E], learner: Learner, running: Running, rounds: int, report: Progress,
-                  step_timeout_s: float) -> Played[E]:
+                  step_timeout_s: float) -> tuple[list[E], dict[int, list[dict[str, Any]]]]:
     served = running.backend  # what the proxy serves (the gate may hold a newer candidate back)
     total = 2 * rounds + 1
     report("measuring policy@v0", 0, total)
@@ -140,7 +141,7 @@ async def _rounds(player: Player[E], learner: Learner, running: Running, rounds:
             report(f"held back by the gate: still policy@v{served.version}", 2 * rnd + 3, total)
         else:
             report(f"round {rnd + 1}/{rounds}: policy@v{served.version} serving", 2 * rnd + 3, total)
-    return Played(versions, examples, 0, [])
+    return versions, examples
 
 
 async def _await_step(player: Player[Any], learner: Learner, before: int, step_timeout_s: float) -> None:

@@ -333,14 +333,14 @@ async def run_demo(
 
     t0 = time.monotonic()
     learner = Learner(settings, poll_s=0.2, probes=gate_probes(scenario))
-    players: list[PreferenceRounds] = []
+    players: list[PreferenceRounds] = []  # made once the stack runs (it needs its address); read after
 
     def player_for(running: Running) -> PreferenceRounds:
         players.append(PreferenceRounds(scenario, running))
         return players[-1]
 
-    played, model = await play(settings, learner, player_for, rounds=scenario.recipe.rounds,
-                               progress=progress, step_timeout_s=step_timeout_s)
+    played = await play(settings, learner, player_for, rounds=scenario.recipe.rounds, progress=progress,
+                        step_timeout_s=step_timeout_s)
     user = players[0].user
     before, after = played.first, played.last
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
@@ -351,7 +351,7 @@ async def run_demo(
         for b, a in played.example_pairs(5)
     ]
     result = DemoResult(
-        scenario=scenario.name, model=model, method=settings.method, before=before.rate,
+        scenario=scenario.name, model=played.model, method=settings.method, before=before.rate,
         after=after.rate, delta=delta, interval=(lo, hi), steps=played.steps, versions=played.versions,
         seconds=time.monotonic() - t0, train_conversations=user.conversations,
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),

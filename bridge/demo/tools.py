@@ -395,14 +395,14 @@ async def run_tools_demo(
     from clawbridge.sdk.client import AsyncClient
 
     t0 = time.monotonic()
-    agents: list[Agent] = []
+    agents: list[Agent] = []  # made once the stack runs (it needs its address); read after
 
     def agent_for(running: Running) -> Agent:
         agents.append(Agent(AsyncClient(running.base_url, timeout=1800), running.proxy.model_name, sc))
         return agents[-1]
 
-    played, model = await play(settings, Learner(settings, poll_s=0.2), agent_for, rounds=sc.recipe.rounds,
-                               progress=progress, step_timeout_s=step_timeout_s)
+    played = await play(settings, Learner(settings, poll_s=0.2), agent_for, rounds=sc.recipe.rounds,
+                        progress=progress, step_timeout_s=step_timeout_s)
     agent = agents[0]
     before, after = played.first, played.last
     _, lo, hi = paired_interval(before.solved_per_task, after.solved_per_task)
@@ -412,7 +412,7 @@ async def run_tools_demo(
         for b, a in played.example_pairs()
     ]
     result = ToolsResult(
-        scenario=sc.name, model=model, versions=played.versions, solved_interval=(lo, hi), steps=played.steps,
+        scenario=sc.name, model=played.model, versions=played.versions, solved_interval=(lo, hi), steps=played.steps,
         seconds=time.monotonic() - t0, train_episodes=agent.episodes, train_solved=agent.solved,
         heldout_tasks=len(sc.heldout_tasks), eval_samples=sc.recipe.eval_samples, gate=played.gate,
         examples=shown,
