@@ -226,6 +226,7 @@ class Agent:
         self.groups: list[str] = []
         self.settled: set[str] = set()  # groups seen trained or dropped, not asked again
         self.asked = 0  # training tasks taken, in order
+        self.round = 0
         self.extra = 0  # groups added to this round
 
     async def _episode(self, ep: AsyncEpisode, task: Task) -> Grade:
@@ -260,7 +261,7 @@ class Agent:
         return f"round {rnd + 1}/{rounds}: {self.sc.recipe.groups} groups × {self.sc.recipe.n} episodes"
 
     async def play_round(self, rnd: int) -> None:
-        self.extra = 0
+        self.round, self.extra = rnd, 0
         batch = [self._next_task() for _ in range(self.sc.recipe.groups)]
         await asyncio.gather(*(self.group(t) for t in batch))
 
@@ -273,7 +274,7 @@ class Agent:
         if stepped:
             return "done"  # every full batch of this round trained
         if self.extra >= r.extra_groups:
-            log.warning("no training step after %d more groups", self.extra)
+            log.warning("round %d: no training step after %d more groups", self.round + 1, self.extra)
             return "done"
         return "more"  # groups that all failed (or all succeeded) gave nothing to train
 
