@@ -2,9 +2,11 @@
 through LiteLLM's proxy and through clawbridge (capture on), in one run, at 1/10/100 clients,
 streaming and not, short prompts and one OpenClaw-sized conversation growing turn by turn.
 
-    .venv/bin/python bench/proxy/run.py [--quick] [--no-litellm]
+    .venv/bin/python bench/proxy/run.py [--quick] [--no-litellm] [--baseline DIR]
 
 Added latency of a path = its percentile minus the direct path's percentile in the same cell.
+`--baseline DIR`: a checkout of another commit (`git worktree add /tmp/old REV`) served as the
+path `baseline` in the same run, so a change to the proxy is measured against what it replaced.
 LiteLLM runs from its own git-ignored venv (bench/proxy/.venv-litellm; see README.md).
 """
 
@@ -71,6 +73,18 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
+def link_tree(checkout: Path, into: Path) -> Path:
+    """A `clawbridge` package made of a checkout's folders, mapped as pyproject's `package-dir`
+    maps them; put first on PYTHONPATH, it shadows the installed one."""
+    pkg = into / "clawbridge"
+    pkg.mkdir(parents=True)
+    for entry in (checkout / "bridge").iterdir():
+        (pkg / entry.name).symlink_to(entry.resolve())
+    for sub in ("backends", "judges", "local_gpu"):
+        (pkg / sub).symlink_to((checkout / sub).resolve())
+    return into
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
 
@@ -102,16 +116,23 @@ def main() -> None:
     ap.add_argument("--no-litellm", action="store_true")
     ap.add_argument("--turns", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3, help="rounds per cell; figures are medians over them")
+    ap.add_argument("--baseline", type=Path, help="a checkout of another commit, served as the path `baseline`")
     a = ap.parse_args()
     scale = 0.25 if a.quick else 1.0
     use_litellm = not a.no_litellm and LITELLM.exists()
     data = Path(tempfile.mkdtemp(prefix="cb-bench-"))
-    ports = {k: free_port() for k in ("direct", "relay", "litellm", "clawbridge")}
+    ports = {k: free_port() for k in ("direct", "relay", "litellm", "baseline", "clawbridge")}
     procs = {"direct": start([PY, "upstream.py", "--port", str(ports["direct"])], data / "direct.log")}
     up = f"http://127.0.0.1:{ports['direct']}"
     procs["relay"] = start([PY, "relay.py", "--port", str(ports["relay"]), "--upstream", up], data / "relay.log")
     procs["clawbridge"] = start([PY, "serve_clawbridge.py", "--port", str(ports["clawbridge"]),
                                  "--data-dir", str(data)], data / "clawbridge.log", env={"PYTHONPATH": str(HERE)})
+    if a.baseline is not None:
+        tree = link_tree(a.baseline, data / "baseline-package")
+        (data / "baseline").mkdir()
+        procs["baseline"] = start([PY, "serve_clawbridge.py", "--port", str(ports["baseline"]),
+                                   "--data-dir", str(data / "baseline")], data / "baseline.log",
+                                  env={"PYTHONPATH": f"{tree}{os.pathsep}{HERE}"})
     if use_litellm:
         cfg = data / "litellm.yaml"
         cfg.write_text(
@@ -122,7 +143,7 @@ def main() -> None:
         procs["litellm"] = start([str(LITELLM), "--config", str(cfg), "--port", str(ports["litellm"]),
                                   "--num_workers", "1", "--telemetry", "False"], data / "litellm.log",
                                  env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"})
-    paths = [p for p in ("direct", "relay", "litellm", "clawbridge") if p in procs]
+    paths = [p for p in ("direct", "relay", "litellm", "baseline", "clawbridge") if p in procs]
     rows: list[dict] = []
     try:
         for p in paths:
@@ -159,6 +180,8 @@ def main() -> None:
     (out / "proxy.json").write_text(json.dumps(rows, indent=1))
     print("\n" + table(rows))
     print("\n" + goals(rows))
+    if a.baseline is not None:
+        print("\n" + against_baseline(rows))
     (out / "proxy.md").write_text(table(rows) + "\n")
 
 
@@ -200,6 +223,23 @@ def goals(rows: list[dict]) -> str:
             x = r["added_p50"] / relay[r["cell"]]
             out.append(f"{r['cell']}: added p50 {x:.1f}x the relay's (goal <= 3x) {'met' if x <= 3 else 'NOT met'}")
     return "\n".join(out)
+
+
+def against_baseline(rows: list[dict]) -> str:
+    """clawbridge over the baseline commit, cell by cell: added p50 and req/s as ratios (added
+    p50 below 1 and req/s above 1: the change is faster)."""
+    base = {r["cell"]: r for r in rows if r["path"] == "baseline"}
+    lines = ["| cell | added p50 ms (baseline -> now) | added p50 ratio | req/s (baseline -> now) | req/s ratio |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        b = base.get(r["cell"])
+        if r["path"] != "clawbridge" or b is None:
+            continue
+        lat = r["added_p50"] / b["added_p50"] if b["added_p50"] > 0 else float("nan")
+        rps = r["rps"] / b["rps"] if b["rps"] else float("nan")
+        lines.append(f"| {r['cell']} | {b['added_p50']:.2f} -> {r['added_p50']:.2f} | {lat:.2f} | "
+                     f"{b['rps']:.0f} -> {r['rps']:.0f} | {rps:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
