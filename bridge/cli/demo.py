@@ -78,7 +78,8 @@ def run_demo_command(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
         f"  model {settings.model} · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
         f"{sc.recipe.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
-        f"{sc.recipe.eval_samples} · data {folder}"
+        f"{sc.recipe.eval_samples} · data {folder}",
+        soft_wrap=True,  # piped, a path cut at 80 columns cannot be copied
     )
     out_dir = Path(out)
     result = _with_progress(
@@ -120,7 +121,8 @@ def run_tools_command(
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
         f"  model {settings.model} · {r.rounds} rounds of {r.groups} groups × {r.n} episodes · "
-        f"{len(sc.heldout_tasks)} held-out tasks × {r.eval_samples} · data {folder}"
+        f"{len(sc.heldout_tasks)} held-out tasks × {r.eval_samples} · data {folder}",
+        soft_wrap=True,  # piped, a path cut at 80 columns cannot be copied
     )
     out_dir = Path(out)
     result = _with_progress(
