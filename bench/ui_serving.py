@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -58,6 +59,10 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ui-serving-"))
     shutil.copy(args.db, work / "clawbridge.db")
+    with sqlite3.connect(work / "clawbridge.db") as db:
+        # the built store's versions name weights that do not exist; the server would try to
+        # serve the newest at start. The turns, verdicts and gate records the page reads stay.
+        db.execute("DELETE FROM policy_versions")
     settings = Settings(model="tiny-random", data_dir=work, port=0, gate="off", default_max_tokens=1,
                         batch_size=10_000)  # training on (so the page is the one `up` serves), never stepping
     ready = threading.Event()
