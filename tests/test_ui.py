@@ -290,3 +290,21 @@ def test_a_finished_run_s_data_directory_is_served_read_only(store: Store, tmp_p
             assert r.status_code == 409 and r.json()["error"]["code"] == "read_only"
     finally:
         reopened.close()
+
+
+def test_polls_between_two_changes_share_one_read(store: Store, tmp_path: Path) -> None:
+    board = board_for(store, tmp_path, None)
+    reads: list[int] = []
+
+    def read() -> dict[str, Any]:
+        reads.append(1)
+        return board.browse.waiting()
+
+    keys = (board.gate_key, board.rollbacks_key)
+    for _ in range(3):
+        board.browse.memo("waiting", board.browse.token(keys), read)
+    assert len(reads) == 1
+    tid = store.record_turn(turn("m", "q", "a"))
+    store.attach_next_state(tid, [{"role": "user", "content": "next"}])
+    out = board.browse.memo("waiting", board.browse.token(keys), read)
+    assert len(reads) == 2 and out["turns_to_judge"] == 1

@@ -368,6 +368,21 @@ class Browse:
     def __init__(self, store: StoreBase) -> None:
         self.store = store
         self.reactions = Reactions()
+        # what `waiting` and `progress` answered, by the change token they were read at: every
+        # open page polls, and between two changes they all get the same answer
+        self._memo: dict[str, tuple[str, JSON]] = {}
+        self._memo_lock = threading.Lock()
+
+    def memo(self, name: str, token: str, read: Callable[[], JSON]) -> JSON:
+        """`read()`, or what it returned at `token` (the caller's change token) if nothing moved."""
+        with self._memo_lock:
+            hit = self._memo.get(name)
+        if hit is not None and hit[0] == token:
+            return hit[1]
+        out = read()
+        with self._memo_lock:
+            self._memo[name] = (token, out)
+        return out
 
     @contextmanager
     def _conn(self) -> Iterator[sa.Connection]:

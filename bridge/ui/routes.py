@@ -172,13 +172,18 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
     async def now(request: Request, board: Board) -> Response:
         store = board.store
         status = await board.status()
-        waiting = await store.run(board.browse.waiting)
         token = await store.run(board.browse.token, (board.gate_key, board.rollbacks_key))
+        waiting = await store.run(board.browse.memo, "waiting", token, board.browse.waiting)
         return _json({"status": status, "waiting": waiting, "token": token, "poll_s": board.poll_s,
                       "actions": {"rollback": board.rollback is not None, "pause": board.pause is not None}})
 
     async def progress(request: Request, board: Board) -> Response:
-        return _json(await board.store.run(board.browse.progress, board.gate_key, board.rollbacks_key))
+        b, keys = board.browse, (board.gate_key, board.rollbacks_key)
+
+        def read() -> JSON:
+            return b.memo("progress", b.token(keys), lambda: b.progress(*keys))
+
+        return _json(await board.store.run(read))
 
     async def turns(request: Request, board: Board) -> Response:
         before = request.query_params.get("before") or None
