@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from clawbridge.backends.local import LocalBackend
@@ -37,16 +38,24 @@ class Page(threading.Thread):
         self.url, self.poll_s = url, poll_s
         self.stop = threading.Event()
         self.refreshes = 0
+        self.seconds: dict[str, list[float]] = {"now": [], "progress": [], "turns": []}
+
+    def get(self, c: httpx.Client, name: str) -> Any:
+        t0 = time.perf_counter()
+        r = c.get(f"/ui/api/{name}")
+        r.raise_for_status()
+        self.seconds[name].append(1000 * (time.perf_counter() - t0))
+        return r.json()
 
     def run(self) -> None:
         token = None
         with httpx.Client(base_url=self.url, timeout=30) as c:
             while not self.stop.wait(self.poll_s):
-                now = c.get("/ui/api/now").json()
+                now = self.get(c, "now")
                 if now["token"] != token:
                     token = now["token"]
-                    c.get("/ui/api/progress").raise_for_status()
-                    c.get("/ui/api/turns").raise_for_status()
+                    self.get(c, "progress")
+                    self.get(c, "turns")
                     self.refreshes += 1
 
 
@@ -83,6 +92,7 @@ def main() -> None:
     body = {"model": "tiny-random", "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]}
     results: dict[bool, list[float]] = {False: [], True: []}
     refreshes = 0
+    page_ms: dict[str, list[float]] = {"now": [], "progress": [], "turns": []}
     with httpx.Client(base_url=url, timeout=60, headers={"X-Train": "false"}) as c:
         for _ in range(10):  # warm up
             c.post("/v1/chat/completions", json=body).raise_for_status()
@@ -99,6 +109,8 @@ def main() -> None:
                 page.stop.set()
                 page.join()
                 refreshes += page.refreshes
+                for k, v in page.seconds.items():
+                    page_ms[k] += v
     box["r"].server.should_exit = True
     time.sleep(1)
     print(f"store: {args.db} (copied); {args.requests} requests x {args.rounds} rounds; page polls every {args.poll} s, "
@@ -107,6 +119,9 @@ def main() -> None:
     for open_, xs in results.items():
         xs = sorted(xs)
         print(f"{'open' if open_ else 'closed':8s} {statistics.median(xs):10.2f} {xs[int(0.95 * len(xs))]:8.2f} {len(xs):5d}")
+    for name, xs in page_ms.items():
+        if xs:
+            print(f"the page's GET /ui/api/{name}: median {statistics.median(xs):.1f} ms over {len(xs)}")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -45,6 +45,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 SECURITY_HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff",
                     "referrer-policy": "no-referrer", "cache-control": "no-store"}
 MAX_BODY = 4096
+WRONG_KEY = b'<p class="bad">That is not this server\'s key.</p>'
 
 
 class RouteError(Exception):
@@ -153,7 +154,8 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
         given = urllib.parse.parse_qs(raw[:MAX_BODY].decode("utf-8", "replace")).get("key", [""])[0]
         if not auth.key_matches(given, board.api_key):
             log.warning("ui: a sign-in with a wrong key")
-            return _page("login.html", 401, {"x-clawbridge-login": "failed"})
+            body = asset("login.html").replace(b"<!--status-->", WRONG_KEY)
+            return Response(body, status_code=401, media_type="text/html", headers=SECURITY_HEADERS)
         r = RedirectResponse("/ui", status_code=303)
         r.headers["set-cookie"] = auth.cookie_header(board.api_key, secure=request.url.scheme == "https")
         return r

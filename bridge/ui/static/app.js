@@ -92,7 +92,7 @@ function frame(host, ymin, ymax, labels, yfmt) {
   host.replaceChildren();
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, role: "img" });
   const iw = W - PAD.l - PAD.r, ih = H - PAD.t - PAD.b;
-  const x = (i) => PAD.l + (labels.length === 1 ? iw / 2 : (i * iw) / (labels.length - 1 || 1));
+  const x = (i) => PAD.l + ((i + 0.5) * iw) / labels.length;  // the middle of version i's band
   const y = (v) => PAD.t + ih - ((v - ymin) / (ymax - ymin)) * ih;
   for (const v of [ymin, (ymin + ymax) / 2, ymax]) {
     root.append(svg("line", { x1: PAD.l, x2: W - PAD.r, y1: y(v), y2: y(v), class: "grid" }));
