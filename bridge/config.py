@@ -1,16 +1,21 @@
 """The one settings object. Fed by CLI flags, the environment (`CLAWBRIDGE_*`) and an optional
-config file (`--config FILE`, YAML or JSON). Nothing else in clawbridge reads `os.environ`
-except the cloud SDKs' own credential variables, which `clawbridge doctor` checks.
-`PORT` is honoured as an alias of `CLAWBRIDGE_PORT`."""
+config file (`--config FILE`, YAML or JSON), all by the flat names docs/configuration.md lists.
+Nothing else in clawbridge reads `os.environ` except the cloud SDKs' own credential variables,
+which `clawbridge doctor` checks. `PORT` is honoured as an alias of `CLAWBRIDGE_PORT`.
+
+The parts of the learner take only their section (`settings.learning`, `.training`, `.judging`,
+`.gating`): frozen records of the fields each reads, built from the one loaded object, so a
+part's constructor says what it depends on and a test builds it from a few values."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from clawbridge.types import LossSpec, OptimSpec
+from clawbridge.types import LossSpec, Method, OptimSpec
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -25,12 +30,105 @@ def default_cache_dir() -> Path:
     return Path(base) / "clawbridge"
 
 
+@dataclass(frozen=True)
+class LearningSettings:
+    """What turns judged turns and episodes into advantages (the collector, the episodes)."""
+
+    method: Method
+    teacher: Literal["base", "policy"]
+    w_opd: float
+    w_rl: float
+    opd_clip: float
+    rewrites: int
+    rewrite_pick: Literal["lift", "surest"]
+    rewrite_min_relevance: float
+    w_rewrite: float
+    w_negative: float
+    kl_anchor: float
+    episode_timeout_s: float
+    episode_prm_lambda: float
+    overlong_max_tokens: int
+    overlong_cache_tokens: int
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """What the trainer reads: the batch, staleness, the loss and optimizer, checkpoints."""
+
+    method: Method
+    batch_size: int
+    max_staleness: int
+    learning_rate: float
+    grad_clip_norm: float
+    clip_low: float
+    clip_high: float
+    kl_coef: float
+    checkpoint_every: int
+    gate_recent: int  # how many of a batch's prompts the gate replays pairwise
+
+    @property
+    def loss(self) -> LossSpec:
+        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef)
+
+    @property
+    def optim(self) -> OptimSpec:
+        return OptimSpec(learning_rate=self.learning_rate, grad_clip_norm=self.grad_clip_norm)
+
+
+@dataclass(frozen=True)
+class JudgeSettings:
+    """Which judges, at which endpoint, with how many votes."""
+
+    judge: Literal["auto", "rules", "http", "backend"]
+    judge_url: str | None
+    judge_model: str | None
+    judge_api_key: SecretStr | None
+    prm_votes: int
+    hint_votes: int
+    hint_selection: Literal["longest", "overlap"]
+    redact: bool
+    seed: int
+
+    @property
+    def kind(self) -> str:
+        """`auto` is http when a judge endpoint is configured, else the offline rules judge."""
+        if self.judge != "auto":
+            return self.judge
+        return "http" if self.judge_url else "rules"
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """What the gate asks each candidate, and how it decides."""
+
+    gate: Literal["on", "off"]
+    gate_probes: int
+    gate_probes_max: int
+    gate_samples: int
+    gate_recent: int
+    gate_margin: float
+    gate_alpha: float
+    gate_alpha_base: float
+    gate_v0_test: Literal["non_inferiority", "harm"]
+    gate_max_tokens: int
+    gate_temperature: float
+    seed: int
+
+
+Section = TypeVar("Section")
+
+
+def section(cls: type[Section], settings: Settings) -> Section:
+    """The section `cls` of `settings`: its fields' values, read by name."""
+    return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})  # type: ignore[arg-type]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="CLAWBRIDGE_", extra="forbid", validate_default=True, populate_by_name=True
     )
 
-    # --- serving -------------------------------------------------------------------------------
+    # --- serving ----------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address to bind. Any non-loopback address requires an API key.")
     port: int = Field(
         30000, ge=0, le=65535, validation_alias=AliasChoices("port", "CLAWBRIDGE_PORT", "PORT"),
@@ -61,9 +159,15 @@ class Settings(BaseSettings):
         "few seconds of it (container runtimes send SIGKILL after 10 s).",
     )
 
-    # --- learning ------------------------------------------------------------------------------
+    # --- learning ---------------------------------------------------------------------------------
     train: bool = Field(True, description="Judge and train in the background (false: serve and capture only).")
-    method: Literal["binary", "opd", "combine"] = Field("combine", description="How judged turns become advantages.")
+    method: Method = Field("combine", description="How judged turns become advantages.")
+    seed: int = Field(0, description="Seed for LoRA initialisation and the demo.")
+    redact: bool = Field(False, description="Redact emails, phone numbers and key-like strings in everything sent off the machine (cloud sampling, scoring and training prompts, and the judge endpoint). Off by default: it changes what the model sees.")
+    budget_usd: float | None = Field(None, ge=0, description="Stop training (never serving) when spend reaches this.")
+    resume: bool = Field(False, description="Kept for compatibility: every start continues from the newest published version (and its checkpoint when it has one).")
+
+    # --- judges (settings.judging) ----------------------------------------------------------------
     judge: Literal["auto", "rules", "http", "backend"] = Field("auto", description="auto: http if --judge-url is set, else the offline rules judge.")
     judge_url: str | None = Field(None, description="OpenAI-compatible endpoint of the judge model.")
     judge_model: str | None = Field(None, description="Judge model name at that endpoint.")
@@ -71,26 +175,37 @@ class Settings(BaseSettings):
     prm_votes: int = Field(3, ge=1, description="PRM votes per turn (majority; tie -> 0).")
     hint_votes: int = Field(3, ge=1, description="Hint-judge votes per turn (OPD).")
     hint_selection: Literal["longest", "overlap"] = Field("longest", description="How one hint is chosen among accepted ones.")
+
+    # --- advantages (settings.learning) -----------------------------------------------------------
     teacher: Literal["base", "policy"] = Field("base", description="OPD teacher: the frozen base or the live policy, with the hint.")
-    batch_size: int = Field(16, ge=1, description="Samples per training step.")
-    max_staleness: int = Field(4, ge=0, description="Samples older than this many versions are dropped.")
     w_opd: float = Field(1.0, description="Weight of the OPD term in combine.")
     w_rl: float = Field(1.0, description="Weight of the reward term in combine.")
     opd_clip: float = Field(1.0, gt=0, description="Clip of teacher - student logprob gaps.")
-    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate of the LoRA parameters.")
-    lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
-    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
-    prefix_cache_mb: int = Field(2048, ge=0, description="Torch engine: memory for the KV of recent prompts, reused when a new prompt shares their prefix (0: off).")
-    clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.28, ge=0, description="PPO clip above: ratio <= 1 + clip_high.")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")
-    grad_clip_norm: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables it.")
     rewrites: int = Field(0, ge=0, le=16, description="Hint-guided rewrites: the teacher (the model with the hint) writes this many answers to a hinted turn's prompt, and one of them (rewrite_pick) is trained as a demonstration beside the turn (docs/methods.md); 0 turns it off.")
     rewrite_pick: Literal["lift", "surest"] = Field("lift", description="Which teacher draw a rewrite trains: lift, the one the hint made likeliest relative to the policy without it (mean teacher − policy logprob per token); surest, the teacher's most confident (docs/methods.md).")
     rewrite_min_relevance: float = Field(15.0, description="A rewrite draw must be explained by the question: its teacher log-likelihood with the question at least this many nats above the same with the question blanked, summed over the draw; echoes of the hint and remarks about the answer fall below it (docs/methods.md). -1e9 turns the floor off.")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of every token of a hint-guided rewrite.")
     w_negative: float = Field(1.0, ge=0, description="Scale of the negative advantages on a turn's own answer (0: learn only from approved answers, the teacher's gains and rewrites, never push a sampled token down; docs/methods.md).")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model carried in the advantages: A_t -= kl_anchor * (log pi_old - log pi_base) on every token feedback trains (the answer and its rewrite), identical on every backend; 0 (the measured default) turns it off (docs/methods.md).")
+    episode_timeout_s: float = Field(3600.0, gt=0, description="An episode with no outcome this long after its group opened expires (stored with the reason) and trains nothing.")
+    episode_prm_lambda: float = Field(0.0, ge=0, description="Integrate per-step PRM votes into episode rewards: r = outcome + lambda/m * sum(votes); 0: the outcome alone (no judge calls).")
+    overlong_max_tokens: int = Field(0, ge=0, description="Episode turns longer than this get reward -1 added, ramping in over overlong_cache_tokens before it (DAPO); 0 turns it off.")
+    overlong_cache_tokens: int = Field(0, ge=0, description="Length of the overlong penalty's ramp (tokens before overlong_max_tokens).")
+
+    # --- training (settings.training) -------------------------------------------------------------
+    batch_size: int = Field(16, ge=1, description="Samples per training step.")
+    max_staleness: int = Field(4, ge=0, description="Samples older than this many versions are dropped.")
+    learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate of the LoRA parameters.")
+    grad_clip_norm: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables it.")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip above: ratio <= 1 + clip_high.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")
+    checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
+    lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
+    lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
+    prefix_cache_mb: int = Field(2048, ge=0, description="Torch engine: memory for the KV of recent prompts, reused when a new prompt shares their prefix (0: off).")
+
+    # --- gate (settings.gating) -------------------------------------------------------------------
     gate: Literal["on", "off"] = Field("on", description="Compare every trained candidate with the serving version on probes before it serves (off: publish at once).")
     gate_probes: int = Field(24, ge=0, le=50, description="Questions of the general probe set the gate asks each version (0: only the caller's probes).")
     gate_probes_max: int = Field(50, ge=0, le=50, description="General probe questions asked in all unless the first gate_probes already hold the candidate back beyond doubt (an early look's stricter significance): a candidate is accepted only on all of them. Equal to gate_probes (or less): never ask more, the first probes decide both ways.")
@@ -102,17 +217,8 @@ class Settings(BaseSettings):
     gate_v0_test: Literal["non_inferiority", "harm"] = Field("non_inferiority", description="What the comparison with v0 asks: non_inferiority (a candidate serves only when shown to lose less than gate_margin, p < gate_alpha_base) or harm (it is held back only when shown to lose more: more candidates serve, and among many candidates the one whose answers happened to look fine).")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")
     gate_temperature: float = Field(0.7, gt=0, description="Temperature of probe answers.")
-    episode_timeout_s: float = Field(3600.0, gt=0, description="An episode with no outcome this long after its group opened expires (stored with the reason) and trains nothing.")
-    episode_prm_lambda: float = Field(0.0, ge=0, description="Integrate per-step PRM votes into episode rewards: r = outcome + lambda/m * sum(votes); 0: the outcome alone (no judge calls).")
-    overlong_max_tokens: int = Field(0, ge=0, description="Episode turns longer than this get reward -1 added, ramping in over overlong_cache_tokens before it (DAPO); 0 turns it off.")
-    overlong_cache_tokens: int = Field(0, ge=0, description="Length of the overlong penalty's ramp (tokens before overlong_max_tokens).")
-    checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
-    resume: bool = Field(False, description="Kept for compatibility: every start continues from the newest published version (and its checkpoint when it has one).")
-    budget_usd: float | None = Field(None, ge=0, description="Stop training (never serving) when spend reaches this.")
-    redact: bool = Field(False, description="Redact emails, phone numbers and key-like strings in everything sent off the machine (cloud sampling, scoring and training prompts, and the judge endpoint). Off by default: it changes what the model sees.")
-    seed: int = Field(0, description="Seed for LoRA initialisation and the demo.")
 
-    # --- cloud backends (docs/backends.md) -----------------------------------------------------
+    # --- cloud backends (docs/backends.md) --------------------------------------------------------
     tinker_base_model: str = Field("Qwen/Qwen3-4B-Instruct-2507", description="Tinker base model (one from Tinker's list).")
     tinker_persist_every: int = Field(10, ge=0, description="Also save persistent sampler weights every N publishes (0: never).")
     fireworks_mode: Literal["serverless", "dedicated"] = Field("serverless", description="Fireworks training API mode.")
@@ -125,7 +231,7 @@ class Settings(BaseSettings):
     cloud_attempts: int = Field(5, ge=1, description="Attempts per remote call on transient errors (backoff between).")
     cloud_context_length: int = Field(32768, ge=1, description="Context length of the cloud base model.")
 
-    # --- local GPU layout ----------------------------------------------------------------------
+    # --- local GPU layout -------------------------------------------------------------------------
     num_gpus: int | None = Field(None, ge=0, description="GPUs to use (default: all visible).")
     actor_gpus: int | None = Field(None, ge=0, description="GPUs for the FSDP2 trainer (default: half).")
     rollout_gpus: int | None = Field(None, ge=0, description="GPUs for the policy SGLang server(s).")
@@ -149,6 +255,22 @@ class Settings(BaseSettings):
     @property
     def db_url(self) -> str:
         return self.db or f"sqlite:///{(self.data_dir / 'clawbridge.db').resolve()}"
+
+    @property
+    def learning(self) -> LearningSettings:
+        return section(LearningSettings, self)
+
+    @property
+    def training(self) -> TrainingSettings:
+        return section(TrainingSettings, self)
+
+    @property
+    def judging(self) -> JudgeSettings:
+        return section(JudgeSettings, self)
+
+    @property
+    def gating(self) -> GateSettings:
+        return section(GateSettings, self)
 
     @property
     def loss(self) -> LossSpec:

@@ -40,7 +40,7 @@ from clawbridge.serving.proxy import Proxy, ProxyHooks
 from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
-    from clawbridge.config import Settings
+    from clawbridge.config import GateSettings, Settings
     from clawbridge.protocol import Backend
     from clawbridge.store import Store
 
@@ -111,22 +111,24 @@ def build_learning(
     """The learner's parts, each built once: the teacher scorer shared by the collector, the
     episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
     judge model's pairwise comparison when there is one; the trainer that runs it."""
-    teacher = Teacher(backend, renderer, model=settings.teacher, clip=settings.opd_clip)
-    judges = build_judges(settings, backend, renderer=renderer,
-                          teacher=teacher if settings.hint_selection == "overlap" else None)
+    learning = settings.learning
+    teacher = Teacher(backend, renderer, model=learning.teacher, clip=learning.opd_clip)
+    judging = settings.judging
+    judges = build_judges(judging, backend, renderer=renderer,
+                          teacher=teacher if judging.hint_selection == "overlap" else None)
     client = getattr(judges.reward, "client", None)  # a judge model (the rules judge has none)
-    pairwise = PairwiseJudge(client, seed=settings.seed) if client is not None else None
-    gate = build_gate(settings, backend, renderer, pairwise, probes)
+    pairwise = PairwiseJudge(client, seed=judging.seed) if client is not None else None
+    gate = build_gate(settings.gating, backend, renderer, pairwise, probes)
     return LearningParts(
         judges=judges,
-        collector=Collector(settings, backend, store, judges, teacher),
-        episodes=EpisodeLearner(settings, backend, store, judges, teacher),
-        trainer=Trainer(settings, backend, store, lock=lock, gate=gate),
+        collector=Collector(learning, backend, store, judges, teacher),
+        episodes=EpisodeLearner(learning, backend, store, judges, teacher),
+        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate),
     )
 
 
 def build_gate(
-    settings: Settings, backend: Backend, renderer: Renderer,
+    settings: GateSettings, backend: Backend, renderer: Renderer,
     pairwise: PairwiseJudge | None = None, extra: Sequence[GateProbe] = (),
 ) -> Gate | None:
     """The gate the settings ask for: a spread of the general probe set plus the caller's
@@ -272,7 +274,7 @@ async def serve(
         store = await asyncio.to_thread(open_store, settings)
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
-    await Trainer(settings, backend, store).resume()
+    await Trainer(settings.training, backend, store).resume()
     if settings.train and settings.gate != "off" and (pending := await pending_candidate(store)) is not None:
         # the newest version never passed the gate (a restart while it judged): its predecessor
         # serves until the learner's gate has decided (`Trainer.judge_pending`)

@@ -13,7 +13,7 @@ from clawbridge.judges.clients import (
     OpenAIJudgeClient,
     TransientJudgeError,
 )
-from clawbridge.judges.factory import Judges, build_judges, judge_kind
+from clawbridge.judges.factory import Judges, build_judges
 from clawbridge.judges.hints import HintJudge, teacher_messages
 from clawbridge.judges.prm import PRMJudge
 from clawbridge.judges.rules import RulesJudge
@@ -47,6 +47,5 @@ __all__ = [
     "TurnContext",
     "Vote",
     "build_judges",
-    "judge_kind",
     "teacher_messages",
 ]

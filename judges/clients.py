@@ -158,22 +158,14 @@ class BackendJudgeClient:
     """Samples the judge's answer from a model on the active backend.
 
     `version=0` is the frozen base model (Backend protocol); None is the newest policy. Prompts
-    and answers go through the same renderer as served traffic (pass the server's own to share
-    its caches); a thinking model's answer is its content, or its reasoning if that is all."""
+    and answers go through the renderer of served traffic (the server's own, shared with its
+    caches); a thinking model's answer is its content, or its reasoning if that is all."""
 
-    def __init__(
-        self, backend: Backend, *, version: int | None = 0, renderer: Renderer | None = None
-    ) -> None:
+    def __init__(self, backend: Backend, renderer: Renderer, *, version: int | None = 0) -> None:
         self.backend = backend
         self.version = version
-        self._renderer = renderer
+        self.renderer = renderer
         self.name = f"backend:{backend.model_name}@v{version if version is not None else 'latest'}"
-
-    @property
-    def renderer(self) -> Renderer:
-        if self._renderer is None:
-            self._renderer = Renderer(self.backend.tokenizer())
-        return self._renderer
 
     async def complete(
         self,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from clawbridge.backends import redact
 from clawbridge.chat.renderer import Renderer
-from clawbridge.config import Settings
+from clawbridge.config import JudgeSettings
 from clawbridge.judges.clients import BackendJudgeClient, JudgeClient, OpenAIJudgeClient
 from clawbridge.judges.hints import HintJudge, HintScorer
 from clawbridge.judges.prm import PRMJudge
@@ -51,15 +51,8 @@ class Judges:
                 await close()
 
 
-def judge_kind(settings: Settings) -> str:
-    """`auto` is http when a judge endpoint is configured, else the offline rules judge."""
-    if settings.judge != "auto":
-        return settings.judge
-    return "http" if settings.judge_url else "rules"
-
-
 def build_judges(
-    settings: Settings,
+    settings: JudgeSettings,
     backend: Backend | None = None,
     *,
     teacher: Teacher | None = None,
@@ -69,7 +62,7 @@ def build_judges(
     """The judges the settings ask for. `hint_selection="overlap"` scores candidates with
     `scorer`, or the teacher's agreement; without either it falls back to the longest hint.
     `renderer`: the server's own, for a judge that asks the backend itself (`judge="backend"`)."""
-    kind = judge_kind(settings)
+    kind = settings.kind
     if kind == "rules":
         rules = RulesJudge()
         return Judges(reward=rules, hint=rules)
@@ -87,8 +80,10 @@ def build_judges(
         if isinstance(backend, HostsJudge):  # the GPU stack's PRM SGLang server
             url, model = backend.judge_endpoint
             client = OpenAIJudgeClient(url, model, None)
+        elif renderer is not None:
+            client = BackendJudgeClient(backend, renderer, version=0)
         else:
-            client = BackendJudgeClient(backend, version=0, renderer=renderer)
+            raise ValueError("judge 'backend' needs the server's renderer")
     if scorer is None and teacher is not None:
         scorer = teacher.agreement
     selection = settings.hint_selection

@@ -63,7 +63,7 @@ async def main(data_dir: Path, phase: str, boundary: str, checkpoint_every: int)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
-    trainer = Trainer(settings, backend, store)
+    trainer = Trainer(settings.training, backend, store)
     await trainer.resume()
     scores = data_dir / "scores.jsonl"
 

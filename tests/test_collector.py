@@ -144,7 +144,7 @@ async def test_kill_between_judging_and_training_loses_nothing_and_trains_nothin
         assert await collector.run_once() == 0  # resumed: nothing left to judge
         assert {t: len(store.judgments(t)) for t in turns} == votes_before
 
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         first, second = await trainer.step_once(), await trainer.step_once()
         assert first is not None and second is not None and await trainer.step_once() is None
         assert (first.version, second.version) == (1, 2)

@@ -63,7 +63,7 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
         gate = Gate(backend, renderer, probes, params=params, margin=0.05, alpha=0.1)
         record_turns(store, 2)
         await collector_for(settings, backend, store).run_once()
-        trainer = Trainer(settings, backend, store, gate=gate)
+        trainer = Trainer(settings.training, backend, store, gate=gate)
         step = await trainer.step_once()
         assert step is not None and step.version == 1
         [decision] = trainer.decisions
@@ -90,7 +90,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         record_turns(store, 2)
         await collector_for(settings, backend, store).run_once()
         # the step publishes and records v1; the gate's decision never comes (the kill)
-        assert (await Trainer(settings, backend, store).step_once()).version == 1  # type: ignore[union-attr]
+        assert (await Trainer(settings.training, backend, store).step_once()).version == 1  # type: ignore[union-attr]
         assert await pending_candidate(store) == (1, 0)
 
         plain = [renderer.parse(
@@ -99,7 +99,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         probes = [GateProbe("validation", ({"role": "user", "content": p},),
                             lambda text, _finish, want=want: 1.0 if text == want else 0.0)
                   for p, want in zip(PROMPTS, plain, strict=True)]
-        restarted = Trainer(settings, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
         assert await restarted.judge_pending() == 2  # rejected: a copy of v0 serves as v2
         assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
         assert await pending_candidate(store) is None and backend.held is None
@@ -128,7 +128,7 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
         gate = Gate(backend, renderer, first, params=params, margin=0.05, alpha=0.1, reserve=more if reserve else ())
         record_turns(store, 2)
         await collector_for(settings, backend, store).run_once()
-        trainer = Trainer(settings, backend, store, gate=gate)
+        trainer = Trainer(settings.training, backend, store, gate=gate)
         assert await trainer.step_once() is not None
         [decision] = trainer.decisions
         if reserve:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
 from clawbridge.judges import (
     BackendJudgeClient,
@@ -377,37 +378,38 @@ async def test_judges_run_only_what_the_method_needs() -> None:
 
 
 async def test_auto_picks_the_rules_judge_offline_and_http_with_an_endpoint() -> None:
-    offline = build_judges(Settings())
+    offline = build_judges(Settings().judging)
     assert isinstance(offline.reward, RulesJudge) and offline.hint is offline.reward
-    online = build_judges(Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", prm_votes=5))
+    online = build_judges(Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", prm_votes=5).judging)
     assert isinstance(online.reward, PRMJudge) and online.reward.votes == 5
     assert online.reward.name == "prm:http:judge"
     assert online.reward.client is online.hint.client  # type: ignore[attr-defined]  # one pool
     await online.aclose()
     await offline.aclose()
     overlap = Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", hint_selection="overlap")
-    assert build_judges(overlap).hint.selection == "longest"  # type: ignore[attr-defined]  # no teacher
+    assert build_judges(overlap.judging).hint.selection == "longest"  # type: ignore[attr-defined]  # no teacher
 
     async def scorer(turn: TurnContext, hint: str) -> float:
         return 0.0
 
-    assert build_judges(overlap, scorer=scorer).hint.selection == "overlap"  # type: ignore[attr-defined]
+    assert build_judges(overlap.judging, scorer=scorer).hint.selection == "overlap"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="judge-model"):
-        build_judges(Settings(judge="http", judge_url="http://127.0.0.1:9/v1"))
+        build_judges(Settings(judge="http", judge_url="http://127.0.0.1:9/v1").judging)
     with pytest.raises(ValueError, match="backend"):
-        build_judges(Settings(judge="backend"))
+        build_judges(Settings(judge="backend").judging)
 
 
 async def test_the_backend_judge_uses_the_stacks_judge_server_where_it_has_one() -> None:
     from clawbridge.judges.clients import BackendJudgeClient, OpenAIJudgeClient
 
     stack = SimpleNamespace(judge_endpoint=("http://127.0.0.1:9/v1", "prm-model"))  # the GPU stack's PRM server
-    judges = build_judges(Settings(judge="backend"), stack)  # type: ignore[arg-type]
+    judges = build_judges(Settings(judge="backend").judging, stack)  # type: ignore[arg-type]
     client = judges.reward.client  # type: ignore[attr-defined]
     assert isinstance(client, OpenAIJudgeClient) and judges.hint.client is client  # type: ignore[attr-defined]
     assert client.url == "http://127.0.0.1:9/v1/chat/completions" and client.model == "prm-model"
     await judges.aclose()
-    plain = build_judges(Settings(judge="backend"), SimpleNamespace(model_name="policy"))  # type: ignore[arg-type]
+    plain = build_judges(Settings(judge="backend").judging, SimpleNamespace(model_name="policy"),  # type: ignore[arg-type]
+                         renderer=SimpleNamespace())  # type: ignore[arg-type]
     assert isinstance(plain.reward.client, BackendJudgeClient)  # type: ignore[attr-defined]
 
 
@@ -581,7 +583,7 @@ class AnsweringBackend:
 
 async def test_backend_client_renders_the_chat_and_samples_the_frozen_base(tokenizer: Any) -> None:
     backend = AnsweringBackend(tokenizer, r"The user corrects the unit. \boxed{-1}")
-    client = BackendJudgeClient(backend, version=0)  # type: ignore[arg-type]
+    client = BackendJudgeClient(backend, Renderer(tokenizer), version=0)  # type: ignore[arg-type]
     judgment = await PRMJudge(client, votes=2).judge(TURN)
     assert judgment.reward == -1 and judgment.judge == "prm:backend:judge-model@v0"
     prompt, params, version = backend.calls[0]
@@ -609,8 +611,6 @@ async def tiny_backend(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterato
 
 @pytest.fixture(scope="module")
 def renderer(tiny_backend: Any) -> Any:
-    from clawbridge.chat.renderer import Renderer
-
     return Renderer(tiny_backend.tokenizer())
 
 
@@ -642,7 +642,7 @@ async def test_teacher_scores_the_students_tokens_under_the_hinted_prompt(tiny_b
 async def test_backend_judge_on_the_local_engine_counts_nonsense_as_failed_votes(
     tiny_backend: Any, renderer: Any
 ) -> None:
-    client = BackendJudgeClient(tiny_backend, version=0, renderer=renderer)
+    client = BackendJudgeClient(tiny_backend, renderer, version=0)
     turn = TurnContext(SHORT, TURN.response, TURN.next_state)
     judgment = await PRMJudge(client, votes=2, max_tokens=8).judge(turn)
     assert judgment.judge == "prm:backend:tiny-random@v0"

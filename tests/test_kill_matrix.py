@@ -174,7 +174,7 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
         store = Store.open(settings.db_url)
         backend = backend_of()
         await backend.start()
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         await trainer.resume()
         return store, backend, trainer
 

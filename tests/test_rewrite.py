@@ -141,7 +141,7 @@ async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answe
         again = await backend.score(corrected.prompt_ids, rw.ids, model="policy", temperature=1.0)
         assert again == pytest.approx(rw.logprobs, abs=1e-4)
 
-        result = await Trainer(settings, backend, store).step_once()
+        result = await Trainer(settings.training, backend, store).step_once()
         assert result is not None and result.metrics["rewrites"] == 1.0
         own_tokens = sum(len(s.completion_ids) for s in (thanked, corrected))
         assert result.metrics["tokens"] == own_tokens + len(rw.ids)  # the rewrite trained too
@@ -168,7 +168,7 @@ async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: 
         datums = to_datums(corrected)
         assert datums[-1].completion_ids == corrected.rewrite.ids
         assert len(datums) == (1 if own_negative_only else 2)
-        result = await Trainer(settings, backend, store).step_once()
+        result = await Trainer(settings.training, backend, store).step_once()
         assert result is not None and result.metrics["rewrites"] == 1.0
     finally:
         await backend.close()
@@ -220,7 +220,7 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
         assert await collector.run_once() == 2
         [first] = [s for s in store.pending_samples() if s.rewrite is not None]
         assert first.rewrite is not None and first.rewrite.advantages == pytest.approx((1.0,) * len(first.rewrite.ids), abs=1e-4)
-        assert await Trainer(settings, backend, store).step_once() is not None
+        assert await Trainer(settings.training, backend, store).step_once() is not None
 
         thanked_id, corrected_id, neutral_id = short_turns(store, [*replies, "ok"], first=2)
         assert await collector.run_once() == 3

@@ -53,7 +53,7 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
     await backend.start()
     try:
         ids = judged_samples(store, 4)
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         result = await trainer.step_once()
         assert result is not None and result.version == 1 and result.samples == 3
         assert await trainer.step_once() is None  # one sample left: not a full batch
@@ -71,7 +71,7 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
     fresh = LocalBackend.from_settings(settings)
     await fresh.start()
     try:
-        resumed = Trainer(settings, fresh, store)
+        resumed = Trainer(settings.training, fresh, store)
         assert await resumed.resume() == ck["path"]
         assert fresh.version == 1 and await resumed.next_step_number() == 2
     finally:
@@ -90,7 +90,7 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
     prompt, completion = (1, 520, 3121, 28), (17, 401, 2032)
     try:
         judged_samples(store, 4)
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         assert (await trainer.step_once()).version == 1  # type: ignore[union-attr]
         v1 = await backend.score(prompt, completion)
         assert (await trainer.step_once()).version == 2  # type: ignore[union-attr]
@@ -109,7 +109,7 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
     fresh = LocalBackend.from_settings(settings)
     await fresh.start()
     try:
-        resumed = Trainer(settings, fresh, store)
+        resumed = Trainer(settings.training, fresh, store)
         await resumed.resume()
         assert fresh.version == 3 and await resumed.next_step_number() == 3
         assert await fresh.score(prompt, completion) == pytest.approx(v1, abs=1e-6)
@@ -141,7 +141,7 @@ async def test_a_rollback_asked_for_during_a_step_waits_for_the_step_to_publish(
     backend.train_step, backend.rollback = held_train_step, noted_rollback  # type: ignore[method-assign]
     try:
         judged_samples(store, 2)
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         step = asyncio.create_task(trainer.step_once())
         while not calls:
             await asyncio.sleep(0.01)
@@ -163,7 +163,7 @@ async def test_samples_older_than_max_staleness_are_dropped_with_the_reason(data
     await backend.start()
     try:
         ids = judged_samples(store, 3)
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         assert (await trainer.step_once()) is not None  # trains 2 of the v0 samples -> v1
         assert await trainer.step_once() is None  # the third (from v0) is now too old
         [left] = [s for s in store.get_samples(ids) if s.state != "trained"]
@@ -214,7 +214,7 @@ def test_no_request_fails_while_versions_are_published_under_concurrent_load(tmp
     for t in threads:
         t.start()
     try:
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         published = []
         for _ in range(3):
             result = live.call(trainer.step_once(), timeout=120)

@@ -41,7 +41,7 @@ async def test_greedy_turns_on_tinker_are_dropped_with_a_reason_and_training_goe
     try:
         # the two oldest are greedy: today they made every step fail, for ever
         ids = samples(store, tokenizer, [0.0, 0.0, 1.0, 1.0])
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         result = await trainer.step_once()
         assert result is not None and result.version == 1
         got = {s.id: s for s in store.get_samples(ids)}
@@ -69,7 +69,7 @@ async def test_a_batch_refused_permanently_is_dropped_and_the_queue_moves(data_d
             return await real(batch, *a, **kw)
 
         backend.train_step = refuse_poisoned  # type: ignore[method-assign]
-        trainer = Trainer(settings, backend, store)
+        trainer = Trainer(settings.training, backend, store)
         for _ in range(PERMANENT_FAILURES):
             with pytest.raises(BackendError):
                 await trainer.step_once()

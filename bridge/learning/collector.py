@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from clawbridge.config import Settings
+from clawbridge.config import LearningSettings
 from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, Teacher, TurnContext
 from clawbridge.judges import Judgment as JudgeReward
@@ -102,7 +102,7 @@ class CollectorStats:
 
 class Collector:
     def __init__(
-        self, settings: Settings, backend: Backend, store: Store, judges: Judges, teacher: Teacher,
+        self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher,
     ) -> None:
         self.settings = settings
         self.method: Method = settings.method

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from clawbridge.config import Settings
+from clawbridge.config import LearningSettings
 from clawbridge.judges import Judges, Teacher
 from clawbridge.learning.advantages import (
     anchored,
@@ -118,7 +118,7 @@ class EpisodeLearner:
     """Expires episodes past the timeout and turns settled groups into samples."""
 
     def __init__(
-        self, settings: Settings, backend: Backend, store: Store, judges: Judges | None, teacher: Teacher,
+        self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges | None, teacher: Teacher,
     ) -> None:
         self.settings = settings
         self.backend = backend

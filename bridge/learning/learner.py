@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import BudgetExceeded
 from clawbridge.config import Settings
-from clawbridge.judges import Judges, judge_kind
+from clawbridge.judges import Judges
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import GateProbe
@@ -56,7 +56,7 @@ class Learner:
         self.wake = asyncio.Event()  # a next state arrived, feedback came, or an episode ended
         self.ready = asyncio.Event()  # the collector settled samples: a batch may be full
         self.parts: LearningParts | None = None
-        self.judge_name = judge_kind(settings)
+        self.judge_name = settings.judging.kind
         self.errors = 0
         self.training_stopped: str | None = None  # why training stopped (the budget)
         self.lock = asyncio.Lock()  # a training step or a rollback, never both
@@ -80,7 +80,7 @@ class Learner:
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
         background task has bound the trainer, too: the lock is the learner's."""
-        trainer = self.trainer or Trainer(self.settings, backend, store, lock=self.lock)
+        trainer = self.trainer or Trainer(self.settings.training, backend, store, lock=self.lock)
         self.last_rollback = await trainer.rollback(version)
         return self.last_rollback
 

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clawbridge.config import Settings
+from clawbridge.config import TrainingSettings
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
 from clawbridge.protocol import Backend, BackendError, Restorable, Screens, TransientBackendError
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
@@ -119,7 +119,7 @@ class RollbackResult:
 
 class Trainer:
     def __init__(
-        self, settings: Settings, backend: Backend, store: Store, *,
+        self, settings: TrainingSettings, backend: Backend, store: Store, *,
         lock: asyncio.Lock | None = None, gate: Gate | None = None,
     ) -> None:
         self.settings = settings
