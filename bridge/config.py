@@ -110,6 +110,9 @@ class GateSettings:
     gate_alpha: float
     gate_alpha_base: float
     gate_v0_test: Literal["non_inferiority", "harm"]
+    gate_reference: Literal["twin", "v0"]
+    gate_max_price: float
+    gate_reference_samples: int
     gate_max_tokens: int
     gate_temperature: float
     seed: int
@@ -215,6 +218,9 @@ class Settings(BaseSettings):
     gate_alpha: float = Field(0.1, gt=0, lt=1, description="Significance of the gate's one-sided paired test.")
     gate_alpha_base: float = Field(0.2, gt=0, lt=1, description="Significance of the comparisons with v0, the base: they guard what all the steps together cost, so the test is stricter (a loss beyond gate_margin at p < 0.2 holds the candidate back).")
     gate_v0_test: Literal["non_inferiority", "harm"] = Field("non_inferiority", description="What the comparison with v0 asks: non_inferiority (a candidate serves only when shown to lose less than gate_margin, p < gate_alpha_base) or harm (it is held back only when shown to lose more: more candidates serve, and among many candidates the one whose answers happened to look fine).")
+    gate_reference: Literal["twin", "v0"] = Field("twin", description="What the general probe is judged against. twin: the base model asked for the user's standing preferences (`clawbridge preferences`; the instruction the OPD teacher gets): paying their price is not harm, falling more than gate_margin below the twin is, and the candidate's mean on every probe asked decides. v0: strict, no worse than the base model (gate_v0_test decides), for users who would rather keep facts than preferences.")
+    gate_max_price: float = Field(0.15, ge=0, le=1, description="The most general-probe answers (a rate) the preferences may cost, and the most a served version may fall below v0: above it, candidates are held back with the price as the reason. Raising it is consenting to a higher price.")
+    gate_reference_samples: int = Field(2, ge=1, description="Answers per probe of v0 and the twin, asked once for every candidate (so more are cheap): the more, the fewer wrong decisions (docs/methods.md#the-gate).")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")
     gate_temperature: float = Field(0.7, gt=0, description="Temperature of probe answers.")
 

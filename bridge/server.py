@@ -153,7 +153,8 @@ def build_gate(
         return None
     params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
     return Gate(backend, renderer, probes, params=params, samples=s.gate_samples,
-                margin=s.gate_margin, alpha=s.gate_alpha, alpha_base=s.gate_alpha_base,
+                reference_samples=s.gate_reference_samples, margin=s.gate_margin, alpha=s.gate_alpha,
+                alpha_base=s.gate_alpha_base, reference=s.gate_reference, max_price=s.gate_max_price,
                 non_inferiority=s.gate_v0_test == "non_inferiority", pairwise=pairwise,
                 reserve=ask(rest))
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 from clawbridge.learning.advantages import anchored
-from clawbridge.learning.gate import GroupFigures, _t_sf, decide, doubtful, early, paired_worse
+from clawbridge.learning.gate import Comparison, GroupFigures, _t_sf, decide, doubtful, early, paired_worse, price
 
 
 def test_the_t_tail_matches_the_tables():
@@ -34,32 +34,48 @@ def test_paired_worse_by_hand():
         paired_worse([1.0], [1.0, 0.0])
 
 
+def harm(g: GroupFigures, alpha: float = 0.1) -> Comparison:
+    """A comparison with the serving version: evidence of harm holds back."""
+    return Comparison(g, "harm", 0.05, alpha)
+
+
+def proof(g: GroupFigures, alpha: float = 0.2) -> Comparison:
+    """A comparison with v0 in the strict mode: the candidate carries the burden of proof."""
+    return Comparison(g, "proof", 0.05, alpha)
+
+
+def within(g: GroupFigures, margin: float = 0.05, alpha: float = 0.1) -> Comparison:
+    """A comparison with the prompted twin: the mean difference decides."""
+    return Comparison(g, "within", margin, alpha, "the prompted twin")
+
+
 def test_a_candidate_is_held_back_only_when_worse_beyond_the_margin_and_significant():
     bad = GroupFigures(0.5, 0.9, -0.4, 0.01, 1.0)
     noisy = GroupFigures(0.5, 0.9, -0.4, 0.3, 0.9)  # a big drop on too few probes to tell
     small = GroupFigures(0.87, 0.9, -0.03, 0.01, 0.2)  # significant but within the margin
-    assert decide({"probe vs serving": bad}, 0.05, 0.1)[0] == "rejected"
-    assert "probe vs serving" in decide({"probe vs serving": bad}, 0.05, 0.1)[1]
-    assert decide({"a": noisy, "b": small}, 0.05, 0.1)[0] == "accepted"
+    assert decide({"probe vs serving": harm(bad)})[0] == "rejected"
+    assert "probe vs serving" in decide({"probe vs serving": harm(bad)})[1]
+    assert decide({"a": harm(noisy), "b": harm(small)})[0] == "accepted"
 
 
 def test_the_comparison_with_v0_has_its_own_significance():
     drift = GroupFigures(0.54, 0.62, -0.08, 0.105, 0.7)  # a demo's v3 against v0, 50 probes
-    assert decide({"probe vs serving": drift}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"  # a step: alpha
-    decision, reason = decide({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)
+    assert decide({"probe vs serving": harm(drift)})[0] == "accepted"  # a step: alpha 0.1
+    decision, reason = decide({"probe vs v0": proof(drift)})
     assert decision == "rejected" and "p=0.105" in reason  # shown worse at alpha_base, not only unproven
-    assert not doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2)  # all asked: decided
+    assert not doubtful({"probe vs v0": proof(drift)})  # all asked: decided
     close = GroupFigures(0.62, 0.62, 0.0, 0.5, 0.15)  # within the margin at 85 %, not at 90 %
-    assert decide({"probe vs v0": close}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"
-    assert decide({"probe vs v0": close}, 0.05, 0.1)[0] == "rejected"
+    assert decide({"probe vs v0": proof(close)})[0] == "accepted"
+    assert decide({"probe vs v0": proof(close, alpha=0.1)})[0] == "rejected"
 
 
 def test_an_early_look_never_accepts():
     better = GroupFigures(0.7, 0.6, 0.1, 0.9, 0.05)  # looks better on the first probes: still ask all
     bad = GroupFigures(0.2, 0.9, -0.7, 0.001, 1.0)  # rejected beyond doubt: nothing to resolve
-    assert doubtful({"a": better}, 0.05, 0.1, share=0.3)
-    assert not doubtful({"a": bad, "b": better}, 0.05, 0.1, share=0.3)
-    assert not doubtful({"a": better}, 0.05, 0.1)  # all asked (share 1): decided
+    assert doubtful({"a": harm(better)}, share=0.3)
+    assert not doubtful({"a": harm(bad), "b": harm(better)}, share=0.3)
+    assert not doubtful({"a": harm(better)})  # all asked (share 1): decided
+    assert doubtful({"probe vs twin": within(better)}, share=0.3)
 
 
 def test_an_early_look_rejects_only_beyond_the_stricter_boundary():
@@ -68,28 +84,62 @@ def test_an_early_look_rejects_only_beyond_the_stricter_boundary():
     assert early(0.1, 1.0) == 0.1 and early(0.2, 0.32) < 0.2
     borderline = GroupFigures(0.31, 0.56, -0.25, 0.05, 0.9)  # rejected at alpha 0.1 on a third: ask all
     clear = GroupFigures(0.12, 0.56, -0.44, 0.005, 1.0)  # beyond the early boundary: decided
-    assert decide({"probe vs serving": borderline}, 0.05, 0.1)[0] == "rejected"
-    assert doubtful({"probe vs serving": borderline}, 0.05, 0.1, share=1 / 3)
-    assert not doubtful({"probe vs serving": clear}, 0.05, 0.1, share=1 / 3)
-    assert not doubtful({"probe vs serving": borderline}, 0.05, 0.1, share=1.0)  # all asked: decided
+    assert decide({"probe vs serving": harm(borderline)})[0] == "rejected"
+    assert doubtful({"probe vs serving": harm(borderline)}, share=1 / 3)
+    assert not doubtful({"probe vs serving": harm(clear)}, share=1 / 3)
+    assert not doubtful({"probe vs serving": harm(borderline)}, share=1.0)  # all asked: decided
     # a comparison with v0 uses alpha_base, made stricter the same way: 0.2 -> 0.068 at 0.32
     drift = GroupFigures(0.44, 0.56, -0.12, 0.167, 0.8)
-    assert doubtful({"probe vs v0": drift}, 0.05, 0.1, alpha_base=0.2, share=0.32)
+    assert doubtful({"probe vs v0": proof(drift)}, share=0.32)
     # an early look does not hold back for want of evidence of safety: the rest may bring it
     unproven = GroupFigures(0.56, 0.56, 0.0, 0.5, 0.4)
-    assert doubtful({"probe vs v0": unproven}, 0.05, 0.1, alpha_base=0.2, share=0.32)
+    assert doubtful({"probe vs v0": proof(unproven)}, share=0.32)
+    # against the twin, an early look holds back only a loss beyond the margin shown at the
+    # early boundary: 1 - p_inferior is the p of "no more than the margin below"
+    shown = GroupFigures(0.30, 0.56, -0.26, 0.001, 0.995)
+    below = GroupFigures(0.48, 0.56, -0.08, 0.1, 0.75)  # below the margin, not shown so early
+    assert not doubtful({"probe vs twin": within(shown)}, share=0.3)
+    assert doubtful({"probe vs twin": within(below)}, share=0.3)
+    assert decide({"probe vs twin": within(below)})[0] == "rejected"  # all asked: the mean decides
 
 
 def test_against_v0_the_candidate_must_show_it_loses_less_than_the_margin():
     unproven = GroupFigures(0.58, 0.62, -0.04, 0.28, 0.44)  # run 8's candidate: 50 answers looked fine
     shown = GroupFigures(0.66, 0.62, 0.04, 0.9, 0.03)
-    decision, reason = decide({"probe vs v0": unproven}, 0.05, 0.1, alpha_base=0.2)
+    decision, reason = decide({"probe vs v0": proof(unproven)})
     assert decision == "rejected" and "not shown within 5 pts" in reason
-    assert decide({"probe vs v0": shown}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"
+    assert decide({"probe vs v0": proof(shown)})[0] == "accepted"
     # against the serving version only harm that can be shown holds a candidate back; so against
     # v0 with gate_v0_test "harm"
-    assert decide({"probe vs serving": unproven}, 0.05, 0.1, alpha_base=0.2)[0] == "accepted"
-    assert decide({"probe vs v0": unproven}, 0.05, 0.1, alpha_base=0.2, non_inferiority=False)[0] == "accepted"
+    assert decide({"probe vs serving": harm(unproven)})[0] == "accepted"
+    assert decide({"probe vs v0": harm(unproven, alpha=0.2)})[0] == "accepted"
+
+
+def test_against_the_twin_paying_the_price_is_not_harm_and_more_is():
+    """The decided rule (docs/methods.md#the-gate): on the general probe the candidate is judged
+    against the base model asked for the user's preferences. A candidate 12 points below v0 but
+    1 below the twin (the price is 11) serves; one 8 below the twin does not, whatever v0 says."""
+    pays = {"probe vs twin": within(GroupFigures(0.50, 0.51, -0.01, 0.4, 0.2)),
+            "probe vs v0": within(GroupFigures(0.50, 0.62, -0.12, 0.01, 0.2), margin=0.15)}
+    assert decide(pays) == ("accepted", "no probe group is worse beyond the margin; the probe is within it "
+                                        "of the prompted twin")
+    beyond = {"probe vs twin": within(GroupFigures(0.43, 0.51, -0.08, 0.05, 0.7)),
+              "probe vs v0": within(GroupFigures(0.43, 0.62, -0.19, 0.001, 0.9), margin=0.25)}
+    decision, reason = decide(beyond)
+    assert decision == "rejected" and reason.startswith("probe vs twin: 43% vs 51% (-8 pts)")
+    assert "below the prompted twin" in reason
+    # the cap: within the margin of the twin, but further below v0 than the maximum price
+    capped = {"probe vs twin": within(GroupFigures(0.40, 0.42, -0.02, 0.3, 0.2)),
+              "probe vs v0": Comparison(GroupFigures(0.40, 0.62, -0.22, 0.001, 0.9), "within", 0.15, 0.1,
+                                        "v0 (gate_max_price)")}
+    assert decide(capped)[0] == "rejected" and "v0 (gate_max_price)" in decide(capped)[1]
+
+
+def test_the_price_is_plain_minus_asked():
+    assert price([1, 1, 0, 1], [1, 0, 0, 1]) == 0.25
+    assert price([0.5, 0.5], [1.0, 1.0]) == -0.5  # asking helped
+    with pytest.raises(ValueError):
+        price([1.0], [])
 
 
 def _serves(non_inferiority: bool, loss: float, rng: random.Random, candidates: int = 5, probes: int = 50) -> bool:
@@ -100,7 +150,7 @@ def _serves(non_inferiority: bool, loss: float, rng: random.Random, candidates: 
     for _ in range(candidates):
         cand = [float(rng.random() < max(0.0, min(1.0, r - loss))) for r in rates]
         g = paired_worse(cand, v0, 0.05)
-        if decide({"probe vs v0": g}, 0.05, 0.1, alpha_base=0.2, non_inferiority=non_inferiority)[0] == "accepted":
+        if decide({"probe vs v0": proof(g) if non_inferiority else harm(g, alpha=0.2)})[0] == "accepted":
             return True
     return False
 

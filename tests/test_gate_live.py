@@ -125,7 +125,8 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
 
         first = [probe(questions[0], True)] + [probe(q, False) for q in questions[1:4]]
         more = [probe(q, True) for q in questions[4:]]
-        gate = Gate(backend, renderer, first, params=params, margin=0.05, alpha=0.1, reserve=more if reserve else ())
+        gate = Gate(backend, renderer, first, params=params, margin=0.05, alpha=0.1, reference="v0",
+                    reserve=more if reserve else ())
         record_turns(store, 2)
         await collector_for(settings, backend, store).run_once()
         trainer = Trainer(settings.training, backend, store, gate=gate)
@@ -138,3 +139,35 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
         else:
             assert decision.decision == "rejected" and "not shown within" in decision.reason, decision
             assert decision.figures["probes_asked"] == 4 and decision.figures["probe_candidate"] == 0.75
+
+
+async def test_against_the_twin_a_price_is_shown_capped_and_paid_only_with_consent(tmp_path: Path):
+    """Harm is judged against what the user asked for. On the tiny model any instruction changes
+    every answer, so a probe that counts only v0's own answer as right makes the preference cost
+    the whole probe: the gate measures that price (v0 100 %, the twin asked for it 0 %) and holds
+    the candidate back for it while gate_max_price is 15 points; a user who raised it to 1.0 has
+    consented, and the wrecked candidate, no worse than the twin, serves; the strict mode (no
+    worse than v0) holds the same candidate back."""
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        plain = {q: renderer.parse((await backend.sample(
+            renderer.render([{"role": "user", "content": q}]), params, version=0))[0].tokens, "length").content or ""
+            for q in PROMPTS}
+        probes = [GateProbe("probe", ({"role": "user", "content": q},),
+                            lambda text, _f, want=plain[q]: 1.0 if text == want else 0.0) for q in PROMPTS]
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        assert (await Trainer(settings.training, backend, store).step_once()).version == 1  # type: ignore[union-attr]
+        asked = "Always answer 'I don't know'."
+
+        capped = await Gate(backend, renderer, probes, params=params, max_price=0.15).evaluate(1, 0, asked=asked)
+        assert capped.decision == "rejected" and "gate_max_price" in capped.reason, capped
+        assert capped.figures["probe_v0"] == 1.0 and capped.figures["probe_twin"] == 0.0
+        assert capped.figures["price_points"] == 100.0 and capped.record()["asked"] == asked
+
+        consented = await Gate(backend, renderer, probes, params=params, max_price=1.0).evaluate(1, 0, asked=asked)
+        assert consented.decision == "accepted", consented
+        assert consented.reference == "twin" and consented.figures["probe_candidate"] == 0.0
+        assert consented.figures["probe_twin"] == 0.0 and consented.figures["price_points"] == 100.0
+
+        strict = await Gate(backend, renderer, probes, params=params, reference="v0").evaluate(1, 0, asked=asked)
+        assert strict.decision == "rejected" and strict.reference == "v0" and strict.asked is None

@@ -378,7 +378,7 @@ def tools_settings(sc: ToolsScenario, data_dir: Path, **overrides: Any) -> Setti
         gate_probes_max=r.gate_probes if r.gate_probes_max is None else r.gate_probes_max,
         gate_alpha_base=0.1,  # as the three seeds were measured (docs/agents.md); the default is 0.2
         # ... under the harm test: 16 single answers cannot show a candidate within 5 points of v0
-        gate_v0_test="harm", gate_samples=1, gate_max_tokens=48, gate_temperature=r.temperature,
+        gate_v0_test="harm", gate_reference="v0", gate_samples=1, gate_max_tokens=48, gate_temperature=r.temperature,
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**values)

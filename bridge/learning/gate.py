@@ -10,12 +10,23 @@ Probes are prompts with a check that scores an answer in [0, 1]: the general pro
 version still answer everyday questions), and whatever the caller adds (the demo: the scenario's
 truly-satisfied check on a validation split; an agent's recent prompts with a judge model).
 
-The decision is pure (`decide`): for each group, the per-probe difference candidate − reference is
-tested with one-sided paired t-tests. Against the serving version, a candidate is held back when
-the mean difference is below −margin AND the test says it is worse (p < alpha): evidence of harm.
-Against v0, the base, the burden of proof is the candidate's: it serves only when shown to lose
-less than the margin (non-inferiority, p < alpha_base), so that neither small losses adding up
-step after step nor one lucky set of answers among many candidates' can serve a worse model.
+The decision is pure (`decide`): each comparison of a probe group with a reference carries its
+rule (`Comparison`). Against the serving version, a candidate is held back when the mean
+difference is below −margin AND a one-sided paired t-test says it is worse (p < alpha): evidence
+of harm (`harm`). Against v0 in the strict mode (`reference="v0"`), the burden of proof is the
+candidate's: it serves only when shown to lose less than the margin (non-inferiority, p <
+alpha_base; `proof`).
+
+**Harm is judged against what the user asked for** (`reference="twin"`, the default). The user's
+preferences can cost answers by themselves: the base model *asked* for them (its **prompted
+twin**: the standing preferences as its system instruction, the instruction the OPD teacher gets)
+may answer fewer general questions than plain v0. That difference is the **price** of the
+preferences, shown wherever versions are. On the general probe the candidate is compared with the
+twin, not v0: paying the price is not harm; falling more than the margin below the twin is
+(`within`: the mean difference itself decides, on every probe, with the error rates measured in
+docs/methods.md#the-gate). A price above `max_price` is not paid silently: candidates are held
+back with that reason until the user raises it; and no candidate serves more than `max_price`
+below v0.
 
 Probes come in two tiers. The first is always asked; it can only hold a candidate back, and only
 at the stricter significance an early look needs (`early`, O'Brien and Fleming's boundary). In
@@ -31,6 +42,7 @@ mostly the versions', not the dice's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +50,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any, Literal
 
+from clawbridge.judges.hints import teacher_messages
 from clawbridge.types import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +58,8 @@ if TYPE_CHECKING:
     from clawbridge.judges.pairwise import PairwiseJudge
     from clawbridge.judges.types import Message
     from clawbridge.protocol import Backend
+
+log = logging.getLogger(__name__)
 
 Recent = tuple[Sequence[int], Sequence["Message"]]  # a user's prompt: its rendered ids and its messages
 
@@ -71,6 +86,25 @@ class GroupFigures:
     p_inferior: float
 
 
+Rule = Literal["harm", "proof", "within"]
+Reference = Literal["twin", "v0"]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A probe group compared with one reference, and the rule that decides on it:
+    `harm` holds the candidate back when it is shown worse beyond `margin` (p_worse < alpha);
+    `proof` also when it is not shown within `margin` (p_inferior >= alpha; never at an early
+    look); `within` when its mean falls more than `margin` below the reference (at an early look:
+    only when shown so, 1 − p_inferior < the early alpha)."""
+
+    figures: GroupFigures
+    rule: Rule
+    margin: float
+    alpha: float
+    what: str = ""  # how a reason names the reference ("the prompted twin"); default: the key
+
+
 @dataclass(frozen=True)
 class GateDecision:
     candidate: int
@@ -78,10 +112,13 @@ class GateDecision:
     decision: Decision
     reason: str
     figures: dict[str, float] = field(default_factory=dict)
+    reference: Reference = "v0"  # what the general probe was judged against
+    asked: str | None = None  # the preferences the twin was asked with
 
     def record(self) -> dict[str, Any]:
         return {"version": self.candidate, "serving": self.serving, "decision": self.decision,
-                "reason": self.reason, "figures": {k: round(v, 4) for k, v in self.figures.items()}}
+                "reason": self.reason, "figures": {k: round(v, 4) for k, v in self.figures.items()},
+                "reference": self.reference, "asked": self.asked}
 
 
 # --- statistics (pure) -------------------------------------------------------------------------
@@ -153,56 +190,67 @@ def early(alpha: float, share: float) -> float:
     return 1.0 - NormalDist().cdf(z)
 
 
-def doubtful(
-    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
-    share: float = 1.0,
-) -> bool:
+def doubtful(comparisons: dict[str, Comparison], share: float = 1.0) -> bool:
     """More probes should decide: unless the candidate is shown worse at the stricter significance
     an early look at `share` of the probes needs (`early`). An early look never accepts (a
     candidate 15 points worse looks no worse than its reference on 16 questions often enough, and
     the gate would pick exactly those lucky draws), nor holds back for want of evidence."""
     if share >= 1.0:
         return False
-    strict_base = None if alpha_base is None else early(alpha_base, share)
-    return decide(comparisons, margin, early(alpha, share), strict_base, non_inferiority=False)[0] == "accepted"
+    return decide(comparisons, share=share)[0] == "accepted"
 
 
-def decide(
-    comparisons: dict[str, GroupFigures], margin: float, alpha: float, alpha_base: float | None = None,
-    *, non_inferiority: bool = True,
-) -> tuple[Decision, str]:
-    """Held back when some comparison is worse by more than `margin` with p < `alpha`, or (with
-    `non_inferiority`, which an early look leaves out) when a comparison with v0 (named
-    "... vs v0", at `alpha_base` when given) does not show the candidate within the margin:
-    against the serving version the gate asks for evidence of harm, against the base for evidence
-    of safety. A gate that held back only a loss it could show served, among five candidates that
-    each lost 12 points of the probe, the one whose 50 answers happened to look fine; what all the
-    steps together cost is guarded from the other side (the candidate carries the burden of
-    proof)."""
-
-    def level(name: str) -> float:
-        return alpha_base if alpha_base is not None and name.endswith(" vs v0") else alpha
-
-    for name, g in comparisons.items():
-        if g.delta < -margin and g.p_worse < level(name):
+def decide(comparisons: dict[str, Comparison], *, share: float = 1.0) -> tuple[Decision, str]:
+    """Held back on the first comparison its rule holds against (module docstring); `share` < 1
+    is an early look: only a loss shown beyond the margin at `early(alpha, share)` holds back.
+    A gate that held back only a loss it could show served, among five candidates that each lost
+    12 points of the probe, the one whose 50 answers happened to look fine: against v0 in the
+    strict mode the candidate carries the burden of proof; against the twin the mean on all the
+    probes decides, and the probes are many enough for the error rates to be small."""
+    final = share >= 1.0
+    for name, c in comparisons.items():
+        g, alpha = c.figures, early(c.alpha, share)
+        if c.rule == "within":
+            shown = final or 1.0 - g.p_inferior < alpha
+            if g.delta < -c.margin and shown:
+                return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} ({100 * g.delta:+.0f} pts), "
+                                    f"more than {100 * c.margin:.0f} pts below {c.what or 'it'}")
+        elif g.delta < -c.margin and g.p_worse < alpha:
             return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
                                 f"({100 * g.delta:+.0f} pts, p={g.p_worse:.3f})")
-    if not non_inferiority:
+    if not final:
         return "accepted", "no probe group is worse beyond the margin"
-    for name, g in comparisons.items():
-        if name.endswith(" vs v0") and g.p_inferior >= level(name):
+    for name, c in comparisons.items():
+        g = c.figures
+        if c.rule == "proof" and g.p_inferior >= c.alpha:
             return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
-                                f"({100 * g.delta:+.0f} pts), not shown within {100 * margin:.0f} pts "
+                                f"({100 * g.delta:+.0f} pts), not shown within {100 * c.margin:.0f} pts "
                                 f"(p={g.p_inferior:.3f})")
-    return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
+    if any(c.rule == "within" for c in comparisons.values()):
+        return "accepted", "no probe group is worse beyond the margin; the probe is within it of the prompted twin"
+    if any(c.rule == "proof" for c in comparisons.values()):
+        return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
+    return "accepted", "no probe group is worse beyond the margin"
+
+
+def price(plain: Sequence[float], asked: Sequence[float]) -> float:
+    """What the preferences cost on the general probe: plain v0's rate − the twin's, as a rate
+    difference over the same probes (positive: asking for them costs answers)."""
+    if len(plain) != len(asked) or not plain:
+        raise ValueError("need the same, non-empty probes for both")
+    return (sum(plain) - sum(asked)) / len(plain)
 
 
 # --- evaluation (I/O: the backend) ---------------------------------------------------------------
 
 
+Who = tuple[int, "str | None"]  # a version, asked with an instruction (the twin) or plain (None)
+
+
 class Gate:
     """Scores versions on the probes; remembers each version's scores (a version's weights never
-    change, so the serving version and v0 are sampled once)."""
+    change, so the serving version, v0 and the twin are sampled once). v0 and the twin, asked
+    once for every candidate, answer each probe `reference_samples` times."""
 
     def __init__(
         self,
@@ -212,9 +260,12 @@ class Gate:
         *,
         params: SamplingParams,
         samples: int = 1,
+        reference_samples: int = 1,
         margin: float = 0.05,
         alpha: float = 0.1,
         alpha_base: float | None = None,
+        reference: Reference = "twin",
+        max_price: float = 0.15,
         non_inferiority: bool = True,
         pairwise: PairwiseJudge | None = None,
         reserve: Sequence[GateProbe] = (),
@@ -227,44 +278,52 @@ class Gate:
         self.tiers = [list(probes), list(reserve)] if reserve else [list(probes)]
         self.params = params
         self.samples = samples
+        self.reference_samples = reference_samples
         self.margin = margin
         self.alpha = alpha
-        self.alpha_base = alpha_base
+        self.alpha_base = alpha if alpha_base is None else alpha_base
+        self.reference = reference
+        self.max_price = max_price
         self.non_inferiority = non_inferiority
-        self._scores: dict[int, list[list[float]]] = {}  # version -> scores of each tier asked
-        self.answers: dict[int, list[str]] = {}  # the first answer per probe asked (for reading)
+        self._scores: dict[Who, list[list[float]]] = {}  # who -> scores of each tier asked
+        self.answers: dict[Who, list[str]] = {}  # the first answer per probe asked (for reading)
 
     @property
     def probes(self) -> list[GateProbe]:
         """The first tier: asked of every candidate."""
         return self.tiers[0]
 
-    async def scores(self, version: int, tiers: int = 1) -> list[float]:
+    async def scores(self, version: int, tiers: int = 1, asked: str | None = None,
+                     samples: int | None = None) -> list[float]:
         """One score per probe of the first `tiers` tiers, in [0, 1]: the mean check over
-        `samples` answers. A tier is asked of a version once."""
-        have = self._scores.setdefault(version, [])
-        self.answers.setdefault(version, [])
+        `samples` answers; `asked`: with that instruction (the twin). A tier is asked once."""
+        who: Who = (version, asked)
+        have = self._scores.setdefault(who, [])
+        self.answers.setdefault(who, [])
         while len(have) < tiers:
-            rated = await asyncio.gather(*(self._score(p, version) for p in self.tiers[len(have)]))
+            rated = await asyncio.gather(*(self._score(p, who, samples or self.samples)
+                                           for p in self.tiers[len(have)]))
             have.append([s for s, _ in rated])
-            self.answers[version].extend(a for _, a in rated)
+            self.answers[who].extend(a for _, a in rated)
         return [x for tier in have[:tiers] for x in tier]
 
-    async def _score(self, probe: GateProbe, version: int) -> tuple[float, str]:
-        prompt = self.renderer.render(list(probe.messages))
-        comps = await self.backend.sample(prompt, self.params, n=self.samples, version=version)
+    async def _score(self, probe: GateProbe, who: Who, samples: int) -> tuple[float, str]:
+        version, asked = who
+        messages = list(probe.messages) if asked is None else teacher_messages(probe.messages, asked)
+        prompt = self.renderer.render(messages)
+        comps = await self.backend.sample(prompt, self.params, n=samples, version=version)
         texts = [(self.renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
         return sum(probe.check(t, f) for t, f in texts) / len(texts), texts[0][0]
 
     def alias(self, version: int, same_as: int) -> None:
         """`version` holds `same_as`'s weights (a restored copy): reuse its scores."""
-        if same_as in self._scores:
-            self._scores[version] = self._scores[same_as]
-            self.answers[version] = self.answers[same_as]
+        if (same_as, None) in self._scores:
+            self._scores[(version, None)] = self._scores[(same_as, None)]
+            self.answers[(version, None)] = self.answers[(same_as, None)]
 
     def forget(self, version: int) -> None:
-        self._scores.pop(version, None)
-        self.answers.pop(version, None)
+        self._scores.pop((version, None), None)
+        self.answers.pop((version, None), None)
 
     async def _answer(self, prompt_ids: Sequence[int], version: int) -> str:
         [c] = await self.backend.sample(prompt_ids, self.params, n=1, version=version)
@@ -277,61 +336,116 @@ class Gate:
         a, b = await asyncio.gather(self._answer(ids, candidate), self._answer(ids, serving))
         return await self.pairwise.prefer(messages, a, b)
 
+    async def price(self, asked: str | None, base: int = 0, tiers: int | None = None) -> tuple[float, float]:
+        """The general probe's rate of plain v0 and of the twin asked with `asked`, on the first
+        `tiers` tiers (all: None)."""
+        n = len(self.tiers) if tiers is None else tiers
+        idx = [i for i, p in enumerate(p for t in self.tiers[:n] for p in t) if p.group == "probe"]
+        if not idx:
+            return 0.0, 0.0
+        plain = await self.scores(base, n, None, self.reference_samples)
+        twin = plain if asked is None else await self.scores(base, n, asked, self.reference_samples)
+        return sum(plain[i] for i in idx) / len(idx), sum(twin[i] for i in idx) / len(idx)
+
     async def evaluate(
-        self, candidate: int, serving: int, base: int = 0, recent: Sequence[Recent] = ()
+        self, candidate: int, serving: int, base: int = 0, recent: Sequence[Recent] = (),
+        asked: str | None = None,
     ) -> GateDecision:
         """`recent`: the user's own recent prompts, replayed on both versions and compared by the
-        pairwise judge (when there is one)."""
+        pairwise judge (when there is one). `asked`: the standing preferences (the twin's
+        instruction; None: nothing asked, the twin is plain v0)."""
         t0 = time.monotonic()
-        comparisons: dict[str, GroupFigures] = {}
+        twin = self.reference == "twin"
+        asked = asked if twin else None
+        if twin and asked is not None:
+            new = (base, asked) not in self._scores
+            plain, prompted = await self.price(asked, base)
+            if new:
+                log.warning("your preferences %s cost %.0f points of general answers on this model: %.0f %% -> "
+                            "%.0f %% of the probe answered when the base model is asked for them "
+                            "(gate_max_price %.0f points)", _quoted(asked), 100 * (plain - prompted),
+                            100 * plain, 100 * prompted, 100 * self.max_price)
+            if plain - prompted > self.max_price:
+                reason = (f"the preferences cost {100 * (plain - prompted):.0f} pts of the general probe "
+                          f"(v0 {plain:.0%}, asked {prompted:.0%}), more than gate_max_price "
+                          f"({100 * self.max_price:.0f} pts): raise it to accept this price")
+                priced = {"probe_v0": plain, "probe_twin": prompted, "price_points": 100 * (plain - prompted),
+                          "seconds": time.monotonic() - t0}
+                return GateDecision(candidate, serving, "rejected", reason, priced, "twin", asked)
+        comparisons: dict[str, Comparison] = {}
         figures: dict[str, float] = {}
         if self.pairwise is not None and recent:
             wins = list(await asyncio.gather(*(self._compare(p, candidate, serving) for p in recent)))
             # paired per prompt: the candidate's share of the preference against the serving one's
             fig = paired_worse(wins, [1.0 - w for w in wins], self.margin)
-            comparisons["recent vs serving"] = fig
+            comparisons["recent vs serving"] = Comparison(fig, "harm", self.margin, self.alpha)
             figures.update(recent_candidate=fig.candidate, recent_n=float(len(wins)),
                            recent_p_vs_serving=fig.p_worse)
-        asked = 1
-        probe_figures = await self._probe_figures(candidate, serving, base, asked)
         total = sum(len(t) for t in self.tiers)
-        while asked < len(self.tiers) and doubtful({**comparisons, **probe_figures[0]}, self.margin, self.alpha,
-                                                   self.alpha_base, sum(len(t) for t in self.tiers[:asked]) / total):
-            asked += 1
-            probe_figures = await self._probe_figures(candidate, serving, base, asked)
-        comparisons.update(probe_figures[0])
-        figures.update(probe_figures[1])
-        figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:asked]))
-        decision, reason = decide(comparisons, self.margin, self.alpha, self.alpha_base,
-                                  non_inferiority=self.non_inferiority)
+        asked_tiers = 1
+        found = await self._probe_figures(candidate, serving, base, asked_tiers, asked)
+        while asked_tiers < len(self.tiers) and doubtful(
+                {**comparisons, **found[0]}, sum(len(t) for t in self.tiers[:asked_tiers]) / total):
+            asked_tiers += 1
+            found = await self._probe_figures(candidate, serving, base, asked_tiers, asked)
+        comparisons.update(found[0])
+        figures.update(found[1])
+        figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:asked_tiers]))
+        decision, reason = decide(comparisons)
         figures["seconds"] = time.monotonic() - t0
-        return GateDecision(candidate, serving, decision, reason, figures)
+        return GateDecision(candidate, serving, decision, reason, figures, self.reference, asked)
 
     async def _probe_figures(
-        self, candidate: int, serving: int, base: int, tiers: int
-    ) -> tuple[dict[str, GroupFigures], dict[str, float]]:
-        """The paired comparisons per probe group on the first `tiers` tiers."""
-        comparisons: dict[str, GroupFigures] = {}
+        self, candidate: int, serving: int, base: int, tiers: int, asked: str | None
+    ) -> tuple[dict[str, Comparison], dict[str, float]]:
+        """The paired comparisons per probe group on the first `tiers` tiers, each with its rule:
+        the general probe against the twin (and, capped by the price, v0) when harm is judged
+        against what the user asked for; every other group, and the probe in the strict mode,
+        against the serving version (harm) and v0 (`proof`, or `harm` without non_inferiority)."""
+        comparisons: dict[str, Comparison] = {}
         figures: dict[str, float] = {}
         probes = [p for tier in self.tiers[:tiers] for p in tier]
         cand = await self.scores(candidate, tiers)
-        refs = {"serving": await self.scores(serving, tiers)}
-        # always a comparison with v0, at alpha_base: when v0 serves, the serving comparison is
-        # that one too (with only "vs serving", v0's first candidate escaped the stricter test)
-        refs["v0"] = refs["serving"] if base == serving else await self.scores(base, tiers)
+        v0 = await self.scores(base, tiers, None, self.reference_samples)
+        refs = {"serving": v0 if base == serving else await self.scores(serving, tiers), "v0": v0}
+        if self.reference == "twin":
+            refs["twin"] = v0 if asked is None else await self.scores(base, tiers, asked, self.reference_samples)
+        base_rule: Rule = "proof" if self.non_inferiority else "harm"
         for g in sorted({p.group for p in probes}):
             idx = [i for i, p in enumerate(probes) if p.group == g]
             c = [cand[i] for i in idx]
             figures[f"{g}_candidate"] = sum(c) / len(c)
             for ref_name, ref in refs.items():
                 r = [ref[i] for i in idx]
-                fig = paired_worse(c, r, self.margin)
-                comparisons[f"{g} vs {ref_name}"] = fig
+                if ref_name == "twin" and g != "probe":
+                    continue
+                general = g == "probe" and self.reference == "twin"
+                if general and ref_name == "twin":
+                    rule: Rule | None = "within"
+                    margin, alpha, what = self.margin, self.alpha, "the prompted twin"
+                elif general and ref_name == "v0":
+                    rule, margin, alpha, what = "within", self.max_price, self.alpha, "v0 (gate_max_price)"
+                elif general:
+                    rule = None  # paying the price is not harm: the serving version does not decide
+                    margin, alpha, what = self.margin, self.alpha, ""
+                elif ref_name == "v0":
+                    rule, margin, alpha, what = base_rule, self.margin, self.alpha_base, ""
+                else:
+                    rule, margin, alpha, what = "harm", self.margin, self.alpha, ""
+                fig = paired_worse(c, r, margin)
                 figures[f"{g}_{ref_name}"] = fig.reference
                 figures[f"{g}_p_vs_{ref_name}"] = fig.p_worse
-                if ref_name == "v0":
+                if ref_name == "v0" and rule == "proof":
                     figures[f"{g}_p_inferior_vs_v0"] = fig.p_inferior
+                if rule is not None:
+                    comparisons[f"{g} vs {ref_name}"] = Comparison(fig, rule, margin, alpha, what)
+            if g == "probe" and "twin" in refs:
+                figures["price_points"] = 100 * (figures["probe_v0"] - figures["probe_twin"])
         return comparisons, figures
+
+
+def _quoted(asked: str) -> str:
+    return ", ".join(f"'{line}'" for line in asked.splitlines())
 
 
 def probe_check(answered: Callable[[str], bool]) -> Check:
@@ -340,5 +454,5 @@ def probe_check(answered: Callable[[str], bool]) -> Check:
     return lambda text, _finish: 1.0 if answered(text) else 0.0
 
 
-__all__ = ["GATE_KEY", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "early", "paired_worse",
-           "probe_check"]
+__all__ = ["GATE_KEY", "Comparison", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "early",
+           "paired_worse", "price", "probe_check"]

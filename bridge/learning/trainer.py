@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clawbridge.config import TrainingSettings
+from clawbridge.learning import preferences
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
 from clawbridge.protocol import Backend, BackendError, Restorable, Screens, TransientBackendError
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
@@ -184,7 +185,8 @@ class Trainer:
         async with self.lock:
             self.backend.serve(before)
             try:
-                return await self._gate(candidate, before)
+                known = preferences.from_json(await self.store.run(self.store.get_meta, preferences.PREFERENCES_KEY))
+                return await self._gate(candidate, before, asked=preferences.instruction(preferences.standing(known)))
             finally:
                 self.backend.serve(None)
 
@@ -233,8 +235,9 @@ class Trainer:
                 ),
             )
             served = policy.version
+            asked = await self._learn_preferences(batch, policy.version)
             if self.gate is not None:
-                served = await self._gate(policy.version, before, await self._recent(batch))
+                served = await self._gate(policy.version, before, await self._recent(batch), asked)
         finally:
             if self.gate is not None:
                 self.backend.serve(None)  # between steps the newest version serves: accepted, or the restored copy
@@ -280,13 +283,24 @@ class Trainer:
                 out.append((sample.prompt_ids, turn.messages))
         return out
 
-    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = ()) -> int:
+    async def _learn_preferences(self, batch: Sequence[Sample], version: int) -> str | None:
+        """Add the hints trained into `version` to the standing preferences (store meta); returns
+        the twin's instruction: what the user has asked for so far (None: nothing yet)."""
+        store = self.store
+        known = preferences.from_json(await store.run(store.get_meta, preferences.PREFERENCES_KEY))
+        hints = [(x.hint, x.turn_id) for x in batch if x.hint]
+        if hints:
+            known = preferences.merge(known, hints, version)
+            await store.run(store.set_meta, preferences.PREFERENCES_KEY, preferences.to_json(known))
+        return preferences.instruction(preferences.standing(known))
+
+    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: str | None = None) -> int:
         """Judge the candidate against the serving version; returns the version that serves next.
         A rejected candidate (or a gate that failed: no evidence is no pass) is replaced by a
         copy of the serving weights, so training continues from what was served."""
         assert self.gate is not None
         try:
-            decision = await self.gate.evaluate(candidate, serving, recent=recent)
+            decision = await self.gate.evaluate(candidate, serving, recent=recent, asked=asked)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -1,0 +1,91 @@
+"""The user's standing preferences: what the trained hints asked for, kept as a short list.
+
+Every sample trained from a hint (OPD, or a hint-guided rewrite) was trained towards the model's
+answer *with that hint as its instruction*. Taken together, the hints of the trained samples are
+what the user is teaching the model, so they are what the gate's **prompted twin** is asked with:
+the base model answering the general probe with the preferences as its system instruction (the
+same instruction the OPD teacher gets, `judges.hints.teacher_messages`). Its probe rate against
+plain v0's is the price of the preferences (docs/methods.md#the-price-of-a-preference).
+
+A judge model words the same wish differently each time, so hints are merged when they say the
+same thing (the same words, by a Jaccard overlap of their word sets), counted, and only the most
+frequent `keep` stand: the twin changes (and is measured again) only when the standing list does.
+Pure functions over plain data; the trainer stores the list in the store's meta.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PREFERENCES_KEY = "learning.preferences"  # store meta: every preference seen, as `to_json`
+SAME = 0.6  # word-set overlap at which two hints say the same thing
+SOURCES = 5  # turn ids kept per preference (the newest)
+
+_WORD = re.compile(r"[a-z0-9']+")
+
+
+@dataclass(frozen=True)
+class Preference:
+    text: str  # the wording first seen
+    count: int  # trained samples whose hint said it
+    turns: tuple[str, ...]  # where it came from: the newest SOURCES turn ids
+    first_version: int  # the policy version trained from it first
+
+
+def words(text: str) -> frozenset[str]:
+    return frozenset(_WORD.findall(text.lower()))
+
+
+def same(a: str, b: str) -> bool:
+    """Two hints say the same thing: their word sets overlap by SAME or more (Jaccard)."""
+    wa, wb = words(a), words(b)
+    if not wa or not wb:
+        return a.strip().lower() == b.strip().lower()
+    return len(wa & wb) / len(wa | wb) >= SAME
+
+
+def merge(
+    known: Sequence[Preference], hints: Iterable[tuple[str, str]], version: int
+) -> list[Preference]:
+    """`known` plus the (hint, turn id) pairs trained into `version`: a hint that says what a
+    known preference says counts for it; any other starts a new one. Order: first seen first."""
+    out = list(known)
+    for hint, turn_id in hints:
+        text = " ".join(hint.split())
+        if not text:
+            continue
+        at = next((i for i, p in enumerate(out) if same(p.text, text)), None)
+        if at is None:
+            out.append(Preference(text, 1, (turn_id,), version))
+        else:
+            p = out[at]
+            out[at] = Preference(p.text, p.count + 1, (*p.turns, turn_id)[-SOURCES:], p.first_version)
+    return out
+
+
+def standing(prefs: Sequence[Preference], keep: int = 3) -> list[Preference]:
+    """The `keep` most frequent, ties to the first seen; in the order they were first seen."""
+    ranked = sorted(range(len(prefs)), key=lambda i: (-prefs[i].count, i))[:keep]
+    return [prefs[i] for i in sorted(ranked)]
+
+
+def instruction(prefs: Sequence[Preference]) -> str | None:
+    """The twin's instruction: the standing preferences, one a line (None: nothing was asked)."""
+    return "\n".join(p.text for p in prefs) or None
+
+
+def to_json(prefs: Sequence[Preference]) -> list[dict[str, Any]]:
+    return [{"text": p.text, "count": p.count, "turns": list(p.turns), "first_version": p.first_version}
+            for p in prefs]
+
+
+def from_json(rows: Any) -> list[Preference]:
+    return [Preference(str(r["text"]), int(r["count"]), tuple(r.get("turns", ())), int(r.get("first_version", 0)))
+            for r in rows or ()]
+
+
+__all__ = ["PREFERENCES_KEY", "Preference", "from_json", "instruction", "merge", "same", "standing", "to_json",
+           "words"]
