@@ -14,6 +14,7 @@ import httpx
 import pytest
 from clawbridge.config import Settings
 from clawbridge.learning.gate import GATE_KEY
+from clawbridge.learning.preferences import PREFERENCES_KEY
 from clawbridge.learning.trainer import ROLLBACKS_KEY
 from clawbridge.store import Store
 from clawbridge.store.browse import turn_status
@@ -193,6 +194,9 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
          "figures": {"probe_candidate": 0.6, "probe_twin": 0.58, "probe_p_vs_twin": 0.4}, "price": {"points": 12}},
     ])
     store.set_meta(ROLLBACKS_KEY, {"2": 0})
+    store.set_meta(PREFERENCES_KEY, [  # as learning.preferences keeps them: the 3 most frequent stand
+        {"text": t, "count": n, "turns": ["turn-x"], "first_version": 1}
+        for t, n in (("be brief", 5), ("no lists", 1), ("use metric units", 3), ("say please", 2))])
     with serve(board_for(store, tmp_path, None)) as app:
         out = httpx.get(f"{app.url}/ui/api/progress").json()
     vs = {v["version"]: v for v in out["versions"]}
@@ -204,11 +208,13 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
     assert vs[2]["restores"] == 0 and vs[2]["gate"] is None
     assert out["steps"][0]["step"] == 1 and out["steps"][0]["metrics"]["loss"] == 0.1
     assert {h["hint"] for h in out["hints"]} == {"be brief"}
+    assert [(p["text"], p["standing"]) for p in out["preferences"]] == [
+        ("be brief", True), ("use metric units", True), ("say please", True), ("no lists", False)]
 
 
 def test_the_change_token_moves_with_every_thing_the_page_shows(store: Store, tmp_path: Path) -> None:
     board = board_for(store, tmp_path, None)
-    keys = (board.gate_key, board.rollbacks_key)
+    keys = board.meta_keys
     tokens = [board.browse.token(keys)]
 
     def moved() -> bool:
@@ -225,6 +231,8 @@ def test_the_change_token_moves_with_every_thing_the_page_shows(store: Store, tm
     store.mark_samples([sid], "dropped", "test")
     assert moved()
     store.set_meta(GATE_KEY, [{"version": 1, "decision": "rejected", "reason": "r", "figures": {}}])
+    assert moved()
+    store.set_meta(PREFERENCES_KEY, [{"text": "be brief", "count": 1, "turns": [], "first_version": 1}])
     assert moved()
     assert not moved()
 
@@ -300,7 +308,7 @@ def test_polls_between_two_changes_share_one_read(store: Store, tmp_path: Path) 
         reads.append(1)
         return board.browse.waiting()
 
-    keys = (board.gate_key, board.rollbacks_key)
+    keys = board.meta_keys
     for _ in range(3):
         board.browse.memo("waiting", board.browse.token(keys), read)
     assert len(reads) == 1

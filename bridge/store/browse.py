@@ -399,8 +399,9 @@ class Browse:
     def conversation(self, session_id: str, after: int = -1, limit: int = 50) -> JSON | None:
         return self._in(conversation, session_id, after=after, limit=limit)
 
-    def progress(self, gate_key: str, rollbacks_key: str) -> JSON:
-        """Versions with their reactions, gate decisions and rollbacks; the steps; the hints."""
+    def progress(self, gate_key: str, rollbacks_key: str, preferences_key: str | None = None) -> JSON:
+        """Versions with their reactions, gate decisions and rollbacks; the steps; the hints; and
+        the stored preferences as kept (`preferences`: the meta value, None without a key)."""
         with self._conn() as conn:
             vs = versions(conn)
             react = self.reactions(conn)
@@ -410,7 +411,8 @@ class Browse:
                 v["reactions"] = react.get(v["version"])
                 v["gate"] = gate.get(v["version"])
                 v["restores"] = rollbacks.get(v["version"])
-            return {"versions": vs, "steps": steps(conn), "hints": hints(conn)}
+            return {"versions": vs, "steps": steps(conn), "hints": hints(conn),
+                    "preferences": meta(conn, preferences_key) if preferences_key else None}
 
     def waiting(self) -> JSON:
         return self._in(waiting)

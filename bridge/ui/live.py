@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import read_spend
 from clawbridge.learning.gate import GATE_KEY
+from clawbridge.learning.preferences import PREFERENCES_KEY
 from clawbridge.learning.trainer import ROLLBACKS_KEY
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.ui.routes import Board, RouteError
@@ -76,7 +77,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
         return {"object": "training", "paused": paused, "reason": learner.paused}  # type: ignore[attr-defined]
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Board(proxy.store, key, status, GATE_KEY, ROLLBACKS_KEY,
+    return Board(proxy.store, key, status, GATE_KEY, ROLLBACKS_KEY, PREFERENCES_KEY,
                  rollback=rollback if learner is not None else None,
                  pause=pause if learner is not None else None)
 
@@ -106,7 +107,7 @@ def offline_board(settings: Settings, store: Store) -> Board:
                 "spend": spend(settings.data_dir), "learner": None}
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Board(store, key, status, GATE_KEY, ROLLBACKS_KEY)
+    return Board(store, key, status, GATE_KEY, ROLLBACKS_KEY, PREFERENCES_KEY)
 
 
 def data_dir_app(settings: Settings) -> tuple[Starlette, Store]:

@@ -297,6 +297,16 @@ function renderTurns(page) {
   $("newest").hidden = state.cursors.length <= 1;
 }
 
+function renderPreferences(prefs) {
+  const ul = $("preferences");
+  ul.replaceChildren();
+  if (!prefs || !prefs.length) ul.append(el("li", { class: "muted" }, "None yet: a preference stands once samples with its hint are trained."));
+  for (const p of prefs || []) {
+    ul.append(el("li", { class: p.standing ? "" : "muted" }, el("q", {}, p.text),
+      ` — ${p.count} trained samples since v${p.first_version}` + (p.standing ? "" : " (not among the standing ones)")));
+  }
+}
+
 function renderHints(hints) {
   const ul = $("hints");
   ul.replaceChildren();
@@ -352,6 +362,7 @@ async function loadDashboard() {
   drawReward(progress.versions);
   drawGate(progress.versions);
   renderVersions(progress.versions, state.now && state.now.actions.rollback, state.now && state.now.status.version);
+  renderPreferences(progress.preferences);
   renderHints(progress.hints);
   renderTurns(page);
 }
