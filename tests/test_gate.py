@@ -201,6 +201,55 @@ def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys, monkeypat
     assert "1 accepted, 1 held back" in capsys.readouterr().out
 
 
+def test_the_price_and_the_preferences_are_shown_wherever_versions_are(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    from clawbridge.cli.status import print_preferences, print_status, print_versions
+    from clawbridge.config import Settings
+    from clawbridge.learning import preferences as prefs
+    from clawbridge.learning.gate import GATE_KEY, GateDecision
+    from clawbridge.store import PolicyVersionRow, Store
+
+    settings = Settings(data_dir=tmp_path)
+    print_preferences(str(tmp_path), None)
+    assert "no preferences yet" in capsys.readouterr().out
+    known = prefs.merge([], [("Answer in one short sentence.", "t1"), ("Use bullet points.", "t2"),
+                             ("answer in ONE short sentence", "t3")], version=1)
+    figures = {"probe_candidate": 0.5, "probe_twin": 0.5, "probe_v0": 0.62, "price_points": 12.0}
+    with Store.open(settings.db_url) as store:
+        store.record_policy_version(PolicyVersionRow(version=1, step=1))
+        store.set_meta(prefs.PREFERENCES_KEY, prefs.to_json(known))
+        store.set_meta(GATE_KEY, [GateDecision(1, 0, "accepted", "ok", figures, "twin",
+                                               prefs.instruction(prefs.standing(known))).record()])
+    print_preferences(str(tmp_path), None)
+    out = capsys.readouterr().out
+    assert "Answer in one short sentence." in out and "t1 t3" in out and "Use bullet points." in out
+    assert "price: 12 pts of general answers (v0 62%, asked for these 2 50%)" in out
+    print_versions(str(tmp_path), None)
+    assert "twin 50%, v0 62%: price 12 pts" in capsys.readouterr().out
+    print_status(str(tmp_path), None)
+    assert "12 pts of general answers" in capsys.readouterr().out
+
+
+def test_hints_that_say_the_same_thing_count_as_one_preference():
+    from clawbridge.learning import preferences as prefs
+
+    known = prefs.merge([], [("Too long. Please answer in one short sentence, under 20 words.", "a"),
+                             ("too long. please answer in one short sentence, under 20 words", "b"),
+                             ("Use a bulleted list.", "c")], version=1)
+    assert [(p.text, p.count, p.turns) for p in known] == [
+        ("Too long. Please answer in one short sentence, under 20 words.", 2, ("a", "b")),
+        ("Use a bulleted list.", 1, ("c",))]
+    more = prefs.merge(known, [(f"Say it in French {i}.", str(i)) for i in range(3)] + [("Use a bulleted list.", "d")], 2)
+    # words overlap 3 of 5 between "say it in french 0" and "... 1": the same wish, counted once
+    assert [p.count for p in more] == [2, 2, 3]
+    # the two most frequent (a tie goes to the first seen), in the order first seen
+    assert prefs.instruction(prefs.standing(more, keep=2)) == (
+        "Too long. Please answer in one short sentence, under 20 words.\nSay it in French 0.")
+    assert prefs.from_json(prefs.to_json(more)) == more
+    assert prefs.instruction([]) is None
+    assert prefs.merge([], [("   ", "x")], 1) == []
+
+
 class _Judge:
     """Stands in for a judge model (outside this machine): answers by a rule on the prompt."""
 

@@ -211,6 +211,18 @@ def versions_cmd(
     print_versions(data_dir, db)
 
 
+@app.command("preferences")
+def preferences_cmd(
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None),
+) -> None:
+    """What you have asked for: the hints trained so far, merged, counted, with the turns they came
+    from; the standing ones are the gate's twin's instruction, and their measured price."""
+    from clawbridge.cli.status import print_preferences
+
+    print_preferences(data_dir, db)
+
+
 @app.command("rollback")
 def rollback_cmd(
     version: str = typer.Argument(..., help="The version to serve again: 3 or v3 (0: the base model)."),

@@ -42,6 +42,9 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         last = decisions[-1]
         t.add_row("gate", f"{len(decisions) - held} accepted, {held} held back; last: v{last['version']} "
                   f"{gate_label(last)}")
+        priced = price_label(next((d for d in reversed(decisions) if "price_points" in d.get("figures", {})), None))
+        if priced:
+            t.add_row("price of your preferences", priced)
     if steps:
         m = steps[-1].metrics
         t.add_row("last step", f"#{steps[-1].step}: loss {m.get('loss', 0):.4f}, mean reward {m.get('mean_reward', 0):+.2f}")
@@ -72,9 +75,47 @@ def gate_label(record: dict | None) -> str:  # type: ignore[type-arg]
     figures = record.get("figures", {})
     probe = figures.get("probe_candidate")
     shown = f" (probe {probe:.0%})" if isinstance(probe, int | float) else ""
+    if isinstance(probe, int | float) and "probe_twin" in figures:
+        shown = (f" (probe {probe:.0%}; twin {figures['probe_twin']:.0%}, v0 {figures['probe_v0']:.0%}: "
+                 f"price {figures['price_points']:.0f} pts)")
     if record.get("decision") == "rejected":
         return f"rejected by the gate: {record.get('reason', '')}"
     return f"accepted{shown}"
+
+
+def price_label(record: dict | None) -> str:  # type: ignore[type-arg]
+    """What the preferences the twin was asked with cost on the general probe, in words."""
+    figures = (record or {}).get("figures", {})
+    if "price_points" not in figures:
+        return ""
+    return (f"{figures['price_points']:.0f} pts of general answers (v0 {figures['probe_v0']:.0%}, asked for "
+            f"{_n((record or {}).get('asked'))} {figures['probe_twin']:.0%})")
+
+
+def _n(asked: str | None) -> str:
+    n = len((asked or "").splitlines())
+    return "it" if n == 1 else f"these {n}"
+
+
+def print_preferences(data_dir: str | None, db: str | None) -> None:
+    from clawbridge.learning import preferences as prefs
+    from clawbridge.learning.gate import GATE_KEY
+
+    with _store(data_dir, db) as store:
+        known = prefs.from_json(store.get_meta(prefs.PREFERENCES_KEY))
+        decisions = list(store.get_meta(GATE_KEY) or [])
+    if not known:
+        Console().print("no preferences yet: none of the trained samples carried a hint")
+        return
+    standing = prefs.standing(known)
+    t = Table("standing", "preference", "hints", "first trained into", "from turns (newest)",
+              title="what you have asked for (the gate's twin is asked with the standing ones)")
+    for p in known:
+        t.add_row("yes" if p in standing else "", p.text, str(p.count), f"v{p.first_version}", " ".join(p.turns))
+    Console().print(t)
+    priced = price_label(next((d for d in reversed(decisions) if "price_points" in d.get("figures", {})), None))
+    if priced:
+        Console().print(f"price: {priced}")
 
 
 def print_versions(data_dir: str | None, db: str | None) -> None:

@@ -28,7 +28,7 @@ from clawbridge.config import Settings
 from clawbridge.judges import Judges
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
-from clawbridge.learning.gate import GateProbe
+from clawbridge.learning.gate import GateDecision, GateProbe
 from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
 
 if TYPE_CHECKING:
@@ -153,11 +153,20 @@ class Learner:
         if self.trainer is not None and self.trainer.decisions:
             d = self.trainer.decisions[-1]
             out["gate"] = f"v{d.candidate} {d.decision}"
+            if (priced := self._priced()) is not None:
+                f = priced.figures
+                out["price"] = (f"{f['price_points']:.0f} pts of general answers "
+                                f"(v0 {f['probe_v0']:.0%}, asked {f['probe_twin']:.0%})")
         if (rb := self.last_rollback) is not None:
             out["rollback"] = f"v{rb.version} = v{rb.restored}"
         if self.errors:
             out["learner errors"] = self.errors
         return out
+
+    def _priced(self) -> GateDecision | None:
+        """The newest gate decision that measured the price of the preferences."""
+        decisions = self.trainer.decisions if self.trainer is not None else []
+        return next((d for d in reversed(decisions) if "price_points" in d.figures), None)
 
     def metrics(self) -> dict[str, float]:
         """Gauges for /metrics: judging and sample counts, and the last training step's metrics."""
@@ -179,6 +188,10 @@ class Learner:
             if decisions:
                 out["gate_last_candidate"] = float(decisions[-1].candidate)
                 out["gate_last_accepted"] = 1.0 if decisions[-1].decision == "accepted" else 0.0
+            if (priced := self._priced()) is not None:
+                out["preferences_price_points"] = priced.figures["price_points"]
+                out["preferences_probe_plain"] = priced.figures["probe_v0"]
+                out["preferences_probe_asked"] = priced.figures["probe_twin"]
         if (last := self.last_step) is not None:
             out["train_step"] = last.step
             out["train_samples"] = last.samples
