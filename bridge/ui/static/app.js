@@ -208,6 +208,11 @@ function gateCell(g) {
   if (!g) return el("td", {}, "–");
   const ok = g.decision === "accepted";
   const td = el("td", {}, el("span", { class: "badge " + (ok ? "trained" : "dropped") }, ok ? "accepted" : "held back"), " ", g.reason || "");
+  const f = g.figures || {};
+  if (typeof f.price_points === "number") {
+    const plain = typeof f.probe_v0 === "number" ? pct(f.probe_v0) : "?", asked = typeof f.probe_twin === "number" ? pct(f.probe_twin) : "?";
+    td.append(el("div", { class: "price" }, `price of the preferences: ${f.price_points.toFixed(0)} points of general answers (base model ${plain} plain → ${asked} asked)`));
+  }
   const figs = Object.entries(g.figures || {}).map(([k, v]) => `${k} ${typeof v === "number" ? +v.toFixed(4) : v}`);
   const extra = Object.entries(g).filter(([k]) => !["version", "serving", "decision", "reason", "figures"].includes(k))
     .map(([k, v]) => `${k} ${typeof v === "object" ? JSON.stringify(v) : v}`);
