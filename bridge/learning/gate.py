@@ -24,7 +24,7 @@ may answer fewer general questions than plain v0. That difference is the **price
 preferences, shown wherever versions are. On the general probe the candidate is compared with the
 twin, not v0: paying the price is not harm; falling more than the margin below the twin is
 (`within`: the mean difference itself decides, on every probe, with the error rates measured in
-docs/methods.md#the-gate). A price above `max_price` is not paid silently: candidates are held
+docs/methods.md#harm-is-judged-against-what-you-asked-for). A price above `max_price` is not paid silently: candidates are held
 back with that reason until the user raises it; and no candidate serves more than `max_price`
 below v0.
 

@@ -5,7 +5,7 @@ answer *with that hint as its instruction*. Taken together, the hints of the tra
 what the user is teaching the model, so they are what the gate's **prompted twin** is asked with:
 the base model answering the general probe with the preferences as its system instruction (the
 same instruction the OPD teacher gets, `judges.hints.teacher_messages`). Its probe rate against
-plain v0's is the price of the preferences (docs/methods.md#the-price-of-a-preference).
+plain v0's is the price of the preferences (docs/methods.md#harm-is-judged-against-what-you-asked-for).
 
 A judge model words the same wish differently each time, so hints are merged when they say the
 same thing (the same words, by a Jaccard overlap of their word sets), counted, and only the most
