@@ -1,6 +1,6 @@
 """The Tinker backend (tinker 0.38): LoRA training and sampling on Thinking Machines' service.
 
-The verbs map one to one onto Tinker's primitives (DESIGN.md §3):
+The verbs map one to one onto Tinker's primitives (docs/design.md#the-backend-protocol):
 
 - `sample`: the sampling client of the requested version, token ids in, token ids and sampling
   logprobs out; temperature 1, top_p 1, top_k -1 unless the request says otherwise.

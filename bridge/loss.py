@@ -1,4 +1,4 @@
-"""The loss every backend reproduces (DESIGN.md §3), as pure torch functions.
+"""The loss every backend reproduces (docs/design.md#the-loss), as pure torch functions.
 
     rho_t  = exp(logpi_theta(a_t) - logpi_old(a_t))          logpi_old: recorded at sampling
     l_t    = -min(rho_t * A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_t)

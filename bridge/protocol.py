@@ -1,6 +1,6 @@
 """The Backend protocol: the verbs every training platform implements, with identical semantics.
 
-Shaped after Tinker's primitives (DESIGN.md §3). A backend carries semantics, it never decides
+Shaped after Tinker's primitives (docs/design.md#the-backend-protocol). A backend carries semantics, it never decides
 them: advantages are computed in `clawbridge.learning.advantages`, the loss is `clawbridge.loss`.
 
 Versions: version 0 is the base model. `publish()` makes the trained weights servable as the next
@@ -177,7 +177,7 @@ class Backend(Protocol):
         loss: LossSpec = LossSpec(),
         optim: OptimSpec = OptimSpec(),
     ) -> StepMetrics:
-        """Forward + backward + one optimizer step with the loss of DESIGN.md §3
+        """Forward + backward + one optimizer step with the loss of docs/design.md#the-loss
         (token-mean over the batch's completion tokens)."""
         ...
 

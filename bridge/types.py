@@ -92,7 +92,7 @@ class Datum:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """The PPO-clipped token-level loss of DESIGN.md §3; every backend reproduces it exactly."""
+    """The PPO-clipped token-level loss of docs/design.md#the-loss; every backend reproduces it exactly."""
 
     clip_low: float = 0.2
     clip_high: float = 0.28

@@ -1,4 +1,4 @@
-"""Judges: from a turn and its next state to a reward and a hindsight hint (DESIGN.md §5).
+"""Judges: from a turn and its next state to a reward and a hindsight hint (docs/design.md#judges).
 
     PRMJudge    m votes of a judge model, \\boxed{1|0|-1}, majority (tie: 0)
     HintJudge   m votes: a hint between [HINT_START]...[HINT_END], or a decline

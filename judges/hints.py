@@ -1,4 +1,4 @@
-"""The hint judge (OPD) and the teacher prompt (DESIGN.md §5).
+"""The hint judge (OPD) and the teacher prompt (docs/design.md#judges).
 
 m votes each either decline or give a hindsight hint. Hints from positive votes longer than 10
 characters are candidates; the longest wins, or, with `selection="overlap"`, the one a scoring

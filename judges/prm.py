@@ -1,4 +1,4 @@
-"""The PRM judge: m concurrent votes on a turn, majority wins (DESIGN.md §5)."""
+"""The PRM judge: m concurrent votes on a turn, majority wins (docs/design.md#judges)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The offline rules judge: the default when no judge model is configured (DESIGN.md §5).
+"""The offline rules judge: the default when no judge model is configured (docs/design.md#judges).
 
 It reads only what the user says next, and only explicit feedback:
 

@@ -1,4 +1,4 @@
-"""The RL math with the worked numbers of the design (DESIGN.md §6), computed by hand."""
+"""The RL math with the worked numbers of the design (docs/design.md#methods), computed by hand."""
 
 from __future__ import annotations
 

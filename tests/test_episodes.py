@@ -26,7 +26,7 @@ MODEL = "tiny-random"
 
 # --- the math -------------------------------------------------------------------------------
 def test_outcomes_of_one_turn_episodes_are_plain_grpo():
-    # DESIGN.md §6 / advantages.group_normalise: [1, -1, 1, 0] -> mean 0.25, population std 0.829
+    # docs/design.md#methods / advantages.group_normalise: [1, -1, 1, 0] -> mean 0.25, population std 0.829
     rewards = [step_rewards(o, [Step(5)]) for o in (1.0, -1.0, 1.0, 0.0)]
     adv = group_advantages(rewards)
     assert adv is not None

@@ -1,4 +1,4 @@
-"""The RL math: from a judged turn to one advantage per completion token (DESIGN.md §6).
+"""The RL math: from a judged turn to one advantage per completion token (docs/design.md#methods).
 
 Pure functions over plain numbers. Nothing here does I/O or knows where logprobs came from:
 `student_lp` is always log pi_old, the behaviour logprob the proxy recorded while sampling, and

@@ -1,4 +1,4 @@
-"""The collector: judged turns become training samples (DESIGN.md §1, §5, §6).
+"""The collector: judged turns become training samples (docs/design.md#the-loop, #judges, #methods).
 
     turn with a next state ──► sample `pending` (one per turn and method, created first)
                           ──► judges (only the kinds still missing) ──► judgments stored

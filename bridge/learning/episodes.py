@@ -1,4 +1,4 @@
-"""Episodes of general agents: outcome rewards → group-relative advantages (DESIGN.md §6).
+"""Episodes of general agents: outcome rewards → group-relative advantages (docs/design.md#methods).
 
     group of n episodes, each a multi-turn run ending in an outcome (a float)
       ──► step reward  r_{i,t} = outcome_i  [+ lam/m * sum(votes_{i,t})]  [+ overlong(len_{i,t})]

@@ -1,4 +1,4 @@
-"""Explicit feedback for SDK users: `POST /v1/feedback` (DESIGN.md §5, issue 4 item 4).
+"""Explicit feedback for SDK users: `POST /v1/feedback` (docs/design.md#judges).
 
     {"session_id": "...", "turn_id": null, "reward": 1, "hint": null}
 

@@ -1,4 +1,4 @@
-"""The gate before every publish (DESIGN.md §6, "Keeping the model good").
+"""The gate before every publish (docs/methods.md#keeping-the-model-good-the-anchor-and-the-gate).
 
     train_step ─► publish candidate v(K+1) while the proxy keeps serving vK (the pin)
               ─► sample both on the probes ─► paired comparison per probe group

@@ -1,4 +1,4 @@
-"""The trainer: a recipe, not a framework (DESIGN.md §1, §3).
+"""The trainer: a recipe, not a framework (docs/design.md#the-loop, #the-backend-protocol).
 
     drop stale samples (with the reason) ─► take B judged samples ─► Datum per sample
     ─► backend.train_step ─► backend.publish (new requests go to v+1, in-flight ones finish on v)

@@ -1,4 +1,4 @@
-"""Sessions and turns (DESIGN.md §4): which conversation a request belongs to, whether it trains,
+"""Sessions and turns (docs/design.md#sessions-and-turns): which conversation a request belongs to, whether it trains,
 and the next state of the previous main turn.
 
 A request names its session by header, body key or URL prefix. Untagged requests are joined to the

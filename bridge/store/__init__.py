@@ -1,4 +1,4 @@
-"""The store (DESIGN.md §7): sessions, turns with exact token ids and logprobs, judgments with
+"""The store (docs/design.md#the-store): sessions, turns with exact token ids and logprobs, judgments with
 every vote, samples and their states, training steps and policy versions. SQLite (WAL) by
 default, PostgreSQL by URL; Alembic migrations run at open. See docs/store.md."""
 

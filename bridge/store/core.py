@@ -1,4 +1,4 @@
-"""The store: the source of truth every loop resumes from after a crash (DESIGN.md §7).
+"""The store: the source of truth every loop resumes from after a crash (docs/design.md#the-store).
 
 `Store` is the capture path (`capture.py`: sessions, turns) and the learning state
 (`training.py`: judgments, samples, steps, versions) over one database (`base.py`: engine,

@@ -1,4 +1,4 @@
-"""Groups and episodes (DESIGN.md §6 "Episodes"): n attempts at one task, each ending in an
+"""Groups and episodes (docs/design.md#methods, "Episodes"): n attempts at one task, each ending in an
 outcome reward.
 
     group   open ──► closed (no more outcomes expected) ──► trained | dropped (with the reason)

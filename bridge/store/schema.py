@@ -180,7 +180,7 @@ meta = sa.Table(
     sa.Column("updated_at", UTCDateTime(), nullable=False),
 )
 
-# Episodes of general agents (DESIGN.md §6, docs/agents.md): a group is n attempts at one task;
+# Episodes of general agents (docs/design.md#methods, docs/agents.md): a group is n attempts at one task;
 # an episode is one attempt, the main turns of its session (or, for a choice of an `n > 1`
 # request, that one turn), ending in an outcome reward. No foreign key to sessions: the session
 # row appears with the episode's first request.
