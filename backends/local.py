@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clawbridge.local_gpu import models
+from clawbridge.local_gpu import models, precision
 from clawbridge.local_gpu.engine import Engine
 from clawbridge.protocol import BackendError, ContextLengthExceeded, Routing, ScoreModel
 from clawbridge.types import (
@@ -48,6 +48,7 @@ class LocalBackend(Routing):
         seed: int = 0,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        engine_dtype: precision.EngineDtype = "auto",
         max_batch: int = 16,
         train_token_budget: int = 2048,
         threads: int | None = None,
@@ -60,13 +61,16 @@ class LocalBackend(Routing):
         # what /v1/models suggests agents ask for: on CPU each token is a decode step of a
         # ~13 K-token context (OpenClaw's), so a long default budget makes every turn slow
         self.suggested_max_tokens = CPU_SUGGESTED_MAX_TOKENS if device == "cpu" else None
+        # `dtype` (a GPU caller's) wins; otherwise the setting, `auto` asking the CPU
+        chosen = dtype or precision.choose(engine_dtype, device, precision.cpu_flags())
+        self.dtype = precision.name(chosen)  # what the banner, /v1/models and status show
         self.engine = Engine(
             spec,
             data_dir=Path(data_dir),
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
             device=device,
-            dtype=dtype,
+            dtype=chosen,
             seed=seed,
             max_batch=max_batch,
             train_token_budget=train_token_budget,

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from clawbridge.local_gpu import adapters, models
+from clawbridge.local_gpu import adapters, models, precision
 from clawbridge.local_gpu.adapters import BASE, TRAIN
 from clawbridge.local_gpu.decoding import Decoding, _Job, _Seq
 from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
@@ -144,7 +144,9 @@ class Engine(Decoding, VersionSlots, Training):
 
         if self.threads:  # process-wide; on a shared, busy CPU one thread beats contended two
             torch.set_num_threads(self.threads)
-        base = models.load_model(self.spec, dtype=self.dtype, device=self.device, seed=self.seed)
+        # loaded in fp32 and cast down here, so that the output head keeps the exact weights
+        base = models.load_model(self.spec, device=self.device, seed=self.seed)
+        precision.to_compute_dtype(base, self.dtype)  # all but the head (fp32 logits)
         config = LoraConfig(
             r=self.lora_rank,
             lora_alpha=self.lora_alpha,

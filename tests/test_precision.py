@@ -1,0 +1,94 @@
+"""The engine's compute dtype: chosen from the CPU's flags (both answers tested on any machine),
+and a bf16 body that keeps its output head, hence its logits, in fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from clawbridge.backends.local import LocalBackend
+from clawbridge.local_gpu import models, precision
+
+WITH_BF16 = frozenset({"fpu", "avx512f", "avx512_bf16"})
+WITHOUT_BF16 = frozenset({"fpu", "avx2", "avx512f", "avx512bw"})  # emulated bf16 only
+
+
+def test_auto_is_bf16_on_a_cpu_with_native_bf16_and_fp32_on_one_without() -> None:
+    assert precision.choose("auto", "cpu", WITH_BF16) == torch.bfloat16
+    assert precision.choose("auto", "cpu", frozenset({"amx_bf16"})) == torch.bfloat16
+    assert precision.choose("auto", "cpu", WITHOUT_BF16) == torch.float32
+    assert precision.choose("auto", "cpu", frozenset()) == torch.float32
+
+
+def test_a_forced_setting_wins_and_auto_on_a_gpu_stays_fp32() -> None:
+    assert precision.choose("fp32", "cpu", WITH_BF16) == torch.float32
+    assert precision.choose("bf16", "cpu", WITHOUT_BF16) == torch.bfloat16
+    assert precision.choose("auto", "cuda", WITH_BF16) == torch.float32
+    assert [precision.name(d) for d in (torch.bfloat16, torch.float32, torch.float16)] == ["bf16", "fp32", "float16"]
+
+
+def test_the_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\n")
+    assert precision.cpu_flags(info) == frozenset({"fpu", "avx2", "avx512_bf16"})
+    assert precision.native_bf16(precision.cpu_flags(info))
+    assert precision.cpu_flags(tmp_path / "missing") == frozenset()  # not Linux: fp32
+
+
+def test_the_backend_resolves_auto_from_this_cpu_and_honours_a_forced_dtype(tmp_path: Path) -> None:
+    here = precision.name(precision.choose("auto", "cpu", precision.cpu_flags()))
+    assert LocalBackend("tiny-random", tmp_path).dtype == here
+    assert LocalBackend("tiny-random", tmp_path, engine_dtype="fp32").engine.dtype == torch.float32
+    assert LocalBackend("tiny-random", tmp_path, engine_dtype="bf16").engine.dtype == torch.bfloat16
+    backend = LocalBackend("tiny-random", tmp_path, engine_dtype="bf16", dtype=torch.float32)
+    assert backend.dtype == "fp32"  # an explicit torch dtype (a GPU caller's) wins
+
+
+def test_a_bf16_body_keeps_the_checkpoints_head_in_fp32_and_gives_fp32_logits() -> None:
+    spec = models.resolve(models.TINY)
+    reference = models.load_model(spec)
+    model = models.load_model(spec)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    precision.to_compute_dtype(model, torch.bfloat16)
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    assert head.weight.dtype == torch.float32 and embed.weight.dtype == torch.bfloat16
+    assert torch.equal(head.weight, reference.get_output_embeddings().weight)  # not rounded
+    assert {p.dtype for n, p in model.named_parameters() if "lm_head" not in n} == {torch.bfloat16}
+    ids = torch.tensor([[1, 520, 3121, 28, 1830]])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits
+        expected = reference(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    # bf16 rounding through two layers, not bf16 logits (a multiple of 2^-6 near 1)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0.05)
+    assert (logits * 64 != (logits * 64).round()).any()
+
+
+def test_fp32_is_left_untouched() -> None:
+    model = models.load_model(models.resolve(models.TINY))
+    precision.to_compute_dtype(model, torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert not model.get_output_embeddings()._forward_pre_hooks
+
+
+@pytest.mark.parametrize("engine_dtype", ["fp32", "bf16"])
+async def test_the_trainable_adapter_and_its_optimizer_stay_fp32(tmp_path: Path, engine_dtype: str) -> None:
+    from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+
+    backend = LocalBackend("tiny-random", tmp_path, lora_rank=4, lora_alpha=8, threads=1, engine_dtype=engine_dtype)  # type: ignore[arg-type]
+    await backend.start()
+    try:
+        prompt = (1, 520, 3121, 28)
+        (c,) = await backend.sample(prompt, SamplingParams(max_tokens=4, seed=1))
+        await backend.train_step([Datum(prompt, c.tokens, c.logprobs, (1.0,) * len(c.tokens))], LossSpec(), OptimSpec())
+        engine = backend.engine
+        trainable = [p for p in engine._model.parameters() if p.requires_grad]
+        assert trainable and {p.dtype for p in trainable} == {torch.float32}
+        assert engine._optimizer is not None
+        moments = [t for s in engine._optimizer.state.values() for t in s.values() if t.dim()]
+        assert moments and {t.dtype for t in moments} == {torch.float32}
+        body = {p.dtype for n, p in engine._model.named_parameters() if "lora_" not in n and "lm_head" not in n}
+        assert body == {precision.DTYPES[engine_dtype]}
+    finally:
+        await backend.close()
