@@ -80,6 +80,56 @@ def test_numbers_in_a_keyword_list_are_keywords(tmp_path: Path):
     assert not check.answered("Water boils when it gets very hot indeed.")
 
 
+def test_the_teachability_verdict_says_when_there_is_little_to_learn_from():
+    from clawbridge.demo.teachability import Teachability
+
+    def verdict(plain: float, asked: float) -> Teachability:
+        return Teachability(plain=plain, asked=asked, asked_preferred=asked, asked_answered=1.0, answers=40)
+
+    bullets = verdict(0.02, 0.06)  # what the bullets scenario measured
+    assert bullets.little and bullets.verdict() == (
+        "teachability: asked for it, the model meets it in 6% of answers (2% unasked): there is little to learn "
+        "from; see docs/learning.md")
+    concise = verdict(0.0, 0.41)
+    assert not concise.little and concise.verdict().startswith(
+        "teachability: asked for it, the model meets it in 41% of answers against 0% unasked: hints can teach it")
+    already = verdict(0.5, 0.55)  # the model does it anyway: asking adds little
+    assert already.little and "asking adds little" in already.verdict()
+    assert verdict(0.0, 0.15).little is False  # the threshold itself is enough
+
+
+def test_the_price_line_names_the_points_and_the_gates_maximum():
+    from clawbridge.demo.teachability import Price
+
+    plain, asked = (1.0,) * 31 + (0.0,) * 19, (1.0,) * 25 + (0.0,) * 25  # 62 % and 50 % of 50
+    price = Price(plain, asked, "Be brief.")
+    assert price.points == pytest.approx(12.0)
+    assert price.line() == ("the price: your preference costs 12 points of general answers on this model: "
+                            "62% → 50% of 50 probe questions answered when the base model is asked for it")
+    assert price.line(0.15) == price.line()  # within gate_max_price: nothing more to say
+    assert price.line(0.10).endswith("above gate_max_price (10 points), so the gate holds every candidate back: "
+                                     "raise it to accept this price")
+    free = Price(asked, plain, "Be brief.")  # asking answers more: no price
+    assert free.points < 0 and "costs no general answers" in free.line(0.15)
+    assert price.record((0.02, 0.2)) == {"probe_plain": 0.62, "probe_asked": 0.5, "points": 12.0,
+                                         "interval": [2.0, 20.0], "probes": 50, "asked": "Be brief."}
+
+
+def test_the_twin_is_asked_what_the_trainer_derives_from_the_scenarios_corrections():
+    """The demo's twin and the gate's read one function: the trainer keeps the hints it trains
+    (the rules judge's hint is the whole correction) as standing preferences."""
+    from clawbridge.demo.teachability import instruction
+    from clawbridge.learning import preferences
+
+    for name in scenario.builtin_names():
+        sc = scenario.load(name)
+        # the simulated user corrects conversation i with unsatisfied[i % n]: the first seen first
+        trained = [(sc.reply(False, i, prompt="What is rain?"), f"turn-{i}") for i in range(12)]
+        standing = preferences.standing(preferences.merge([], trained, 1))
+        assert instruction(sc) == preferences.instruction(standing), name
+        assert instruction(sc).splitlines() == list(dict.fromkeys(sc.replies.unsatisfied))[:3], name
+
+
 def test_paired_interval_by_hand():
     mean, lo, hi = scenario.paired_interval([0, 0, 0.5, 0], [1, 0.5, 1, 1])
     # d = [1, .5, .5, 1]: mean .75, sd .2887, t(3) = 3.182 -> half width .4593
@@ -109,6 +159,23 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert -1 <= lo <= summary["delta"] <= hi <= 1
     assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
+    # v0 asked for the preference: teachability on the held-out prompts, the price on the probe
+    teach, price = summary["teachability"], summary["price"]
+    assert teach["plain"] == summary["truly_before"] and 0 <= teach["asked"] <= 1
+    assert teach["answers"] == 3 * sc.recipe.teach_samples and teach["verdict"].startswith("teachability: ")
+    assert price["asked"] == "Too long. Please answer in under 3 words." and price["probes"] == 50
+    assert price["probe_plain"] == summary["probe_before"] and price["probe_asked"] == summary["twin_probe"]
+    assert price["points"] == pytest.approx(100 * (price["probe_plain"] - price["probe_asked"]), abs=0.02)
+    lo, hi = price["interval"]
+    assert lo <= price["points"] <= hi
+    assert summary["probe_vs_twin"] == pytest.approx(summary["probe_after"] - summary["twin_probe"], abs=1e-4)
+    # each gate decision names what the general probe was compared with, and what the twin was asked
+    assert all(g["reference"] == "twin" for g in summary["gate"]), summary["gate"]
+    assert all(g["asked"] and "under 3 words" in g["asked"] for g in summary["gate"]), summary["gate"]
+    parts = summary["seconds_by_part"]
+    assert {"start", "measure", "conversations", "learning", "gate", "held-out", "probe", "teachability",
+            "twin probe"} <= set(parts) and all(v >= 0 for v in parts.values())
+    assert parts["held-out"] + parts["probe"] + parts["teachability"] + parts["twin probe"] <= parts["measure"] + 1
 
 
 def test_a_restored_copy_has_the_weights_it_copies():
@@ -165,6 +232,7 @@ def test_the_demo_command_prints_the_table_and_writes_the_summary(tmp_path: Path
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["scenario"] == "tiny" and summary["steps"] == 1
+    assert summary["price"]["asked"] and summary["teachability"]["verdict"]
     assert json.loads((out / "tiny.json").read_text()) == summary
     assert "held-out prompts the training never saw (tiny)" in res.stderr
     # not a terminal: the progress is one plain line per event, no redraws
@@ -173,6 +241,13 @@ def test_the_demo_command_prints_the_table_and_writes_the_summary(tmp_path: Path
     assert [e.split("] ", 1)[1] for e in events][:3] == [
         "0/3 starting the stack", "0/3 measuring policy@v0", "1/3 round 1/1: conversations"]
     assert events[-1].endswith("3/3 done")
+    # teachability and the price are said before the first round
+    lines = res.stderr.splitlines()
+    teach = next(i for i, ln in enumerate(lines) if ln.strip().startswith("teachability: "))
+    price = next(i for i, ln in enumerate(lines) if ln.strip().startswith("the price: your preference costs"))
+    first_round = next(i for i, ln in enumerate(lines) if ln.endswith("round 1/1: conversations"))
+    assert teach < price < first_round
+    assert "the price: general probe, plain → asked" in res.stderr and "last version vs the twin" in res.stderr
 
 
 @pytest.mark.timeout(280)

@@ -82,9 +82,14 @@ def run_demo_command(
         soft_wrap=True,  # piped, a path cut at 80 columns cannot be copied
     )
     out_dir = Path(out)
+
+    def note(line: str) -> None:  # teachability and the price, said before the first round
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
     result = _with_progress(
         console, 2 * sc.recipe.rounds + 1,
-        lambda progress: demo.run_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png"),
+        lambda progress: demo.run_demo(sc, settings, progress=progress, plot_path=out_dir / f"{sc.name}.png",
+                                       note=note),
     )
     lines = [f"  [dim]{ex['prompt']}[/]\n    before: {ex['before']!r}\n    after:  {ex['after']!r}"
              for ex in result.examples[:2]]

@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
@@ -70,13 +70,15 @@ class Player(Protocol[E]):
 @dataclass(frozen=True)
 class Played(Generic[E]):
     """What the rounds left: every measured version (v0 first), their examples, the training
-    steps taken, the gate's decisions and the served model's name."""
+    steps taken, the gate's decisions, the served model's name, and the wall seconds of each
+    part (`Clock`)."""
 
     versions: list[E]
     examples: dict[int, list[dict[str, Any]]]
     steps: int
     gate: list[dict[str, Any]]
     model: str
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def first(self) -> E:
@@ -103,36 +105,57 @@ async def play(
 ) -> Played[E]:
     """Run the stack, play `rounds` rounds with the player made for it, measure."""
     report = progress or (lambda phase, done, total: None)
+    clock, t0 = Clock(), time.monotonic()
     async with demo_stack(settings, learner) as running:
+        clock.seconds["start"] = time.monotonic() - t0
         player = player_for(running)
         try:
-            versions, examples = await _rounds(player, learner, running, rounds, report, step_timeout_s)
+            versions, examples = await _rounds(player, learner, running, rounds, report, step_timeout_s, clock)
         finally:
             await player.aclose()
         steps = len(await asyncio.to_thread(_steps, settings))
         gate = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
-        return Played(versions, examples, steps, gate, running.proxy.model_name)
+        clock.seconds["gate"] = sum(float(g["figures"].get("seconds", 0.0)) for g in gate)
+        return Played(versions, examples, steps, gate, running.proxy.model_name, clock.seconds)
+
+
+class Clock:
+    """Wall seconds per part of a demo, summed over its occurrences: where the ten minutes go."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.asynccontextmanager
+    async def part(self, name: str) -> AsyncIterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - t0
 
 
 async def _rounds(player: Player[E], learner: Learner, running: Running, rounds: int, report: Progress,
-                  step_timeout_s: float) -> tuple[list[E], dict[int, list[dict[str, Any]]]]:
+                  step_timeout_s: float, clock: Clock) -> tuple[list[E], dict[int, list[dict[str, Any]]]]:
     served = running.backend  # what the proxy serves (the gate may hold a newer candidate back)
     total = 2 * rounds + 1
     report("measuring policy@v0", 0, total)
-    ev, ex = await player.measure(served.version, None, last=False)
+    async with clock.part("measure"):
+        ev, ex = await player.measure(served.version, None, last=False)
     versions, examples = [ev], {ev.version: ex}
     for rnd in range(rounds):
         report(player.round_label(rnd, rounds), 2 * rnd + 1, total)
         before = step_of(learner)
-        await player.play_round(rnd)
+        async with clock.part("conversations"):
+            await player.play_round(rnd)
         report(f"round {rnd + 1}/{rounds}: judging, training, gate", 2 * rnd + 2, total)
-        await _await_step(player, learner, before, step_timeout_s)
+        async with clock.part("learning"):  # judging, training and the gate (and any extra conversation)
+            await _await_step(player, learner, before, step_timeout_s)
         last = rnd == rounds - 1
         decisions = learner.trainer.decisions if learner.trainer is not None else []
         held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
         if player.wants_measure(served.version, versions[-1], held_back=held_back, last=last):
             report(f"measuring policy@v{served.version}", 2 * rnd + 2, total)
-            async with learner.lock:  # no step may publish while a version is being measured
+            async with clock.part("measure"), learner.lock:  # no step may publish while a version is measured
                 ev, ex = await player.measure(served.version, versions[-1], last=last)
             versions.append(ev)
             examples[ev.version] = ex

@@ -2,12 +2,14 @@
 
     start the stack (local backend, store, proxy, learner) on a free loopback port
     evaluate policy@v0 on held-out prompts                     (through the HTTP API, X-Train: false)
+    ask v0 for the preference: teachability, and the price     (the prompted twin on the general probe)
     repeat `rounds` times:
         the simulated user asks B training prompts (openai client, one session each) and replies
         to each answer — thanks when it meets the preference, a correction when not
         clawbridge judges the replies, builds samples, trains one step and publishes v+1
         evaluate the new version on the held-out prompts
-    report before/after with a 95 % interval of the paired difference, a PNG, a JSON summary
+    report before/after with a 95 % interval of the paired difference, the price and the last
+    version against the twin, a PNG, a JSON summary (with the seconds each part took)
 
 The rounds themselves are `rounds.play`, shared with the tools demo; this module is what a
 round and a measurement mean here. Nothing here trains directly: the demo is a user of the public
@@ -20,15 +22,18 @@ import asyncio
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.config import Settings
-from clawbridge.demo import report
+from clawbridge.demo import report, teachability
 from clawbridge.demo.report import Series, change, difference, gate_counts, r4
 from clawbridge.demo.rounds import Progress, Settle, play
 from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
+from clawbridge.demo.teachability import Price, Teachability
+from clawbridge.judges.hints import teacher_messages
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import GateProbe
 from clawbridge.learning.probes import Probe, general_probes, rate
@@ -77,6 +82,9 @@ class DemoResult:
     gate: list[dict[str, Any]] = field(default_factory=list)
     plot: str | None = None
     examples: list[dict[str, Any]] = field(default_factory=list)
+    teachability: Teachability | None = None
+    price: Price | None = None  # v0 plain and the prompted twin on the general probe
+    parts: dict[str, float] = field(default_factory=dict)  # wall seconds per part of the run
 
     @property
     def improved(self) -> bool:
@@ -101,6 +109,20 @@ class DemoResult:
         return lo, hi
 
     @property
+    def twin_probe(self) -> float | None:
+        """The prompted twin's general-probe rate: what the last version is held to (goal: within
+        5 points of it)."""
+        return None if self.price is None else self.price.probe_asked
+
+    @property
+    def price_interval(self) -> tuple[float, float] | None:
+        """95 % interval of the price (plain − asked), paired per probe question."""
+        if self.price is None or len(self.price.plain) < 2:
+            return None
+        _, lo, hi = paired_interval(self.price.asked, self.price.plain)
+        return lo, hi
+
+    @property
     def conversations_to_80(self) -> int | None:
         """Training conversations until a served version was truly satisfying on >= 80 % of the
         held-out prompts (None: never within the run)."""
@@ -120,6 +142,11 @@ class DemoResult:
             "conversations_to_80": self.conversations_to_80,
             "train_conversations": self.train_conversations, "train_satisfied": self.train_satisfied,
             "heldout_prompts": self.heldout_prompts,
+            "teachability": None if self.teachability is None else self.teachability.record(),
+            "price": None if self.price is None else self.price.record(self.price_interval),
+            "twin_probe": r4(self.twin_probe),
+            "probe_vs_twin": None if a.probe is None or self.twin_probe is None else r4(a.probe - self.twin_probe),
+            "seconds_by_part": {k: round(v, 1) for k, v in self.parts.items()},
         }
         versions = [
             {"version": v.version, "rate": r4(v.rate), "on_topic": r4(v.on_topic), "truly": r4(v.truly),
@@ -163,6 +190,7 @@ class SimulatedUser:
         self.sem = asyncio.Semaphore(scenario.recipe.concurrency)
         self.conversations = 0
         self.satisfied = 0
+        self.seconds: dict[str, float] = {}  # wall seconds per kind of measurement
 
     async def converse(self, prompt: str, i: int) -> bool:
         """One conversation: the question, the answer, the user's reply (which is the turn's
@@ -203,6 +231,26 @@ class SimulatedUser:
             )
         return [(c.message.content or "", c.finish_reason) for c in resp.choices]
 
+    async def ask(self, prompt: str, messages: list[dict[str, str]], n: int) -> list[tuple[str, str | None]]:
+        """`n` answers to `messages`, seeded by `prompt` as every evaluation is (`teachability.Ask`)."""
+        return await self._answers(prompt, messages, n, self.scenario.recipe.max_tokens, eval_seed(prompt))
+
+    async def probe(self, asked: str | None = None) -> tuple[float, ...]:
+        """The general probe set, one answer per question, seeded by the question: 1.0 where it
+        answers. `asked`: the base model asked for the preferences (served v0 only: the twin)."""
+        async def one(p: Probe) -> float:
+            messages = [{"role": "user", "content": p.question}]
+            (text, _), = await self.ask(p.question, messages if asked is None else teacher_messages(messages, asked), 1)
+            return float(p.check.answered(text))
+
+        t0 = time.monotonic()
+        out = tuple(await asyncio.gather(*(one(p) for p in general_probes())))
+        self._took("twin probe" if asked else "probe", t0)
+        return out
+
+    def _took(self, part: str, since: float) -> None:
+        self.seconds[part] = self.seconds.get(part, 0.0) + time.monotonic() - since
+
     async def evaluate(self, version: int, *, probe: bool = False) -> tuple[VersionEval, list[dict[str, Any]]]:
         """Held-out rates: `eval_samples` answers per prompt, never trained on; with `probe`,
         also the general probe set's on-topic rate (one answer per question). Every version
@@ -219,14 +267,10 @@ class SimulatedUser:
             return verdicts, {"prompt": prompt, "answer": answers[0][0], "preferred": v.preferred,
                               "answered": v.answered, "satisfied": v.truly}
 
-        async def probe_one(p: Probe) -> bool:
-            (text, _), = await self._answers(p.question, [{"role": "user", "content": p.question}], 1, r.max_tokens,
-                                             eval_seed(p.question))
-            return p.check.answered(text)
-
         rated = await asyncio.gather(*(one(p) for p in sc.heldout_prompts))
-        probed = list(await asyncio.gather(*(probe_one(p) for p in general_probes()))) if probe else []
-        probe_rate = rate(probed) if probe else None
+        self._took("held-out", t0)
+        probed = await self.probe() if probe else ()
+        probe_rate = sum(probed) / len(probed) if probed else None
 
         def per_prompt(field_: str) -> tuple[float, ...]:
             return tuple(rate([getattr(v, field_) for v in vs]) for vs, _ in rated)
@@ -236,7 +280,7 @@ class SimulatedUser:
         ev = VersionEval(version, mean(pref), pref, len(pref) * r.eval_samples, time.monotonic() - t0,
                          on_topic=mean(topic), truly=mean(truly), truly_per_prompt=truly,
                          on_topic_per_prompt=topic, probe=probe_rate,
-                         probe_per_prompt=tuple(float(x) for x in probed), conversations=self.conversations)
+                         probe_per_prompt=probed, conversations=self.conversations)
         return ev, [ex for _, ex in rated]
 
 
@@ -256,16 +300,36 @@ def _client(base_url: str) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="clawbridge", timeout=1800, max_retries=3, http_client=http)
 
 
+Note = Callable[[str], None]  # a line for the user, shown as soon as it is known
+
+
 class PreferenceRounds:
     """The preference demo's side of the rounds (`rounds.Player`): a round is `batch_size`
-    conversations; a version is measured when it serves new weights, and at the end."""
+    conversations; a version is measured when it serves new weights, and at the end. Before
+    the first round, v0 is also asked for the preference: teachability and the price."""
 
-    def __init__(self, scenario: Scenario, running: Running) -> None:
+    def __init__(self, scenario: Scenario, running: Running, note: Note | None = None) -> None:
         self.scenario, self.running = scenario, running
         self.client = _client(running.base_url)
         self.user = SimulatedUser(self.client, running.proxy.model_name, scenario)
+        self.note = note or (lambda line: None)
         self.asked = 0
         self.shown: dict[int, list[dict[str, Any]]] = {}  # each measured version's examples
+        self.teachability: Teachability | None = None
+        self.price: Price | None = None
+
+    async def ask_for_it(self, v0: VersionEval) -> None:
+        """v0 asked for the preference (the standing preferences the trainer will derive): its
+        truly-satisfied rate on the held-out prompts (teachability) and its general-probe rate,
+        paired with v0's plain answers by question and seed (the price). Said at once."""
+        sc, settings = self.scenario, self.running.settings
+        asked = teachability.instruction(sc)
+        self.teachability = await teachability.asked_heldout(sc, self.user.ask, asked, sc.recipe.teach_samples, v0.truly)
+        self.user.seconds["teachability"] = self.teachability.seconds
+        self.note(self.teachability.verdict())
+        self.price = Price(v0.probe_per_prompt, await self.user.probe(asked), asked)
+        twin_gate = settings.gate == "on" and settings.gate_reference == "twin"
+        self.note(self.price.line(settings.gate_max_price if twin_gate else None))
 
     def round_label(self, rnd: int, rounds: int) -> str:
         return f"round {rnd + 1}/{rounds}: conversations"
@@ -303,6 +367,7 @@ class PreferenceRounds:
                       last: bool) -> tuple[VersionEval, list[dict[str, Any]]]:
         if previous is None:
             ev, ex = await self.user.evaluate(version, probe=True)
+            await self.ask_for_it(ev)
         else:
             store = self.running.store
             rollbacks = await store.run(store.get_meta, ROLLBACKS_KEY) or {}
@@ -328,6 +393,7 @@ async def run_demo(
     progress: Progress | None = None,
     plot_path: Path | None = None,
     step_timeout_s: float = 300.0,
+    note: Note | None = None,
 ) -> DemoResult:
     from clawbridge.learning.learner import Learner
 
@@ -336,12 +402,13 @@ async def run_demo(
     players: list[PreferenceRounds] = []  # made once the stack runs (it needs its address); read after
 
     def player_for(running: Running) -> PreferenceRounds:
-        players.append(PreferenceRounds(scenario, running))
+        players.append(PreferenceRounds(scenario, running, note))
         return players[-1]
 
     played = await play(settings, learner, player_for, rounds=scenario.recipe.rounds, progress=progress,
                         step_timeout_s=step_timeout_s)
-    user = players[0].user
+    player = players[0]
+    user = player.user
     before, after = played.first, played.last
     delta, lo, hi = paired_interval(before.per_prompt, after.per_prompt)
     _, tlo, thi = paired_interval(before.truly_per_prompt, after.truly_per_prompt)
@@ -356,6 +423,7 @@ async def run_demo(
         seconds=time.monotonic() - t0, train_conversations=user.conversations,
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),
         eval_samples=scenario.recipe.eval_samples, truly_interval=(tlo, thi), gate=played.gate, examples=shown,
+        teachability=player.teachability, price=player.price, parts={**played.seconds, **user.seconds},
     )
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))
@@ -389,10 +457,33 @@ def save_plot(result: DemoResult, path: Path) -> Path:
         Series("general probe: answers the question", sorted(probed + gate_probe),
                {"marker": "s", "ls": "", "color": "#bf8700"}),
     ]
+    if result.price is not None:  # what the last version is held to: the base model asked for the preference
+        ends = [vs[0].version, vs[-1].version]
+        series.append(Series(f"general probe, the base model asked for it (price {result.price.points:.0f} pts)",
+                             [(x, result.price.probe_asked) for x in ends], {"color": "#bf8700", "ls": "-.", "lw": 1}))
     lo, hi = (100 * x for x in result.truly_interval)
     title = (f"{result.scenario}: truly satisfied {100 * result.first.truly:.0f}% → {100 * result.last.truly:.0f}% "
              f"(Δ 95% CI [{lo:+.0f}, {hi:+.0f}] pts)")
     return report.save_plot(path, title, series, result.gate)
+
+
+def _asked_rows(result: DemoResult) -> list[tuple[str, str]]:
+    """The table's rows on the base model asked for the preference: teachability, the price, and
+    the last version against the prompted twin (the goal: no more than 5 points below it)."""
+    rows: list[tuple[str, str]] = []
+    t, p, last = result.teachability, result.price, result.last
+    if t is not None:
+        rows.append(("asked for it, v0 truly satisfied (teachability)",
+                     f"{t.asked:.0%} (unasked {t.plain:.0%}){': little to learn from' if t.little else ''}"))
+    if p is not None:
+        lo_hi = result.price_interval
+        interval = "" if lo_hi is None else f" [{100 * lo_hi[0]:+.0f}, {100 * lo_hi[1]:+.0f}]"
+        rows.append(("the price: general probe, plain → asked", f"{change(p.probe_plain, p.probe_asked)} "
+                     f"({p.points:.0f} pts{interval})"))
+        if last.probe is not None:
+            rows.append(("general probe: last version vs the twin",
+                         f"{last.probe:.0%} vs {p.probe_asked:.0%} ({100 * (last.probe - p.probe_asked):+.0f} pts)"))
+    return rows
 
 
 def result_table(result: DemoResult) -> list[tuple[str, str]]:
@@ -404,6 +495,7 @@ def result_table(result: DemoResult) -> list[tuple[str, str]]:
         ("preference met", change(b.rate, a.rate)),
         ("answers the question (held-out)", change(b.on_topic, a.on_topic)),
         ("general probe: answers the question", change(b.probe, a.probe, result.probe_interval)),
+        *_asked_rows(result),
         ("gate: accepted / held back", gate_counts(result.gate)),
         ("conversations until 80% truly satisfied", "not reached" if c80 is None else str(c80)),
         ("training steps / conversations", f"{result.steps} / {result.train_conversations}"),

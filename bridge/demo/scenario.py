@@ -111,6 +111,10 @@ class Recipe(BaseModel):
     temperature: float = Field(0.7, gt=0)
     max_tokens: int = Field(48, ge=1)
     eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
+    teach_samples: int = Field(
+        2, ge=1, description="Answers per held-out prompt of v0 asked for the preference, before training "
+        "(teachability: how often the teacher the hints make meets it).",
+    )
     concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
     rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
