@@ -168,6 +168,8 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
         gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
     )
+    if r.gate_probes_max is not None:
+        values["gate_probes_max"] = r.gate_probes_max
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**values)
 
