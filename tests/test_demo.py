@@ -130,6 +130,26 @@ def test_the_twin_is_asked_what_the_trainer_derives_from_the_scenarios_correctio
         assert instruction(sc).splitlines() == list(dict.fromkeys(sc.replies.unsatisfied))[:3], name
 
 
+def test_yes_and_no_in_a_keyword_list_are_words(tmp_path: Path):
+    """YAML 1.1 reads an unquoted yes/no as a boolean; a scenario file reads YAML 1.2's booleans
+    (only true/false), so the answer key of a yes/no question keeps its words, and a setting
+    written `yes` still means true."""
+    path = tmp_path / "yesno.yaml"
+    path.write_text(
+        "name: yesno\ncheck: {must_finish: no, must_match: ['^(Yes|No)']}\n"
+        "replies: {satisfied: [Thanks.], unsatisfied: [Start with Yes or No please.]}\n"
+        "train_prompts: ['Is rain wet?']\nheldout_prompts: ['Is a tomato a fruit?', 'Can penguins fly?']\n"
+        "answers:\n  object: yes\n  keywords:\n    'Is a tomato a fruit?': [yes, seed, true]\n"
+        "    'Can penguins fly?': [no, flightless, False]\n"
+    )
+    sc = scenario.load(path)
+    assert sc.answers.keywords == {"Is a tomato a fruit?": ["yes", "seed", "true"],
+                                   "Can penguins fly?": ["no", "flightless", "false"]}
+    assert sc.check.must_finish is False and sc.answers.object is True
+    assert sc.rate("Is a tomato a fruit?", "Yes, botanically it is one.", "stop").truly
+    assert not sc.rate("Can penguins fly?", "Yes, they can.", "stop").answered
+
+
 def test_paired_interval_by_hand():
     mean, lo, hi = scenario.paired_interval([0, 0, 0.5, 0], [1, 0.5, 1, 1])
     # d = [1, .5, .5, 1]: mean .75, sd .2887, t(3) = 3.182 -> half width .4593

@@ -91,11 +91,17 @@ class Answers(BaseModel):
     @field_validator("keywords", mode="before")
     @classmethod
     def _numbers_are_words(cls, keywords: Any) -> Any:  # (`object` is a field's name here)
-        """YAML reads an unquoted `100` or `3.14` as a number; as a keyword it means its text."""
+        """YAML reads an unquoted `100` or `3.14` as a number, and `true` as a boolean; as a
+        keyword each means its text (`load` keeps `yes` and `no` words: YAML 1.2's booleans)."""
         if not isinstance(keywords, dict):
             return keywords
-        return {k: [str(w) if isinstance(w, int | float) and not isinstance(w, bool) else w for w in ws]
-                if isinstance(ws, list) else ws for k, ws in keywords.items()}
+        return {k: [_text(w) for w in ws] if isinstance(ws, list) else ws for k, ws in keywords.items()}
+
+
+def _text(word: Any) -> Any:
+    if isinstance(word, bool):
+        return "true" if word else "false"
+    return str(word) if isinstance(word, int | float) else word
 
 
 class Recipe(BaseModel):
@@ -235,13 +241,26 @@ def load(name_or_path: str | Path) -> Scenario:
                 f"no scenario {str(name_or_path)!r}: give a .yaml/.json file or one of {builtin_names()}"
             )
         text, suffix = hit.read_text(), ".yaml" if hit.name.endswith(".yaml") else ".json"
-    if suffix == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
+    data = json.loads(text) if suffix == ".json" else read_yaml(text)
     return Scenario.model_validate(data)
+
+
+def read_yaml(text: str) -> Any:
+    """YAML with YAML 1.2's booleans: only true and false. PyYAML follows YAML 1.1, where an
+    unquoted yes, no, on or off is a boolean too, so a keyword list `[yes, seed]` for "Is a
+    tomato a fruit?" would lose its first word."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    return yaml.load(text, Loader=Loader)  # a SafeLoader: no arbitrary objects
 
 
 # --- statistics (pure) -------------------------------------------------------------------------
