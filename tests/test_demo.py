@@ -17,7 +17,8 @@ TINY = {
     "check": {"max_words": 3, "must_finish": False},
     "replies": {"satisfied": ["Thanks, perfect."], "unsatisfied": ["Too long. Please answer in under 3 words."]},
     "recipe": {"method": "combine", "batch_size": 2, "rounds": 2, "learning_rate": 1e-3, "lora_rank": 4,
-               "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4, "gate_probes": 4},
+               "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4, "gate_probes": 4,
+               "probe_questions": 20},
     "train_prompts": ["What is rain?", "Why is the sky blue?", "What is a cat?"],
     "heldout_prompts": ["What is snow?", "What is a dog?", "What is fog?"],
 }
@@ -183,7 +184,7 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     teach, price = summary["teachability"], summary["price"]
     assert teach["plain"] == summary["truly_before"] and 0 <= teach["asked"] <= 1
     assert teach["answers"] == 3 * sc.recipe.teach_samples and teach["verdict"].startswith("teachability: ")
-    assert price["asked"] == "Too long. Please answer in under 3 words." and price["probes"] == 50
+    assert price["asked"] == "Too long. Please answer in under 3 words." and price["probes"] == 20
     assert price["probe_plain"] == summary["probe_before"] and price["probe_asked"] == summary["twin_probe"]
     assert price["points"] == pytest.approx(100 * (price["probe_plain"] - price["probe_asked"]), abs=0.02)
     lo, hi = price["interval"]

@@ -246,7 +246,7 @@ class SimulatedUser:
             return float(p.check.answered(text))
 
         t0 = time.monotonic()
-        out = tuple(await asyncio.gather(*(one(p) for p in general_probes())))
+        out = tuple(await asyncio.gather(*(one(p) for p in general_probes()[: self.scenario.recipe.probe_questions])))
         self._took("twin probe" if asked else "probe", t0)
         return out
 
