@@ -321,22 +321,26 @@ async def test_the_default_demo_improves_held_out_prompts(tmp_path: Path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(5400)  # two demos; about 25 min on 2 idle cores, far more on busy ones
-async def test_a_harmful_run_serves_nothing_worse_than_v0(tmp_path: Path):
+async def test_a_harmful_run_serves_nothing_worse_than_the_twin(tmp_path: Path):
     """A careless user who thanks any short answer (echoes and dodges too) and a learning rate 20x
-    the demo's: the gate must hold back every candidate that answers fewer questions than v0, so
-    the version served at the end still answers the general probes as v0 did. The same run with
-    the gate off shows the harm the gate prevents (so this test can fail)."""
+    the demo's: the gate must hold back every candidate that answers fewer questions than the
+    prompted twin (v0 asked for the preference) by more than the margin, or than v0 by more than
+    gate_max_price, so the version served at the end answers the general probes as the twin does.
+    The same run with the gate off shows the harm the gate prevents (so this test can fail)."""
     sc = scenario.load(scenario.DEFAULT_SCENARIO)
     recipe = sc.recipe.model_copy(update={"rounds": 2, "learning_rate": 20 * sc.recipe.learning_rate})
     careless = sc.answers.model_copy(update={"object": False})
     harmful = sc.model_copy(update={"recipe": recipe, "answers": careless})
-    gated = await run_demo(harmful, demo_settings(harmful, tmp_path / "gated"))
+    settings = demo_settings(harmful, tmp_path / "gated")
+    gated = await run_demo(harmful, settings)
     assert any(g["decision"] == "rejected" for g in gated.gate), gated.gate
-    first, last = gated.first, gated.last
-    assert last.probe is not None and first.probe is not None
-    assert last.probe >= first.probe - 0.10  # 50 probes, one answer each: sampling noise allowed
+    first, last, twin = gated.first, gated.last, gated.twin_probe
+    assert last.probe is not None and first.probe is not None and twin is not None
+    noise = 0.10  # one answer per probe question: sampling noise allowed
+    assert last.probe >= twin - settings.gate_margin - noise
+    assert last.probe >= first.probe - settings.gate_max_price - noise
     assert last.truly >= first.truly - 0.10
     off = harmful.model_copy(update={"recipe": recipe.model_copy(update={"gate": False})})
     ungated = await run_demo(off, demo_settings(off, tmp_path / "ungated"))
-    assert ungated.last.probe is not None and ungated.first.probe is not None
-    assert ungated.last.probe < ungated.first.probe - 0.2, "the harmful run did no harm: the test proves nothing"
+    assert ungated.last.probe is not None and ungated.twin_probe is not None
+    assert ungated.last.probe < ungated.twin_probe - 0.2, "the harmful run did no harm: the test proves nothing"
