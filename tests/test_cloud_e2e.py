@@ -106,7 +106,7 @@ def test_cloud_backend_serves_judges_and_trains_through_the_proxy(make_backend, 
         judged_before = live.running.store.stats().samples["judged"]
         assert judged_before >= 1
         backend.meter.budget_usd = backend.meter.spent_usd  # type: ignore[attr-defined]
-        live.call(learner._train_loop(), timeout=60)  # returns instead of retrying forever
+        live.call(learner._train_loop(learner.trainer), timeout=60)  # returns instead of retrying forever
         assert learner.training_stopped is not None and "budget" in learner.training_stopped
         assert learner.status()["training_stopped"] == learner.training_stopped
         assert live.running.store.stats().samples["judged"] == judged_before
