@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 USER_DOCS = ["index", "quickstart", "how-it-works", "configuration", "privacy", "operating",
-             "troubleshooting", "terraform", "openclaw"]
+             "troubleshooting", "terraform", "openclaw", "design", "methods"]
 # Pages other engineers own, linked from the index; checked once they exist.
 OTHERS = {"backends.md", "local-gpu.md", "learning.md"}
 
@@ -94,3 +94,31 @@ def test_every_flag_the_docs_name_exists():
          for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", page.read_text()) if flag not in known}
     )
     assert not missing, missing
+
+
+ROOMS = ("bridge", "backends", "judges", "local_gpu")
+
+
+def _code_map() -> dict[str, set[str]]:
+    """docs/how-it-works.md's "The code, room by room": folder -> the Python files its row names."""
+    text = (DOCS / "how-it-works.md").read_text().split("## The code, room by room", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not (m := re.fullmatch(r"`([\w/]+/)`", cells[0])):
+            continue
+        rows[m.group(1).rstrip("/")] = set(re.findall(r"`([\w]+\.py)`", cells[1]))
+    return rows
+
+
+def test_the_code_map_names_every_file_of_every_room():
+    """The map a newcomer reads first is the tree: every folder of the package has its row, and
+    each row names exactly the folder's modules (a file added, moved or removed changes the map)."""
+    rows = _code_map()
+    tree = {str(d.relative_to(ROOT)): {f.name for f in d.glob("*.py") if f.name != "__init__.py"}
+            for room in ROOMS for d in [ROOT / room, *(ROOT / room).rglob("*")]
+            if d.is_dir() and "__pycache__" not in d.parts and "versions" not in d.parts and list(d.glob("*.py"))}
+    tree = {k: v for k, v in tree.items() if v}
+    assert set(rows) == set(tree), (sorted(set(tree) - set(rows)), sorted(set(rows) - set(tree)))
+    for folder, files in tree.items():
+        assert rows[folder] == files, (folder, sorted(files - rows[folder]), sorted(rows[folder] - files))
