@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -31,6 +32,7 @@ from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import Gate, GateProbe, probe_check
 from clawbridge.learning.learner import Learner, LearningParts
+from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
 from clawbridge.learning.trainer import Trainer, pending_candidate
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
@@ -73,6 +75,8 @@ class Running:
     renderer: Renderer  # the one renderer: messages <-> tokens for the proxy and the learner
     base_url: str
     server: uvicorn.Server  # set `server.should_exit = True` to drain and stop
+    # several proxies on one store (PostgreSQL): the trainer lease and the serving version
+    coordinator: Coordinator | None = None
 
 
 BackgroundTask = Callable[[Running], Coroutine[Any, Any, None]]
@@ -90,9 +94,20 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
 
 
 def learner_task(learner: Learner) -> BackgroundTask:
-    async def run(running: Running) -> None:
+    async def learn(running: Running) -> None:
         bind_learner(learner, running.backend, running.store, running.renderer)
         await learner.run()
+
+    async def run(running: Running) -> None:
+        coordinator = running.coordinator
+        if coordinator is None:
+            return await learn(running)
+
+        async def take_over() -> None:  # the store moved on while another process trained
+            await Trainer(running.settings.training, running.backend, running.store).resume()
+            await learn(running)
+
+        await coordinator.lead(take_over)
 
     return run
 
@@ -198,7 +213,9 @@ def banner(settings: Settings, backend: Backend, proxy: Proxy, base_url: str) ->
         install += f" --url {base_url}"
     return "\n".join(
         [
-            f"clawbridge serving {proxy.model_name} ({backend.name} backend, policy@v{backend.version})",
+            f"clawbridge serving {proxy.model_name} ({backend.name} backend, "
+            + (f"{card['dtype']}, " if "dtype" in card else "")  # the engine's compute dtype
+            + f"policy@v{backend.version})",
             f"  endpoint  {base_url}/v1",
             f"  context   {card['max_model_len']} tokens (suggested max_tokens {card['suggested_max_tokens']})",
             f"  data      {settings.data_dir}",
@@ -231,6 +248,13 @@ def status_line(status: dict[str, Any]) -> str:
     return " · ".join(parts)
 
 
+def _with_trainer(
+    coordinator: Coordinator, extra: Callable[[], dict[str, Any]] | None
+) -> Callable[[], dict[str, Any]]:
+    """The status fields with which process trains (several proxies on one store)."""
+    return lambda: {**coordinator.status(), **(extra() if extra else {})}
+
+
 async def _status_loop(proxy: Proxy, every_s: float, tty: bool) -> None:
     last = 0.0
     while True:
@@ -245,9 +269,15 @@ async def _status_loop(proxy: Proxy, every_s: float, tty: bool) -> None:
 
 
 async def _expire_loop(proxy: Proxy, every_s: float) -> None:
+    store = proxy.store
     while True:
         await asyncio.sleep(every_s)
-        for sid in proxy.sessions.expire():
+        idle = proxy.sessions.expire()
+        if idle and store.shared:  # another proxy on the store may have served them since
+            cutoff = datetime.now(UTC) - timedelta(seconds=proxy.sessions.idle_timeout_s)
+            stale = set(await store.run(store.idle_sessions, cutoff))
+            idle = [sid for sid in idle if sid in stale]
+        for sid in idle:
             await proxy.close_session(sid, "idle")
 
 
@@ -273,6 +303,7 @@ async def serve(
     await backend.start()
     if store is None:
         store = await asyncio.to_thread(open_store, settings)
+        store.claim_serving()  # SQLite: one serving process (docs/scale-out.md)
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
     await Trainer(settings.training, backend, store).resume()
@@ -280,9 +311,14 @@ async def serve(
         # the newest version never passed the gate (a restart while it judged): its predecessor
         # serves until the learner's gate has decided (`Trainer.judge_pending`)
         backend.serve(pending[1])
+    coordinator = Coordinator(store, backend, train=settings.train) if store.shared else None
+    if coordinator is not None:
+        await coordinator.start()  # the lease, or the version the trainer serves
     renderer = Renderer(backend.tokenizer())
     app = create_app(settings, backend, store, hooks, renderer=renderer, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
+    if coordinator is not None:
+        proxy.hooks.status_extra = _with_trainer(coordinator, proxy.hooks.status_extra)
     await proxy.restore_sessions()  # open conversations continue across a restart
     if freeze_gc:
         # Everything alive now (torch, transformers, the model, the tokenizer: millions of
@@ -320,10 +356,14 @@ async def serve(
     port = server.servers[0].sockets[0].getsockname()[1]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     base_url = f"http://{host}:{port}"
-    running = Running(settings, backend, store, proxy, renderer, base_url, server)
+    running = Running(settings, backend, store, proxy, renderer, base_url, server, coordinator)
     if not quiet:
         print(banner(settings, backend, proxy, base_url), flush=True)
+        if coordinator is not None:
+            print(coordinator.describe(), flush=True)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(t(running)) for t in background]
+    if coordinator is not None:
+        tasks.append(asyncio.create_task(coordinator.run()))
     tasks.append(asyncio.create_task(_expire_loop(proxy, min(60.0, settings.session_idle_timeout_s / 4))))
     if not quiet:
         tasks.append(asyncio.create_task(_status_loop(proxy, 1.0, sys.stdout.isatty())))

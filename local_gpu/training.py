@@ -235,7 +235,10 @@ class Training:
                     self._newest,
                     f"policy@v{version}'s weights are gone ({file} is missing)",
                 )
-            self._set_trainable(adapters.read(folder, str(self.device)))
+            weights = adapters.read(folder, str(self.device))
+            self._set_trainable(weights)
+            if version not in self._served:  # `path` may be another process's folder (docs/scale-out.md)
+                self._serve(version, weights)
         self._prefixes.clear()  # a version number read back from disk: cache nothing across
         self._newest = version
         self._release(self._acquire(None))  # loads the newest version's adapter if missing

@@ -95,8 +95,13 @@ def up_cmd(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migrations at open: not news
     from clawbridge import server
+    from clawbridge.store import StoreInUse
 
-    server.run(settings, **server.serving_extras(settings))
+    try:
+        server.run(settings, **server.serving_extras(settings))
+    except StoreInUse as e:  # a second process on one SQLite store
+        typer.echo(f"clawbridge up: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command("export")

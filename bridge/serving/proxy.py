@@ -27,18 +27,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from clawbridge.chat.messages import PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
-from clawbridge.protocol import Backend, SuggestsMaxTokens
+from clawbridge.protocol import Backend, NamesItsDtype, SuggestsMaxTokens
 from clawbridge.serving import wire
 from clawbridge.serving.errors import context_length_exceeded
 from clawbridge.serving.sessions import (
     TAG_HEADERS,
     Admission,
+    Lookup,
     NextState,
     Sessions,
+    TurnTag,
     agent_housekeeping,
     read_tag,
 )
 from clawbridge.serving.wire import APIError
+from clawbridge.store.continuation import Continuation
 from clawbridge.store.episodes import NewEpisode
 from clawbridge.store.records import TurnRecord, new_turn_id
 from clawbridge.types import Completion, SamplingParams
@@ -279,7 +282,8 @@ class Proxy:
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         )
-        adm = self.sessions.admit(tag, messages)
+        look = self.sessions.lookup(messages)
+        adm = self.sessions.admit(tag, look, await self._continuation(tag, look) if self.store.shared else None)
         return Draft(
             id=f"chatcmpl-{os.urandom(12).hex()}",
             created=int(time.time()),
@@ -295,6 +299,16 @@ class Proxy:
             t0=time.perf_counter(),
             next_state=adm.next_state,
         )
+
+    async def _continuation(self, tag: TurnTag, look: Lookup) -> Continuation | None:
+        """What the shared store knows of the conversation this request continues (several
+        proxies on one store: docs/scale-out.md). None when the store cannot say: the request is
+        admitted from this process's memory, as a single proxy admits it."""
+        try:
+            return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys)
+        except Exception:
+            log.exception("could not look the conversation up in the store; using this process's memory")
+            return None
 
     def attach_next_state(self, d: Draft) -> None:
         """Write the next state this request carried for its session's previous turn (once).
@@ -341,6 +355,7 @@ class Proxy:
         """Write one turn per choice and wait for the commit; then the session learns the reply.
         A store failure is logged and counted, never turned into a failed answer."""
         total_ms = (time.perf_counter() - d.t0) * 1000
+        keys = self.sessions.reply_keys(d.adm, replies)
         recs = [
             TurnRecord(
                 session_id=d.adm.session_id,
@@ -362,6 +377,8 @@ class Proxy:
                 ttft_ms=ttft_ms,
                 total_ms=total_ms,
                 id=d.turn_ids[i] if i < len(d.turn_ids) else new_turn_id(),
+                prompt_key=d.adm.fps[-1] if d.adm.fps else None,
+                reply_key=keys[i],
             )
             for i, (c, reply, fin) in enumerate(zip(comps, replies, finishes, strict=True))
         ]
@@ -377,7 +394,7 @@ class Proxy:
             log.exception("could not record turn(s) of %s", d.id)
         if len(recs) > 1 and d.adm.turn_type == "main" and d.adm.train:
             await self._open_choice_group(d, [r.id for r in recs])
-        self.sessions.complete(d.adm, [r.id for r in recs], replies)
+        self.sessions.complete(d.adm, [r.id for r in recs], replies, keys)
         if d.adm.done:
             await self.close_session(d.adm.session_id, "client")
 
@@ -439,7 +456,7 @@ class Proxy:
             "owned_by": "clawbridge",
             "max_model_len": self.backend.context_length,
             "suggested_max_tokens": min(int(suggested), self.backend.context_length),
-        }
+        } | ({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {})
 
     async def status(self) -> dict[str, Any]:
         c = self.counters
@@ -447,6 +464,7 @@ class Proxy:
             "model": self.model_name,
             "backend": self.backend.name,
             "version": self.backend.version,
+            **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
             "uptime_s": round(time.time() - self.started, 1),
             "requests": c.requests,
             "in_flight": c.in_flight,

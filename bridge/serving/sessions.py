@@ -10,7 +10,10 @@ re-encoded, and an internal-context message is rebuilt at the end of every reque
 in history — it is dropped before matching and never becomes a next state.
 
 Everything here is in-memory and synchronous; the proxy calls it from the event loop, so one
-request's admission is atomic with respect to every other.
+request's admission is atomic with respect to every other. Several proxies on one store
+(docs/scale-out.md) know only what they served themselves: there the proxy asks the store which
+turn a request continues (`Store.continuation`, by the fingerprints of the request's prefixes)
+and hands the answer to `admit`, which decides from it as it decides from its own memory.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from clawbridge.chat.prefix import Recent, snapshot
+from clawbridge.store.continuation import Continuation, KeyedTurn
 from clawbridge.types import TurnType
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
@@ -182,6 +186,20 @@ class Admission:
     next_state: NextState | None
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A request's history and the fingerprints of its prefixes (`fps[k]`: `hist[:k+1]`)."""
+
+    hist: list[Mapping[str, Any]]
+    fps: list[bytes]
+
+    @property
+    def reply_keys(self) -> list[bytes]:
+        """The prefixes that end with a reply: what a turn this request continues has as its
+        `reply_key` (`Store.continuation`)."""
+        return [fp for m, fp in zip(self.hist, self.fps, strict=True) if m.get("role") == "assistant"]
+
+
 @dataclass
 class _Pending:
     turn_id: str
@@ -202,6 +220,28 @@ def _resampled(awaiting: Sequence[_Pending], fps: Sequence[bytes]) -> bool:
 
 def _newest_first_choice(awaiting: Sequence[_Pending]) -> _Pending:
     return next((q for q in reversed(awaiting) if q.first), awaiting[-1])
+
+
+def _shared_next_state(
+    sid: str, awaiting: Sequence[KeyedTurn], hist: list[Mapping[str, Any]], fps: list[bytes]
+) -> NextState | None:
+    """`Sessions._next_state` over what the store knows (`Continuation.awaiting`): the
+    awaiting turn this request continues gets what follows its reply; a request that repeats
+    their prompt (a resample) continues nothing; history rewritten: what follows the last reply
+    goes to the newest awaiting turn."""
+    if not awaiting or (fps and awaiting[-1].prompt_key == fps[-1]):
+        return None
+    at = {fp: k for k, fp in enumerate(fps)}
+    p = next((a for a in reversed(awaiting) if a.reply_key in at), None)
+    if p is not None and p.reply_key is not None:
+        appended, ok = hist[at[p.reply_key] + 1 :], True
+    else:
+        p = awaiting[-1]
+        last = max((i for i, m in enumerate(hist) if m.get("role") == "assistant"), default=-1)
+        appended, ok = hist[last + 1 :], False
+    if not appended:
+        return None
+    return NextState(p.id, sid, tuple(dict(m) for m in appended), ok)
 
 
 @dataclass
@@ -257,17 +297,31 @@ class Sessions:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def admit(self, tag: TurnTag, messages: Sequence[Mapping[str, Any]]) -> Admission:
+    def lookup(self, messages: Sequence[Mapping[str, Any]]) -> Lookup:
         hist = history(messages)
-        fps = self._fingerprints.of(hist)
+        return Lookup(hist, self._fingerprints.of(hist))
+
+    def admit(
+        self, tag: TurnTag, messages: Sequence[Mapping[str, Any]] | Lookup, found: Continuation | None = None
+    ) -> Admission:
+        """Admit a request. `found`: what the store knows of the conversation it continues (on a
+        store shared by several proxies); it decides the session of an untagged request and the
+        turn whose next state the request carries, instead of this process's own memory."""
+        look = messages if isinstance(messages, Lookup) else self.lookup(messages)
+        hist, fps = look.hist, look.fps
         sid, matched, untagged = tag.session_id, False, tag.session_id is None
         if sid is None:
             self.counts["untagged"] += 1
-            for k in range(len(fps) - 1, -1, -1):  # the longest known prefix wins
-                if fps[k] in self._index:
-                    sid, matched = self._index[fps[k]], True
-                    self.counts["matched"] += 1
-                    break
+            if found is not None:
+                sid = found.session_id
+            else:
+                for k in range(len(fps) - 1, -1, -1):  # the longest known prefix wins
+                    if fps[k] in self._index:
+                        sid = self._index[fps[k]]
+                        break
+            if sid is not None:
+                matched = True
+                self.counts["matched"] += 1
         new = sid is None or sid not in self._sessions
         if sid is None:
             sid = f"s-{os.urandom(8).hex()}"
@@ -280,7 +334,10 @@ class Sessions:
         if not tag.train:
             self.counts["no_train"] += 1
         nxt = None
-        if ttype == "main" and sess.awaiting and not _resampled(sess.awaiting, fps):
+        if found is not None:
+            if ttype == "main":
+                nxt = _shared_next_state(sid, found.awaiting, hist, fps)
+        elif ttype == "main" and sess.awaiting and not _resampled(sess.awaiting, fps):
             nxt = self._next_state(sess, sess.awaiting, hist, fps)
             sess.awaiting = []
         return Admission(
@@ -314,12 +371,21 @@ class Sessions:
             return None
         return NextState(p.turn_id, sess.id, tuple(dict(m) for m in appended), ok)
 
+    @staticmethod
+    def reply_keys(adm: Admission, replies: Sequence[Mapping[str, Any]]) -> list[bytes]:
+        """The fingerprint of the request's history plus each reply: what a request that
+        continues after that reply starts with (a turn's `reply_key`)."""
+        base = adm.fps[-1] if adm.fps else b""
+        return [extend(base, reply) for reply in replies]
+
     def complete(
-        self, adm: Admission, turn_ids: Sequence[str], replies: Sequence[Mapping[str, Any]]
+        self, adm: Admission, turn_ids: Sequence[str], replies: Sequence[Mapping[str, Any]],
+        keys: Sequence[bytes] | None = None,
     ) -> None:
         """A request was answered (one reply per choice): later requests that extend it join its
         session, and its main turns wait for their next state — every choice of `n > 1`: the
-        request that continues one of them gives that one its next state."""
+        request that continues one of them gives that one its next state. `keys`: the replies'
+        `reply_keys`, when the caller has them already."""
         sess = self._sessions.get(adm.session_id)
         if sess is None:  # closed meanwhile
             return
@@ -327,7 +393,7 @@ class Sessions:
         if adm.turn_type == "main" and turn_ids and not _resampled(sess.awaiting, list(adm.fps)):
             sess.awaiting = []
         for i, reply in enumerate(replies):
-            fp = extend(base, reply)
+            fp = keys[i] if keys is not None else extend(base, reply)
             self._index[fp] = sess.id
             sess.keys.append(fp)
             if adm.turn_type == "main" and i < len(turn_ids):

@@ -3,8 +3,10 @@ every vote, samples and their states, training steps and policy versions. SQLite
 default, PostgreSQL by URL; Alembic migrations run at open. See docs/store.md."""
 
 from clawbridge.store.base import SampleStateError, StoreError, VersionReused
+from clawbridge.store.continuation import Continuation, KeyedTurn
 from clawbridge.store.core import Store
 from clawbridge.store.episodes import EpisodeError, EpisodeRow, GroupRow, NewEpisode
+from clawbridge.store.lease import LeaseRow, StoreInUse
 from clawbridge.store.records import (
     JudgeVote,
     Judgment,
@@ -23,11 +25,14 @@ from clawbridge.store.writer import AsyncWriter, WriterClosed
 __all__ = [
     "TRANSITIONS",
     "AsyncWriter",
+    "Continuation",
     "EpisodeError",
     "EpisodeRow",
     "GroupRow",
     "JudgeVote",
     "Judgment",
+    "KeyedTurn",
+    "LeaseRow",
     "NewEpisode",
     "PolicyVersionRow",
     "Rewrite",
@@ -36,6 +41,7 @@ __all__ = [
     "SessionRow",
     "Store",
     "StoreError",
+    "StoreInUse",
     "StoreStats",
     "StoredTurn",
     "TrainingStep",

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from functools import partial
 from importlib import resources
 from pathlib import Path
-from typing import Any, ParamSpec, Self, TypeVar
+from typing import IO, Any, ParamSpec, Self, TypeVar
 
 import sqlalchemy as sa
 from clawbridge.store import codec
@@ -81,6 +81,7 @@ class StoreBase:
         # executor, which the rest of the process shares.
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="clawbridge-store")
         self._writer_conn: sa.Connection | None = None  # the writer thread's own connection
+        self._held: list[IO[str]] = []  # files locked while the store is open (`lease.hold_file`)
 
     # --- opening ------------------------------------------------------------------------------
     @classmethod
@@ -134,6 +135,8 @@ class StoreBase:
             self._writer_conn = None
         self._readers.shutdown(wait=True)
         self.engine.dispose()
+        while self._held:
+            self._held.pop().close()
 
     async def aclose(self) -> None:
         """`close()` off the event loop (it waits for the writer to drain)."""

@@ -83,6 +83,8 @@ def turn_from_row(r: Any, judged: frozenset[str], messages: list[JSONObject]) ->
         ttft_ms=r.ttft_ms,
         total_ms=r.total_ms,
         created_at=r.created_at,
+        prompt_key=r.prompt_key,
+        reply_key=r.reply_key,
         next_state=r.next_state,
         next_state_at=r.next_state_at,
         judged_kinds=judged,
@@ -157,6 +159,8 @@ def turn_row(
         "ttft_ms": rec.ttft_ms,
         "total_ms": rec.total_ms,
         "created_at": rec.created_at,
+        "prompt_key": rec.prompt_key,
+        "reply_key": rec.reply_key,
     }
 
 

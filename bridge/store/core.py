@@ -18,8 +18,10 @@ import sqlalchemy as sa
 from clawbridge.store import schema as t
 from clawbridge.store.base import StoreError
 from clawbridge.store.capture import CaptureStore
+from clawbridge.store.continuation import ContinuationStore
 from clawbridge.store.episodes import EpisodeStore
 from clawbridge.store.export import export_jsonl
+from clawbridge.store.lease import LeaseStore, hold_file
 from clawbridge.store.records import (
     StoreStats,
 )
@@ -29,8 +31,17 @@ log = logging.getLogger(__name__)
 
 
 
-class Store(CaptureStore, TrainingStore, EpisodeStore):
+class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseStore):
     """Everything the loops keep, in one database."""
+
+    def claim_serving(self) -> None:
+        """A server is about to serve from this store. SQLite: refused (StoreInUse) while another
+        process serves from the same file; the claim lasts until `close`. PostgreSQL: any
+        number of processes may (docs/scale-out.md)."""
+        if self.dialect == "sqlite":
+            db = self.engine.url.database
+            assert db is not None
+            self._held.append(hold_file(Path(db).expanduser()))
 
     # --- status and export --------------------------------------------------------------------
     def stats(self) -> StoreStats:

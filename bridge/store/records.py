@@ -94,6 +94,10 @@ class TurnRecord:
     total_ms: float | None = None
     id: str = field(default_factory=new_turn_id)
     created_at: datetime = field(default_factory=utcnow)
+    # structural fingerprints of the history it answered and of history + reply (`reply_key`
+    # is what a request that continues the conversation starts with): docs/scale-out.md
+    prompt_key: bytes | None = None
+    reply_key: bytes | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

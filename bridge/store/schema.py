@@ -94,8 +94,14 @@ turns = sa.Table(
     sa.Column("messages_keep", sa.Integer, nullable=False, server_default="0"),
     sa.Column("messages", sa.JSON, nullable=False),
     sa.Column("prompt_ids", sa.LargeBinary, nullable=False),
+    # The conversation the turn answered and that conversation plus its reply, as structural
+    # fingerprints (0006): any proxy on the store finds the turn a request continues by the
+    # request's prefixes (docs/scale-out.md). NULL on turns recorded before.
+    sa.Column("prompt_key", sa.LargeBinary),
+    sa.Column("reply_key", sa.LargeBinary),
     sa.Index(None, "session_id", "idx"),
     sa.Index(None, "created_at"),
+    sa.Index(None, "reply_key"),
 )
 
 # A turn's next state (what the next main request appended after its reply), in a table of its
@@ -213,4 +219,15 @@ episodes = sa.Table(
     sa.Index(None, "group_id"),
     sa.Index(None, "session_id"),
     sa.Index(None, "turn_id"),
+)
+
+# Roles only one process may hold at a time (the trainer, `store.lease`): the holder renews its
+# claim before `expires_at`; another process takes the role over once the claim has run out.
+leases = sa.Table(
+    "leases",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("holder", sa.Text, nullable=False),
+    sa.Column("acquired_at", UTCDateTime(), nullable=False),
+    sa.Column("expires_at", UTCDateTime(), nullable=False),
 )

@@ -322,6 +322,13 @@ class TrainingStore(StoreBase):
             ).first()
         return None if row is None else PolicyVersionRow(**row._asdict())
 
+    def policy_version(self, version: int) -> PolicyVersionRow | None:
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(t.policy_versions).where(t.policy_versions.c.version == version)
+            ).first()
+        return None if row is None else PolicyVersionRow(**row._asdict())
+
     def versions(self) -> list[PolicyVersionRow]:
         with self._read() as conn:
             rows = conn.execute(sa.select(t.policy_versions).order_by(t.policy_versions.c.version))
