@@ -6,21 +6,27 @@ from hints: the rewrites have nothing right to imitate and OPD nothing to pull t
     .venv/bin/python bench/teacher.py --scenario bullets --draws 4
     .venv/bin/python bench/teacher.py --scenario my.yaml --hint "Answer as a list." --show 3
     .venv/bin/python bench/teacher.py --probe --draws 4    # what the preference costs on the probe
+    .venv/bin/python bench/teacher.py --probe --probes bridge/learning/probes_large.yaml --draws 2
 
 Prints, over the held-out prompts × draws at the recipe's temperature and max_tokens: the share
 that meets the preference, that answers the question, and both ("truly satisfied"), for the plain
 prompt and for the hinted one, and `--show` answers of each for reading. `--probe` asks the
 general probe set instead (the gate's and the demo's "does it still answer questions"), plain and
-hinted: the probe rate a student that learned the preference as the teacher shows it would have.
+hinted: the probe rate a student that learned the preference as the teacher shows it would have;
+`--probes FILE` asks another probe file of the same format (the larger set, or candidates for it),
+and `--per-probe FILE` writes every probe answer with its verdict (JSON lines) for reading and for
+replaying a gate's decisions on recorded answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +35,7 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
-from clawbridge.learning.probes import general_probes
+from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerCheck, Probe, general_probes
 from clawbridge.learning.rewrite import (
     Draw,
     Pick,
@@ -42,6 +48,17 @@ from clawbridge.learning.rewrite import (
 from clawbridge.types import SamplingParams
 
 Rate = Callable[[str, str | None], scenarios.Verdict]
+
+
+def load_probes(path: str | Path | None) -> tuple[Probe, ...]:
+    """A probe file in the format of `clawbridge/learning/probes.yaml`; None: the shipped set."""
+    if path is None:
+        return general_probes()
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text())
+    min_words = int(data.get("min_words", DEFAULT_MIN_WORDS))
+    return tuple(Probe(p["q"], AnswerCheck(p["q"], tuple(str(k) for k in p["k"]), min_words)) for p in data["probes"])
 
 
 async def rated(backend: LocalBackend, renderer: Renderer, params: SamplingParams, draws: int,
@@ -70,7 +87,8 @@ def print_rows(label: str, rows: list[tuple[str, scenarios.Verdict]], show: int,
 
 async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | None, seed: int,
                   show: int, picks: bool = False, picks_only: bool = False,
-                  probe: bool = False) -> dict[str, dict[str, float]]:
+                  probe: bool = False, probes: tuple[Probe, ...] = (), per_probe: Path | None = None,
+                  only: str | None = None) -> dict[str, dict[str, float]]:
     settings = demo_settings(sc, Path(tempfile.mkdtemp(prefix="cb-teacher-")), model=model, seed=seed)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -87,7 +105,8 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
             out[label] = rates(rows)
             print_rows(label, rows, show, draws)
         if probe:
-            out.update(await probe_cost(sc, backend, renderer, params, hint, draws, show))
+            out.update(await probe_cost(sc, backend, renderer, params, hint, draws, show,
+                                        probes or general_probes(), per_probe, only))
         if picks or picks_only:
             out.update(await compare_picks(sc, backend, renderer, params, hint, draws))
     finally:
@@ -96,22 +115,36 @@ async def measure(sc: scenarios.Scenario, hint: str, draws: int, model: str | No
 
 
 async def probe_cost(sc: scenarios.Scenario, backend: LocalBackend, renderer: Renderer,
-                     params: SamplingParams, hint: str, draws: int, show: int = 0) -> dict[str, dict[str, float]]:
+                     params: SamplingParams, hint: str, draws: int, show: int = 0,
+                     probes: tuple[Probe, ...] = (), per_probe: Path | None = None,
+                     only: str | None = None) -> dict[str, dict[str, float]]:
     """What the preference itself costs the base model on the general probe set (which the
     gate and the demo hold a version to): each probe question asked plain and with the hint as a
     system instruction (the teacher a rewrite imitates), `draws` answers each. `answered` is the
     probe's check; `preferred` the scenario's. The hinted rows are what a student that learned the
     preference exactly as the teacher shows it would score; `hinted, preferred` / `hinted, not
     preferred` split the hinted answers by whether they meet the preference, so the first is
-    the probe rate of a student that always meets it, as far as the teacher's answers say."""
+    the probe rate of a student that always meets it, as far as the teacher's answers say.
+    `per_probe` appends every answer as a JSON line; each kind's wall time per 100 answers is
+    printed (what the gate pays for its probe on this machine)."""
     out: dict[str, dict[str, float]] = {}
-    for label, build in (("probe, plain", lambda q: [{"role": "user", "content": q}]),
-                         ("probe, hinted", lambda q: teacher_messages([{"role": "user", "content": q}], hint))):
+    probes = probes or general_probes()
+    kinds = (("probe, plain", lambda q: [{"role": "user", "content": q}]),
+             ("probe, hinted", lambda q: teacher_messages([{"role": "user", "content": q}], hint)))
+    for label, build in [k for k in kinds if only is None or k[0] == f"probe, {only}"]:
         asks = [(build(p.question), lambda t, f, p=p: scenarios.Verdict(sc.check.satisfied(t, f), p.check.answered(t)))
-                for p in general_probes()]
+                for p in probes]
+        t0 = time.perf_counter()
         rows = await rated(backend, renderer, params, draws, asks)
+        took = time.perf_counter() - t0
+        print(f"{label}: {len(rows)} answers in {took:.0f} s, {100 * took / len(rows):.1f} s per 100", file=sys.stderr)
         out[label] = rates(rows)
         print_rows(label, rows, show, draws)
+        if per_probe is not None:
+            with per_probe.open("a") as f:
+                for i, (text, v) in enumerate(rows):
+                    f.write(json.dumps({"kind": label, "seed": params.seed, "q": probes[i // draws].question,
+                                        "answered": v.answered, "preferred": v.preferred, "text": text}) + "\n")
         if label == "probe, hinted":
             out["hinted, preferred"] = rates([x for x in rows if x[1].preferred])
             out["hinted, not preferred"] = rates([x for x in rows if not x[1].preferred])
@@ -174,13 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--picks-only", action="store_true", help="only the comparison of --picks")
     ap.add_argument("--probe", action="store_true",
                     help="instead of the held-out prompts: what the preference costs on the general probe set")
+    ap.add_argument("--probes", type=Path, default=None, help="with --probe: this probe file instead of the shipped set")
+    ap.add_argument("--per-probe", type=Path, default=None, help="with --probe: append every answer here (JSON lines)")
+    ap.add_argument("--only", choices=("plain", "hinted"), default=None,
+                    help="with --probe: only the plain or only the hinted answers (long runs in parts)")
     args = ap.parse_args(argv)
     sc = scenarios.load(args.scenario)
     hint = args.hint or sc.replies.unsatisfied[0]
-    asked = f"{len(general_probes())} probe questions" if args.probe else f"{len(sc.heldout_prompts)} prompts"
+    probes = load_probes(args.probes)
+    asked = f"{len(probes)} probe questions" if args.probe else f"{len(sc.heldout_prompts)} prompts"
     print(f"scenario {sc.name} · hint {hint!r} · {asked} × {args.draws} draws")
     res = asyncio.run(measure(sc, hint, args.draws, args.model, args.seed, args.show, args.picks, args.picks_only,
-                              args.probe))
+                              args.probe, probes, args.per_probe, args.only))
     print(f"{'prompt':30s} {'preferred':>9s} {'answered':>9s} {'truly':>7s} {'n':>4s} {'none':>5s}")
     for label, row in res.items():
         pref = "" if row["preferred"] != row["preferred"] else f"{row['preferred']:.0%}"
