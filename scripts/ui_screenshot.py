@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--data-dir", type=Path, default=ROOT / ".clawbridge-demo")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "ui.png")
     ap.add_argument("--width", type=int, default=1400)
+    ap.add_argument("--max-height", type=int, default=2400, help="cut the page below this many pixels")
     args = ap.parse_args()
     if not (args.data_dir / "clawbridge.db").exists():
         sys.exit(f"no store in {args.data_dir}: run `make demo` first, or pass --data-dir")
@@ -62,11 +63,12 @@ def main() -> None:
             time.sleep(0.2)
         time.sleep(0.5)  # the charts draw in the same pass; let layout settle
         height = int(driver.execute_script("return document.documentElement.scrollHeight"))
-        driver.set_window_size(args.width, min(height + 20, 6000))
+        shown = min(height + 20, args.max_height)
+        driver.set_window_size(args.width, shown)
         time.sleep(0.3)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(args.out))
-        print(f"wrote {args.out} ({args.width} x {min(height + 20, 6000)})")
+        print(f"wrote {args.out} ({args.width} x {shown})")
     finally:
         driver.quit()
         server.should_exit = True

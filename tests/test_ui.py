@@ -160,6 +160,9 @@ def test_each_turn_says_where_it_is_in_the_learning_loop(store: Store, tmp_path:
     assert turns[dropped]["status"] == "dropped: no signal (prm: reward +0, no hint)"
     assert turns[trained]["status"] == "trained in step 1" and turns[trained]["reward"] == -1.0
     assert turns[trained]["asked"] == "ask trained" and turns[trained]["answer"] == "answer trained"
+    with serve(board_for(store, tmp_path, None)) as app:
+        learning = {t["id"] for t in httpx.get(f"{app.url}/ui/api/turns", params={"learning": "1"}).json()["turns"]}
+    assert learning == set(turns) - {side, opted}
 
 
 def test_pure_status_names_every_state() -> None:

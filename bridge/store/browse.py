@@ -179,10 +179,13 @@ def _annotate(conn: sa.Connection, rows: Sequence[Any], *, whole: bool) -> list[
     return out
 
 
-def recent_turns(conn: sa.Connection, *, before: str | None = None, limit: int = 30) -> JSON:
-    """The newest turns first, `limit` at a time; `next` is the cursor of the page after."""
+def recent_turns(conn: sa.Connection, *, before: str | None = None, limit: int = 30, learning: bool = False) -> JSON:
+    """The newest turns first, `limit` at a time; `next` is the cursor of the page after.
+    `learning`: only the turns that can train (main, not opted out), not side turns or probes."""
     tu = t.turns.c
     q = sa.select(*_TURN_COLS)
+    if learning:
+        q = q.where(tu.turn_type == "main", tu.train == sa.true())
     if before:
         at, tid = decode_cursor(before, 2)
         try:
@@ -393,8 +396,8 @@ class Browse:
         with self._conn() as conn:
             return fn(conn, *args, **kw)
 
-    def turns(self, before: str | None = None, limit: int = 30) -> JSON:
-        return self._in(recent_turns, before=before, limit=limit)
+    def turns(self, before: str | None = None, limit: int = 30, learning: bool = False) -> JSON:
+        return self._in(recent_turns, before=before, limit=limit, learning=learning)
 
     def conversation(self, session_id: str, after: int = -1, limit: int = 50) -> JSON | None:
         return self._in(conversation, session_id, after=after, limit=limit)

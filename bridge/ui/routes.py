@@ -7,7 +7,7 @@
     GET  /ui/static/{name}     the page's CSS and JS (shipped in the package)
     GET  /ui/api/now           serving and learning now, what is waiting, the change token
     GET  /ui/api/progress      versions with reactions, gate decisions, rollbacks; steps; hints
-    GET  /ui/api/turns         ?before=CURSOR&limit=N: the newest turns with verdicts
+    GET  /ui/api/turns         ?before=CURSOR&limit=N&learning=1: the newest turns with verdicts
     GET  /ui/api/sessions/{id} ?after=INDEX&limit=N: one conversation
     POST /ui/api/rollback      {"version": K}: serve vK's weights again (the admin rollback)
     POST /ui/api/training      {"paused": true|false}: pause or resume training steps
@@ -212,7 +212,8 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
 
     async def turns(request: Request, board: Board) -> Response:
         before = request.query_params.get("before") or None
-        return _json(await board.store.run(board.browse.turns, before, _int(request, "limit", 30)))
+        learning = request.query_params.get("learning", "") in ("1", "true")
+        return _json(await board.store.run(board.browse.turns, before, _int(request, "limit", 30), learning))
 
     async def session(request: Request, board: Board) -> Response:
         sid = request.path_params["sid"]

@@ -360,7 +360,8 @@ async function openConversation(sid, append) {
 async function loadDashboard() {
   const [progress, page] = await Promise.all([
     api("/ui/api/progress"),
-    api("/ui/api/turns" + (state.cursors[state.cursors.length - 1] ? "?before=" + encodeURIComponent(state.cursors[state.cursors.length - 1]) : "")),
+    api("/ui/api/turns?learning=" + ($("all-turns").checked ? "0" : "1")
+        + (state.cursors[state.cursors.length - 1] ? "&before=" + encodeURIComponent(state.cursors[state.cursors.length - 1]) : "")),
   ]);
   state.progress = progress;
   drawReactions(progress.versions);
@@ -407,6 +408,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("pause").addEventListener("click", togglePause);
   $("older").addEventListener("click", () => { state.cursors.push(state.next); refresh(true); });
   $("newest").addEventListener("click", () => { state.cursors = [null]; refresh(true); });
+  $("all-turns").addEventListener("change", () => { state.cursors = [null]; refresh(true); });
   $("conv-more").addEventListener("click", () => openConversation(state.session, true));
   window.addEventListener("hashchange", route);
   route();
