@@ -48,7 +48,7 @@ class LocalBackend(Routing):
         seed: int = 0,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
-        engine_dtype: precision.EngineDtype = "auto",
+        engine_dtype: precision.EngineDtype = "fp32",
         max_batch: int = 16,
         train_token_budget: int = 2048,
         threads: int | None = None,
@@ -61,7 +61,8 @@ class LocalBackend(Routing):
         # what /v1/models suggests agents ask for: on CPU each token is a decode step of a
         # ~13 K-token context (OpenClaw's), so a long default budget makes every turn slow
         self.suggested_max_tokens = CPU_SUGGESTED_MAX_TOKENS if device == "cpu" else None
-        # `dtype` (a GPU caller's) wins; otherwise the setting, `auto` asking the CPU
+        # `dtype` (a GPU caller's) wins, then `engine_dtype`, `auto` asking the CPU. Here it
+        # defaults to fp32 (logprobs reproducible to ~1e-6); the setting, to auto
         chosen = dtype or precision.choose(engine_dtype, device, precision.cpu_flags())
         self.dtype = precision.name(chosen)  # what the banner, /v1/models and status show
         self.engine = Engine(
@@ -90,6 +91,7 @@ class LocalBackend(Routing):
             lora_alpha=settings.lora_alpha,
             seed=settings.seed,
             prefix_cache_mb=settings.prefix_cache_mb,
+            engine_dtype=settings.engine_dtype,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -41,6 +41,11 @@ class BackendCase:
     model_seed: int = 0  # tiny-random's weights for the reference model
     # A platform limit: given a test's id, why this backend cannot take it (None: it can).
     unsupported: Callable[[str], str | None] | None = None
+    # Its compute dtype: how close score comes to the sampled logprobs (a bf16 forward's rounding
+    # depends on the shapes it runs at: one prompt whole vs a prefill then decode steps), and the
+    # dtype the exact-gradient test's reference model computes in
+    dtype: str = "fp32"
+    logprob_tol: float = 2e-4
 
 
 CASES: dict[str, BackendCase] = {}
@@ -50,7 +55,7 @@ def register(case: BackendCase) -> None:
     CASES[case.name] = case
 
 
-async def make_local(tmp_path: Path) -> Backend:
+async def make_local(tmp_path: Path, engine_dtype: str = "fp32") -> Backend:
     # a small token budget forces micro-batching, which must not change the gradient
     backend = LocalBackend(
         "tiny-random",
@@ -59,9 +64,14 @@ async def make_local(tmp_path: Path) -> Backend:
         lora_alpha=TINY_LORA_ALPHA,
         train_token_budget=24,
         threads=1,  # the tiny model gains nothing from more; test_conformance restores it
+        engine_dtype=engine_dtype,  # type: ignore[arg-type]
     )
     await backend.start()
     return backend
+
+
+async def make_local_bf16(tmp_path: Path) -> Backend:
+    return await make_local(tmp_path, "bf16")
 
 
 async def local_weights(backend: Backend) -> dict[str, torch.Tensor]:
@@ -70,6 +80,9 @@ async def local_weights(backend: Backend) -> dict[str, torch.Tensor]:
 
 
 register(BackendCase("local", make_local, local_weights))
+# bf16 where the CPU has it natively (what `auto` picks there); on the tiny model score and the
+# sampled logprobs agree to ~2e-3 (docs/engine.md has the embedded model's figures)
+register(BackendCase("local-bf16", make_local_bf16, local_weights, dtype="bf16", logprob_tol=1e-2))
 
 
 # --- the cloud backends against their offline SDK fakes (tests/fakes) ---------------------------

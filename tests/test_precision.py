@@ -38,7 +38,8 @@ def test_the_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
 
 def test_the_backend_resolves_auto_from_this_cpu_and_honours_a_forced_dtype(tmp_path: Path) -> None:
     here = precision.name(precision.choose("auto", "cpu", precision.cpu_flags()))
-    assert LocalBackend("tiny-random", tmp_path).dtype == here
+    assert LocalBackend("tiny-random", tmp_path, engine_dtype="auto").dtype == here
+    assert LocalBackend("tiny-random", tmp_path).dtype == "fp32"  # the library's default
     assert LocalBackend("tiny-random", tmp_path, engine_dtype="fp32").engine.dtype == torch.float32
     assert LocalBackend("tiny-random", tmp_path, engine_dtype="bf16").engine.dtype == torch.bfloat16
     backend = LocalBackend("tiny-random", tmp_path, engine_dtype="bf16", dtype=torch.float32)
@@ -92,3 +93,21 @@ async def test_the_trainable_adapter_and_its_optimizer_stay_fp32(tmp_path: Path,
         assert body == {precision.DTYPES[engine_dtype]}
     finally:
         await backend.close()
+
+
+def test_a_bf16_decode_step_attends_as_sdpa_does_with_and_without_padding() -> None:
+    """The decode step's own attention (two matmuls, fp32 softmax) against torch's SDPA on the
+    same bf16 inputs: 9 query heads on 3 key heads, one row left-padded."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, 1, 64, generator=g).bfloat16()
+    k = torch.randn(2, 3, 40, 64, generator=g).bfloat16()
+    v = torch.randn(2, 3, 40, 64, generator=g).bfloat16()
+    seen = torch.ones(2, 1, 1, 40, dtype=torch.bool)
+    seen[1, ..., :7] = False
+    for mask in (None, seen, torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).bfloat16()):
+        got, _ = precision.decode_attention(torch.nn.Module(), q, k, v, mask, scaling=0.125)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=None if mask is None else seen, scale=0.125, enable_gqa=True
+        ).transpose(1, 2)
+        assert got.shape == (2, 1, 9, 64)
+        torch.testing.assert_close(got.float(), expected, rtol=0, atol=0.02)
