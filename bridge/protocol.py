@@ -235,3 +235,11 @@ class SuggestsMaxTokens(Protocol):
     """Suggests a completion budget to clients that name none (None: the server's default)."""
 
     suggested_max_tokens: int | None
+
+
+@runtime_checkable
+class NamesItsDtype(Protocol):
+    """Computes in a dtype it names (the embedded engine: "bf16" or "fp32"), which the banner,
+    /v1/models and status show."""
+
+    dtype: str
