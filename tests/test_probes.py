@@ -38,9 +38,9 @@ def test_keywords_never_repeat_the_question_and_every_builtin_prompt_has_some():
         assert not own_words(p.question, p.check.keywords), p.question
 
 
-def test_the_general_probe_set_is_about_fifty_questions_shared_by_no_scenario():
+def test_the_general_probe_set_is_two_hundred_questions_shared_by_no_scenario():
     probes = general_probes()
-    assert 45 <= len(probes) <= 60 and len({p.question for p in probes}) == len(probes)
+    assert len(probes) == 200 and len({p.question for p in probes}) == len(probes)
     for name in scenario.builtin_names():
         sc = scenario.load(name)
         assert not {p.question for p in probes} & {*sc.train_prompts, *sc.heldout_prompts}

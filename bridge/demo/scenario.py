@@ -131,7 +131,7 @@ class Recipe(BaseModel):
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
     w_negative: float = Field(1.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
     gate: bool = Field(True, description="Gate every candidate before it serves.")
-    gate_probes: int = Field(16, ge=0, le=50, description="General probe questions the gate asks every candidate.")
+    gate_probes: int = Field(16, ge=0, le=200, description="General probe questions the gate asks every candidate.")
     gate_probes_max: int | None = Field(
         None, ge=0, description="General probe questions the gate asks in all: the rest is asked unless the "
         "first gate_probes hold the candidate back beyond doubt (None: the setting's default).",

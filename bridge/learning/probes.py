@@ -6,9 +6,10 @@ when it is at least `min_words` long and names one keyword (a word that starts w
 I'm having a misunderstanding.") names none, so it fails however short and polite it is: that is
 the point, a count of words or a preference check alone paid for exactly those answers.
 
-The general probe set (`probes.yaml`, about 50 everyday questions shared by no scenario) measures
-whether a version still answers questions at all; the gate and the demo read it. Pure functions,
-except `general_probes`, which reads the package file once.
+The general probe set (`probes.yaml`, 200 everyday questions shared by no scenario; the first
+`ORIGINAL` of them the set every earlier measurement used) measures whether a version still
+answers questions at all; the gate and the demo read it. Pure functions, except `general_probes`,
+which reads the package file once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
+ORIGINAL = 50  # the first questions of probes.yaml: the set before 2026-11-25 (the tools demo's)
 _WORD = re.compile(r"[a-z0-9][a-z0-9'\u2019²^,.-]*", re.IGNORECASE)
 DEFAULT_MIN_WORDS = 4
 
@@ -98,4 +100,4 @@ def general_probes() -> tuple[Probe, ...]:
     )
 
 
-__all__ = ["AnswerCheck", "Probe", "general_probes", "is_echo", "own_words", "rate", "words"]
+__all__ = ["ORIGINAL", "AnswerCheck", "Probe", "general_probes", "is_echo", "own_words", "rate", "words"]
