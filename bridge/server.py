@@ -103,6 +103,8 @@ def learner_task(learner: Learner) -> BackgroundTask:
         if coordinator is None:
             return await learn(running)
 
+        learner.elsewhere = coordinator.elsewhere  # a rollback only where the lease is held
+
         async def take_over() -> None:  # the store moved on while another process trained
             await Trainer(running.settings.training, running.backend, running.store).resume()
             await learn(running)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import GateDecision, GateProbe
 from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
+from clawbridge.protocol import BackendError
 
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
@@ -61,6 +62,9 @@ class Learner:
         self.training_stopped: str | None = None  # why training stopped (the budget)
         self.lock = asyncio.Lock()  # a training step or a rollback, never both
         self.last_rollback: RollbackResult | None = None
+        # several proxies on one store: why this process may not publish now (another holds the
+        # trainer lease: `learning.lease.Coordinator.elsewhere`); None: it may
+        self.elsewhere: Callable[[], str | None] = lambda: None
 
     def bind(self, parts: LearningParts) -> None:
         self.parts = parts
@@ -80,6 +84,8 @@ class Learner:
     async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
         """Serve `version`'s weights again as a new version (the route's work). Works before the
         background task has bound the trainer, too: the lock is the learner's."""
+        if (why := self.elsewhere()) is not None:
+            raise BackendError(why)
         trainer = self.trainer or Trainer(self.settings.training, backend, store, lock=self.lock)
         self.last_rollback = await trainer.rollback(version)
         return self.last_rollback

@@ -180,6 +180,14 @@ class Coordinator:
         self.followed = version
         log.info("serving policy@v%d, as the trainer (%s) does", version, value.get("holder"))
 
+    def elsewhere(self) -> str | None:
+        """Why this process may not publish a version now (None: it holds the lease)."""
+        if self.holding.is_set():
+            return None
+        holder = self.lease.holder if self.lease is not None else "no process"
+        return (f"this process does not train: {holder} holds the store's trainer lease; "
+                "send this to the process that trains (its /v1/status says trainer: this process)")
+
     # --- what the operator sees ---------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -187,7 +195,7 @@ class Coordinator:
         if self.holding.is_set():
             return {"trainer": "this process"}
         lease = self.lease
-        other = lease.holder if lease is not None else "none yet"
+        other = lease.holder if lease is not None else "no process"
         out: dict[str, Any] = {"trainer": other}
         if self.train:
             out["trainer"] = f"{other} (this process waits to take over)"
@@ -198,7 +206,7 @@ class Coordinator:
         if self.holding.is_set():
             return "  trainer   this process (holds the store's trainer lease)"
         lease = self.lease
-        other = lease.holder if lease is not None else "none yet"
+        other = lease.holder if lease is not None else "no process"
         if self.train:
             return f"  trainer   {other}; this process serves its versions and takes over if it stops"
         return f"  trainer   {other}; this process serves its versions (training off here)"
