@@ -58,6 +58,8 @@ class Training:
     _release: Callable[[int], None]
     _row: Callable[[int], str]
     _adapter_dir: Callable[[int], Path]
+    _served: dict[int, str]
+    _serve: Callable[[int, dict[str, torch.Tensor]], None]
 
     def _score(
         self,
