@@ -111,6 +111,7 @@ class Engine(Decoding, VersionSlots, Training):
         self._slots: adapters.Slots | None = None
         self._served: dict[int, str] = {}  # published version -> the slot serving it (in memory)
         self._pending: dict[int, dict[str, torch.Tensor]] = {}  # versions still being persisted
+        self._folders: dict[int, Path] = {}  # versions restored from another process's folder
         self._writer = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="clawbridge-persist"
         )

@@ -59,6 +59,7 @@ class Training:
     _row: Callable[[int], str]
     _adapter_dir: Callable[[int], Path]
     _served: dict[int, str]
+    _folders: dict[int, Path]
     _serve: Callable[[int, dict[str, torch.Tensor]], None]
 
     def _score(
@@ -239,8 +240,8 @@ class Training:
                 )
             weights = adapters.read(folder, str(self.device))
             self._set_trainable(weights)
-            if version not in self._served:  # `path` may be another process's folder (docs/scale-out.md)
-                self._serve(version, weights)
+            if folder != self._adapter_dir(version):  # another process's (docs/scale-out.md)
+                self._folders[version] = folder
         self._prefixes.clear()  # a version number read back from disk: cache nothing across
         self._newest = version
         self._release(self._acquire(None))  # loads the newest version's adapter if missing

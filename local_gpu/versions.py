@@ -38,6 +38,7 @@ class VersionSlots:
     _jobs: deque[_Job]
     _initial: dict[str, torch.Tensor]
     _pending: dict[int, dict[str, torch.Tensor]]
+    _folders: dict[int, Path]
     _prefixes: PrefixCache
     _refs: dict[int, int]
     _served: dict[int, str]
@@ -64,7 +65,7 @@ class VersionSlots:
         """A published version's weights: still in memory while being persisted, else its folder."""
         if version in self._pending:
             return self._pending[version]
-        path = self._adapter_dir(version)
+        path = self._folders.get(version) or self._adapter_dir(version)
         if not (path / adapters.WEIGHTS).exists():
             raise error(
                 f"policy@v{version} is no longer available ({path / adapters.WEIGHTS} is missing)"

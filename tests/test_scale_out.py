@@ -117,11 +117,11 @@ class Conversation:
         self.messages.append({"role": "user", "content": text})
 
 
-def conversations(n: int) -> list[Conversation]:
+def conversations(n: int, name: str = "conv") -> list[Conversation]:
     out = []
     for i in range(n):
-        c = Conversation(f"conv-{i}", tagged=i % 2 == 0)
-        c.say(f"Conversation {i}: tell me one fact about the number {i * 7 + 3}.")
+        c = Conversation(f"{name}-{i}", tagged=i % 2 == 0)
+        c.say(f"{name} {i}: tell me one fact about the number {i * 7 + 3}.")
         out.append(c)
     return out
 
@@ -216,6 +216,7 @@ def run_scale_out(tmp: Path, db: str, n_convs: int, turns: int, kill_trainer: bo
         live = [a, b]
         play(convs, live, 1, offset=1)
         store = check_store(db, convs)
+        timings: dict[str, Any] = {}
         try:
             trainer = trainers[0]
             lease = store.lease(TRAINER_LEASE)
@@ -226,34 +227,32 @@ def run_scale_out(tmp: Path, db: str, n_convs: int, turns: int, kill_trainer: bo
                      == store.latest_version().version, 60)
             newest = store.latest_version()
             assert newest is not None
+            t0 = time.monotonic()
             wait_for(f"every proxy on v{newest.version}",
                      lambda: all(p.status()["version"] >= newest.version for p in live), 20)
+            timings["every proxy on the served version (s)"] = round(time.monotonic() - t0, 2)
             steps = store.training_steps()
             assert [s.step for s in steps] == list(range(1, len(steps) + 1))  # one trainer numbers them
             if kill_trainer:
                 other = b if trainer is a else a
                 os.kill(trainer.pid, signal.SIGKILL)
                 trainer.alive = False
+                t0 = time.monotonic()
                 wait_for("the waiting process to take over",
                          lambda: other.status()["extra"]["trainer"] == "this process", 40)
-                more = conversations(n_convs)
-                for m in more:
-                    m.messages[0]["content"] += " (after the takeover)"
+                timings["takeover after SIGKILL (s)"] = round(time.monotonic() - t0, 2)
+                more = conversations(n_convs, "after")
                 play(more, [other], turns)
                 check_store(db, convs + more).close()
                 before = newest.version
                 wait_for("a version trained by the new holder",
                          lambda: store.latest_version().version > before, 120)
         finally:
+            timings["versions"] = [v.version for v in store.versions()]
             store.close()
         logs = {p.name: (tmp / f"{p.name}.log").read_text() for p in ps}
         assert sum("holds the trainer lease" in text for text in logs.values()) == (2 if kill_trainer else 1), logs
-        print(json.dumps({"versions": store_versions(db)}))
-
-
-def store_versions(db: str) -> list[int]:
-    with Store.open(db) as store:
-        return [v.version for v in store.versions()]
+        print(json.dumps(timings))  # shown with -s: the figures of docs/scale-out.md
 
 
 @pytest.fixture
