@@ -111,3 +111,23 @@ def test_a_bf16_decode_step_attends_as_sdpa_does_with_and_without_padding() -> N
         ).transpose(1, 2)
         assert got.shape == (2, 1, 9, 64)
         torch.testing.assert_close(got.float(), expected, rtol=0, atol=0.02)
+
+
+def test_the_chosen_dtype_is_in_the_banner_the_model_card_and_the_status(tmp_path: Path) -> None:
+    import httpx
+    from clawbridge.config import Settings
+    from clawbridge.server import banner, build_backend
+    from live_server import LiveServer
+
+    threads = torch.get_num_threads()
+    settings = Settings(model="tiny-random", port=0, data_dir=tmp_path, train=False, engine_dtype="bf16")
+    assert Settings(model="tiny-random").engine_dtype == "auto"  # the setting's default
+    live = LiveServer(settings, build_backend(settings)).start()
+    try:
+        assert httpx.get(f"{live.url}/v1/models").json()["data"][0]["dtype"] == "bf16"
+        assert httpx.get(f"{live.url}/v1/status").json()["dtype"] == "bf16"
+        first = banner(live.settings, live.backend, live.proxy, live.url).splitlines()[0]
+        assert "(local backend, bf16, policy@v0)" in first
+    finally:
+        live.stop()
+        torch.set_num_threads(threads)
