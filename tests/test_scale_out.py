@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,3 +269,40 @@ def test_three_proxies_without_affinity_lose_nothing_and_share_one_trainer(tmp_p
 @pytest.mark.slow
 def test_soak_the_trainer_dies_and_a_waiting_process_takes_over(tmp_path: Path, pg_url: str):
     run_scale_out(tmp_path, pg_url, n_convs=20, turns=4, kill_trainer=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (apt install nginx-light)")
+def test_the_load_balancer_example_loses_no_next_state_with_a_proxy_killed(tmp_path: Path, pg_url: str):
+    """examples/scale_out as the docs run it: run.sh (two proxies and nginx), conversations.py
+    through nginx, once as is and once with a proxy killed by its pid mid-run."""
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DATABASE_URL": pg_url, "RUN_DIR": str(tmp_path / "run"), "PORT": str(port),
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    log_path = tmp_path / "run.log"
+    with log_path.open("w") as log:
+        up = subprocess.Popen(
+            ["timeout", "-s", "TERM", str(LIFE_S), str(root / "examples/scale_out/run.sh"), "2",
+             "--backend", "local", "--model", MODEL, "--no-train"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
+        )
+        try:
+            wait_for("nginx", lambda: "nginx: http" in log_path.read_text() or up.poll() is not None, 240)
+            assert up.poll() is None, log_path.read_text()
+            drive = [sys.executable, str(root / "examples/scale_out/conversations.py"), "--db", pg_url,
+                     "--url", f"http://127.0.0.1:{port}", "--conversations", "20"]
+            calm = json.loads(subprocess.run(drive, capture_output=True, text=True, env=env, check=True).stdout)
+            second = next(line for line in log_path.read_text().splitlines() if line.startswith("proxy 2:"))
+            victim = int(second.split("pid ")[1].split(",")[0])
+            run = subprocess.Popen(drive, stdout=subprocess.PIPE, text=True, env=env)
+            time.sleep(4)
+            os.kill(victim, signal.SIGKILL)
+            killed = json.loads(run.communicate(timeout=240)[0])
+        finally:
+            os.killpg(up.pid, signal.SIGTERM)
+            up.wait(60)
+    for got in (calm, killed):
+        assert got["answered"] == got["turns_stored"] == 60, got
+        assert got["next_states_attached"] == got["next_states_expected"] == 40, got
+        assert got["sessions"] == 20 and got["conversations_split"] == 0, got
