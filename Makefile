@@ -52,6 +52,7 @@ demo: $(STAMP) links
 	t=rows[0]; print(f'exported {len(rows)} turns to $(DEMO_DIR)/turns.jsonl; the first has', \
 	len(t['prompt_ids']), 'prompt ids,', len(t['completion_ids']), 'completion ids and', \
 	len(t['logprobs']), 'logprobs, sampled by policy version', t['version'])"
+	@echo "See the run on its page: $(VENV)/bin/clawbridge ui --data-dir $(DEMO_DIR)  (then open http://127.0.0.1:30080/ui)"
 
 test: $(STAMP) links lint typecheck pytest
 

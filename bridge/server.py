@@ -40,6 +40,8 @@ from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
 from clawbridge.serving.proxy import Proxy, ProxyHooks
 from clawbridge.types import SamplingParams
+from clawbridge.ui import ui_routes
+from clawbridge.ui.live import live_board
 
 if TYPE_CHECKING:
     from clawbridge.config import GateSettings, Settings
@@ -86,7 +88,8 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
     """How the proxy reaches the learner: its two routes, a wake-up on every next state, and the
     fields of the status line and /metrics."""
     return ProxyHooks(
-        routes=[feedback_route(learner.wake), rollback_route(learner), *episode_routes(learner.wake)],
+        routes=[feedback_route(learner.wake), rollback_route(learner), *episode_routes(learner.wake),
+                *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
         on_next_state=lambda _ns: learner.wake.set(),
         status_extra=learner.status,
         metrics_extra=learner.metrics,
@@ -179,8 +182,8 @@ def build_gate(
 def serving_extras(settings: Settings) -> dict[str, Any]:
     """What `clawbridge up` adds to the server: the learning loop, when training is on
     (`{"hooks": ..., "background": [...]}` for `serve`); without it `up` serves and captures."""
-    if not settings.train:
-        return {}
+    if not settings.train:  # the page still shows what is captured (docs/ui.md)
+        return {"hooks": ProxyHooks(routes=ui_routes(live_board(None)))}
     learner = Learner(settings)
     return {"hooks": learner_hooks(learner), "background": [learner_task(learner)]}
 
@@ -219,6 +222,7 @@ def banner(settings: Settings, backend: Backend, proxy: Proxy, base_url: str) ->
             + (f"{card['dtype']}, " if "dtype" in card else "")  # the engine's compute dtype
             + f"policy@v{backend.version})",
             f"  endpoint  {base_url}/v1",
+            f"  page      {base_url}/ui",
             f"  context   {card['max_model_len']} tokens (suggested max_tokens {card['suggested_max_tokens']})",
             f"  data      {settings.data_dir}",
             "",

@@ -325,3 +325,12 @@ def test_polls_between_two_changes_share_one_read(store: Store, tmp_path: Path) 
     store.attach_next_state(tid, [{"role": "user", "content": "next"}])
     out = board.browse.memo("waiting", board.browse.token(keys), read)
     assert len(reads) == 2 and out["turns_to_judge"] == 1
+
+
+def test_clawbridge_ui_names_a_data_directory_with_no_store(tmp_path: Path) -> None:
+    from clawbridge.cli.main import app
+    from typer.testing import CliRunner
+
+    out = CliRunner().invoke(app, ["ui", "--data-dir", str(tmp_path / "nothing-here")])
+    assert out.exit_code == 1 and "no store in" in out.output and "make demo" in out.output
+    assert not (tmp_path / "nothing-here" / "clawbridge.db").exists()  # looking creates nothing

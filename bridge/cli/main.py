@@ -172,6 +172,27 @@ def sessions_cmd(
     Console().print(table)
 
 
+@app.command("ui")
+def ui_cmd(
+    data_dir: str | None = typer.Option(None, "--data-dir", help="The data directory to show (default ./.clawbridge)."),
+    db: str | None = typer.Option(None, help="SQLAlchemy URL (default SQLite in the data directory)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (any other than loopback needs --api-key)."),
+    port: int = typer.Option(30080, help="Port (0: any free one)."),
+    api_key: str | None = typer.Option(None, "--api-key", help="Ask for this key before showing the page (env CLAWBRIDGE_API_KEY)."),
+) -> None:
+    """The page of a finished run (`make demo`'s data directory), with no server running: what it
+    recorded, read-only, no model loaded. A running server shows the same page at its own /ui."""
+    from clawbridge.config import Settings
+    from clawbridge.ui.live import serve_data_dir
+
+    settings = Settings.load(data_dir=data_dir, db=db, api_key=api_key, host=host)
+    if settings.db is None and not (settings.data_dir / "clawbridge.db").exists():
+        typer.echo(f"clawbridge ui: no store in {settings.data_dir} (run `clawbridge up` or `make demo` first, "
+                   "or pass --data-dir)", err=True)
+        raise typer.Exit(1)
+    serve_data_dir(settings, host, port, started=lambda url: typer.echo(f"clawbridge ui: open {url}  (Ctrl-C to stop)"))
+
+
 # --- learning: demo, status, versions (the learning loop's commands) ----------------------------
 
 

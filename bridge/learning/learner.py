@@ -60,6 +60,7 @@ class Learner:
         self.judge_name = settings.judging.kind
         self.errors = 0
         self.training_stopped: str | None = None  # why training stopped (the budget)
+        self.paused: str | None = None  # why training steps wait (the page: POST /ui/api/training)
         self.lock = asyncio.Lock()  # a training step or a rollback, never both
         self.last_rollback: RollbackResult | None = None
         # several proxies on one store: why this process may not publish now (another holds the
@@ -122,6 +123,9 @@ class Learner:
     async def _train_loop(self, trainer: Trainer) -> None:
         while True:
             self.ready.clear()  # before the look: samples settled during the step wake the next
+            if self.paused:  # judging goes on; a resume sets `ready`
+                await self.ready.wait()
+                continue
             try:
                 if await trainer.step_once() is not None:
                     continue
@@ -147,6 +151,8 @@ class Learner:
         out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.method}
         if self.training_stopped:
             out["training_stopped"] = self.training_stopped
+        if self.paused:
+            out["paused"] = self.paused
         if self.collector is not None:
             st = self.collector.stats
             out.update(judged=st.judged, samples=st.samples, dropped=st.dropped)

@@ -38,7 +38,7 @@ def spend(data_dir: Path) -> JSON | None:
 
 def learner_status(learner: Learner) -> JSON:
     out: JSON = {"fields": {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()},
-                 "paused": getattr(learner, "paused", None), "stopped": learner.training_stopped,
+                 "paused": learner.paused, "stopped": learner.training_stopped,
                  "errors": learner.errors, "busy": learner.lock.locked()}
     if (d := learner.trainer.decisions[-1] if learner.trainer and learner.trainer.decisions else None) is not None:
         out["last_gate"] = d.record()
@@ -72,9 +72,9 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
 
     def pause(paused: bool) -> JSON:
         assert learner is not None
-        learner.paused = PAUSED_FROM_PAGE if paused else None  # type: ignore[attr-defined]
-        learner.wake.set()
-        return {"object": "training", "paused": paused, "reason": learner.paused}  # type: ignore[attr-defined]
+        learner.paused = PAUSED_FROM_PAGE if paused else None
+        learner.ready.set()  # the train loop looks again: a resume trains a batch already waiting
+        return {"object": "training", "paused": paused, "reason": learner.paused}
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
     return Board(proxy.store, key, status, GATE_KEY, ROLLBACKS_KEY, PREFERENCES_KEY,
