@@ -192,3 +192,14 @@ def test_a_postgresql_store_serves_any_number_of_processes(pg_store: Store):
     with Store.open(str(pg_store.engine.url.render_as_string(hide_password=False))) as other:
         other.claim_serving()
         assert other.shared and pg_store.shared
+
+
+def test_clawbridge_status_names_the_process_that_trains(pg_store: Store):
+    from clawbridge.cli.main import app
+    from typer.testing import CliRunner
+
+    pg_store.claim_lease("trainer", "host-a:4242:beef", ttl_s=30)
+    url = pg_store.engine.url.render_as_string(hide_password=False)
+    result = CliRunner().invoke(app, ["status", "--db", url], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "trainer (lease)" in result.output and "host-a:4242:beef" in result.output

@@ -22,6 +22,7 @@ def print_status(data_dir: str | None, db: str | None) -> None:
     with _store(data_dir, db) as store:
         st = store.stats()
         steps = store.training_steps()
+        lease = store.lease("trainer") if store.shared else None  # several proxies: docs/scale-out.md
     t = Table("", "", title="clawbridge status")
     t.add_row("sessions (done)", f"{st.sessions} ({st.sessions_done})")
     t.add_row("turns: main / side / untagged / opted out", f"{st.main_turns} / {st.side_turns} / {st.untagged_turns} / {st.opted_out_turns}")
@@ -30,6 +31,8 @@ def print_status(data_dir: str | None, db: str | None) -> None:
     t.add_row("samples", " · ".join(f"{k} {v}" for k, v in st.samples.items()))
     t.add_row("training steps", str(st.steps))
     t.add_row("policy version", f"v{st.latest_version}")
+    if lease is not None:
+        t.add_row("trainer (lease)", f"{lease.holder}, claimed until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC")
     spend = read_spend(Settings.load(data_dir=data_dir, db=db).data_dir / "costs.json")
     if spend is not None:
         budget = spend.get("budget_usd")
