@@ -203,3 +203,28 @@ def test_clawbridge_status_names_the_process_that_trains(pg_store: Store):
     result = CliRunner().invoke(app, ["status", "--db", url], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "trainer (lease)" in result.output and "host-a:4242:beef" in result.output
+
+
+@pytest.mark.slow
+def test_clawbridge_up_on_a_sqlite_store_another_process_serves_exits_1_and_says_use_postgresql(tmp_path: Path):
+    import os
+    import subprocess
+    import sys
+
+    from test_proxy_crash import free_port
+
+    data = tmp_path / "data"
+    held = Store.open(f"sqlite:///{data / 'clawbridge.db'}")
+    held.claim_serving()  # this test process serves from it
+    try:
+        cli = Path(sys.executable).with_name("clawbridge")
+        r = subprocess.run(
+            ["timeout", "-s", "TERM", "240", str(cli), "up", "--backend", "local", "--model", "tiny-random",
+             "--port", str(free_port()), "--data-dir", str(data), "--no-train"],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
+    finally:
+        held.close()
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"another process (pid {os.getpid()}) serves from the SQLite store" in r.stderr
+    assert "use PostgreSQL" in r.stderr and "Traceback" not in r.stderr
