@@ -222,7 +222,7 @@ def test_the_price_and_the_preferences_are_shown_wherever_versions_are(tmp_path,
                                                prefs.instruction(prefs.standing(known))).record()])
     print_preferences(str(tmp_path), None)
     out = capsys.readouterr().out
-    assert "Answer in one short sentence." in out and "t1 t3" in out and "Use bullet points." in out
+    assert "answer in ONE short sentence" in out and "t1 t3" in out and "Use bullet points." in out  # the shortest wording
     assert "price: 12 pts of general answers (v0 62%, asked for these 2 50%)" in out
     print_versions(str(tmp_path), None)
     assert "twin 50%, v0 62%: price 12 pts" in capsys.readouterr().out
@@ -234,13 +234,13 @@ def test_hints_that_say_the_same_thing_count_as_one_preference():
     from clawbridge.learning import preferences as prefs
 
     known = prefs.merge([], [("Too long. Please answer in one short sentence, under 20 words.", "a"),
-                             ("too long. please answer in one short sentence, under 20 words", "b"),
+                             ("too long. please answer in one short sentence, under 20 words!", "b"),
                              ("Use a bulleted list.", "c")], version=1)
     assert [(p.text, p.count, p.turns) for p in known] == [
         ("Too long. Please answer in one short sentence, under 20 words.", 2, ("a", "b")),
         ("Use a bulleted list.", 1, ("c",))]
     more = prefs.merge(known, [(f"Say it in French {i}.", str(i)) for i in range(3)] + [("Use a bulleted list.", "d")], 2)
-    # words overlap 3 of 5 between "say it in french 0" and "... 1": the same wish, counted once
+    # four of the five words of "say it in french 0" are in "... 1": the same wish, counted once
     assert [p.count for p in more] == [2, 2, 3]
     # the two most frequent (a tie goes to the first seen), in the order first seen
     assert prefs.instruction(prefs.standing(more, keep=2)) == (
@@ -250,45 +250,22 @@ def test_hints_that_say_the_same_thing_count_as_one_preference():
     assert prefs.merge([], [("   ", "x")], 1) == []
 
 
-class _Judge:
-    """Stands in for a judge model (outside this machine): answers by a rule on the prompt."""
+def test_a_preference_leaves_out_what_was_about_one_turn_and_keeps_its_shortest_wording():
+    """The rules judge's hint is the user's whole reply: a correction, and sometimes an objection
+    that quotes the question. The quote is about that turn; the correction and the correction
+    followed by an objection are one standing wish, worded the short way."""
+    from clawbridge.learning import preferences as prefs
 
-    name = "fake"
-
-    def __init__(self, rule):  # type: ignore[no-untyped-def]
-        self.rule = rule
-        self.prompts: list[str] = []
-
-    async def complete(self, messages, *, temperature, max_tokens, seed=None):  # type: ignore[no-untyped-def]
-        text = messages[-1]["content"]
-        self.prompts.append(text)
-        return self.rule(text)
-
-
-def test_a_pairwise_preference_is_the_last_box():
-    from clawbridge.judges.pairwise import parse_preference
-
-    assert parse_preference(r"A is shorter, but \boxed{B}") == 0.0
-    assert parse_preference(r"\boxed{A} ... on reflection \boxed{0}") == 0.5
-    assert parse_preference(r"\boxed{a}") == 1.0
-    assert parse_preference("B is better") is None
-
-
-async def test_the_pairwise_judge_asks_both_orders_so_position_bias_cancels():
-    from clawbridge.judges.pairwise import PairwiseJudge
-
-    always_a = PairwiseJudge(_Judge(lambda _t: r"\boxed{A}"))  # a judge that only ever says A
-    assert await always_a.prefer([{"role": "user", "content": "q"}], "x", "y") == 0.5
-
-    def likes_paris(text: str) -> str:
-        a = text.split("Reply A:")[1].split("Reply B:")[0]
-        return r"\boxed{A}" if "Paris" in a else r"\boxed{B}"
-
-    judge = _Judge(likes_paris)
-    fair = PairwiseJudge(judge)
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    assert await fair.prefer(msgs, "Paris.", "I am not sure.") == 1.0
-    assert await fair.prefer(msgs, "I am not sure.", "Paris.") == 0.0
-    assert "What is the capital of France?" in judge.prompts[0]
-    broken = PairwiseJudge(_Judge(lambda _t: "no idea"))
-    assert await broken.prefer(msgs, "a", "b") == 0.5 and broken.failed == 2
+    q = "Why is the sky blue?"
+    both = f"Too long. Please answer in one short sentence, under 20 words. That's not an answer to my question. I asked: {q}"
+    assert prefs.general(both, q) == ("Too long. Please answer in one short sentence, under 20 words. "
+                                      "That's not an answer to my question.")
+    assert prefs.general("Please answer what I asked: why is the sky blue", q) == ""
+    assert prefs.general("Shorter, please.", None) == "Shorter, please."
+    known = prefs.merge([], [(prefs.general(both, q), "a"),
+                             ("Too long. Please answer in one short sentence, under 20 words.", "b"),
+                             (prefs.general("That's not an answer to my question. I asked: What is rain?",
+                                            "What is rain?"), "c")], 1)
+    assert [(p.text, p.count) for p in known] == [
+        ("Too long. Please answer in one short sentence, under 20 words.", 2),
+        ("That's not an answer to my question.", 1)]

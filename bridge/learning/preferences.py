@@ -7,10 +7,13 @@ the base model answering the general probe with the preferences as its system in
 same instruction the OPD teacher gets, `judges.hints.teacher_messages`). Its probe rate against
 plain v0's is the price of the preferences (docs/methods.md#harm-is-judged-against-what-you-asked-for).
 
-A judge model words the same wish differently each time, so hints are merged when they say the
-same thing (the same words, by a Jaccard overlap of their word sets), counted, and only the most
-frequent `keep` stand: the twin changes (and is measured again) only when the standing list does.
-Pure functions over plain data; the trainer stores the list in the store's meta.
+A preference is what the user wants of every answer, so the part of a hint that is about one
+turn is left out: a sentence that quotes the turn's own question ("I asked: Why is the sky
+blue?") is dropped (`general`). The same wish comes in several wordings and combinations, so a
+hint counts for a known preference when either's words are nearly all in the other (`same`),
+and a preference keeps its shortest wording; only the most frequent `keep` stand: the twin
+changes (and is measured again) only when the standing list does. Pure functions over plain
+data; the trainer stores the list in the store's meta.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFERENCES_KEY = "learning.preferences"  # store meta: every preference seen, as `to_json`
-SAME = 0.6  # word-set overlap at which two hints say the same thing
+SAME = 0.8  # the share of the shorter hint's words in the longer one at which they say the same thing
 SOURCES = 5  # turn ids kept per preference (the newest)
 
 _WORD = re.compile(r"[a-z0-9']+")
@@ -29,7 +32,7 @@ _WORD = re.compile(r"[a-z0-9']+")
 
 @dataclass(frozen=True)
 class Preference:
-    text: str  # the wording first seen
+    text: str  # the shortest wording seen
     count: int  # trained samples whose hint said it
     turns: tuple[str, ...]  # where it came from: the newest SOURCES turn ids
     first_version: int  # the policy version trained from it first
@@ -40,11 +43,26 @@ def words(text: str) -> frozenset[str]:
 
 
 def same(a: str, b: str) -> bool:
-    """Two hints say the same thing: their word sets overlap by SAME or more (Jaccard)."""
+    """Two hints say the same thing: SAME or more of the shorter one's words are in the other
+    (so "Too long, one short sentence please." and the same words followed by an objection are
+    one wish)."""
     wa, wb = words(a), words(b)
     if not wa or not wb:
         return a.strip().lower() == b.strip().lower()
-    return len(wa & wb) / len(wa | wb) >= SAME
+    return len(wa & wb) / min(len(wa), len(wb)) >= SAME
+
+
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+
+
+def general(hint: str, question: str | None) -> str:
+    """`hint` without the sentences that quote the turn's own question (they are about that turn,
+    not every answer)."""
+    q = " ".join(question.lower().split()).rstrip("?!. ") if question else ""
+    if not q:
+        return " ".join(hint.split())
+    kept = [x for x in _SENTENCE.split(" ".join(hint.split())) if q not in x.lower()]
+    return " ".join(kept)
 
 
 def merge(
@@ -62,7 +80,8 @@ def merge(
             out.append(Preference(text, 1, (turn_id,), version))
         else:
             p = out[at]
-            out[at] = Preference(p.text, p.count + 1, (*p.turns, turn_id)[-SOURCES:], p.first_version)
+            out[at] = Preference(min(p.text, text, key=len), p.count + 1, (*p.turns, turn_id)[-SOURCES:],
+                                 p.first_version)
     return out
 
 
@@ -87,5 +106,5 @@ def from_json(rows: Any) -> list[Preference]:
             for r in rows or ()]
 
 
-__all__ = ["PREFERENCES_KEY", "Preference", "from_json", "instruction", "merge", "same", "standing", "to_json",
-           "words"]
+__all__ = ["PREFERENCES_KEY", "Preference", "from_json", "general", "instruction", "merge", "same", "standing",
+           "to_json", "words"]

@@ -288,7 +288,13 @@ class Trainer:
         the twin's instruction: what the user has asked for so far (None: nothing yet)."""
         store = self.store
         known = preferences.from_json(await store.run(store.get_meta, preferences.PREFERENCES_KEY))
-        hints = [(x.hint, x.turn_id) for x in batch if x.hint]
+        hints = []
+        for x in batch:
+            if x.hint:
+                turn = await store.run(store.get_turn, x.turn_id)
+                asked = [m for m in turn.messages if m.get("role") == "user"] if turn is not None else []
+                content = asked[-1].get("content") if asked else None
+                hints.append((preferences.general(x.hint, content if isinstance(content, str) else None), x.turn_id))
         if hints:
             known = preferences.merge(known, hints, version)
             await store.run(store.set_meta, preferences.PREFERENCES_KEY, preferences.to_json(known))
