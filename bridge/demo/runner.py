@@ -394,7 +394,9 @@ async def run_demo(
     *,
     progress: Progress | None = None,
     plot_path: Path | None = None,
-    step_timeout_s: float = 300.0,
+    # a safety net, not a budget: a round's step and gate (100 probe questions of the candidate,
+    # and of v0 and the twin the first time) took over 750 s on 2 cores loaded ten deep
+    step_timeout_s: float = 1800.0,
     note: Note | None = None,
 ) -> DemoResult:
     from clawbridge.learning.learner import Learner
