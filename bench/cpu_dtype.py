@@ -13,8 +13,10 @@ slows both alike; medians are reported):
 
 A figure's fraction of the peak counts the matmul FLOPs only: 2 per weight of the decoder's
 linear layers per token (x2 more for a training step's backward through frozen weights), plus
-the causal attention's 2·2·n²/2 per layer and head dimension. Decode is bound by memory, not
-matmul: its fraction says little and is not printed.
+the causal attention's 2·2·n²/2 per layer and head dimension (a training step: 4 per weight,
+the backward through frozen weights computing only the inputs' gradients, and 3x the attention).
+The peak is measured once, first: on a machine whose load changes during the run a fraction can
+pass 100 %. Decode is bound by memory, not matmul: its fraction says little and is not printed.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ async def main() -> None:
         tokens = sum(len(d.prompt_ids) + len(d.completion_ids) for d in batch)
         optim = OptimSpec(learning_rate=1e-6)
         seconds = await paired(engines, args.repeats, lambda _, e: e.train_step(batch, LossSpec(), optim))
-        flops = 3 * 2 * weights * tokens + 3 * sum(
+        flops = 2 * 2 * weights * tokens + 3 * sum(
             attention_flops(engines["fp32"], len(d.prompt_ids) + len(d.completion_ids)) for d in batch
         )
         tps = {k: tokens / s for k, s in seconds.items()}
