@@ -148,6 +148,8 @@ class Engine(Decoding, VersionSlots, Training):
         # loaded in fp32 and cast down here, so that the output head keeps the exact weights
         base = models.load_model(self.spec, device=self.device, seed=self.seed)
         precision.to_compute_dtype(base, self.dtype)  # all but the head (fp32 logits)
+        if self.dtype == torch.bfloat16 and str(self.device).startswith("cpu"):
+            precision.use_decode_attention(base)  # torch's CPU SDPA is slow on one bf16 query
         config = LoraConfig(
             r=self.lora_rank,
             lora_alpha=self.lora_alpha,

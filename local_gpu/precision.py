@@ -78,8 +78,6 @@ def to_compute_dtype(model: Any, dtype: torch.dtype) -> None:
     if bias is not None:
         head.bias = torch.nn.Parameter(bias, requires_grad=False)
     head.register_forward_pre_hook(_cast_up)
-    if dtype == torch.bfloat16:
-        use_decode_attention(model)
 
 
 def _cast_up(_head: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:

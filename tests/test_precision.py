@@ -91,6 +91,8 @@ async def test_the_trainable_adapter_and_its_optimizer_stay_fp32(tmp_path: Path,
         assert moments and {t.dtype for t in moments} == {torch.float32}
         body = {p.dtype for n, p in engine._model.named_parameters() if "lora_" not in n and "lm_head" not in n}
         assert body == {precision.DTYPES[engine_dtype]}
+        attention = engine._model.config._attn_implementation  # bf16: its own in a decode step
+        assert attention == (precision.BF16_ATTENTION if engine_dtype == "bf16" else "sdpa")
     finally:
         await backend.close()
 
