@@ -211,7 +211,8 @@ def test_a_restored_copy_has_the_weights_it_copies():
 
 
 def test_a_restored_copy_takes_the_figures_of_the_version_it_copies():
-    from clawbridge.demo.runner import VersionEval, reusable
+    from clawbridge.demo.results import VersionEval
+    from clawbridge.demo.runner import reusable
 
     v0 = VersionEval(0, 0.05, (0.0, 0.1), 2, 55.0, truly=0.05, probe=0.68, probe_per_prompt=(1.0, 0.0))
     copy = reusable(v0, 4, {"2": 0, "4": 2}, probe=True, conversations=40)
@@ -225,7 +226,7 @@ def test_a_restored_copy_takes_the_figures_of_the_version_it_copies():
 
 
 def test_the_probe_interval_pairs_the_questions():
-    from clawbridge.demo.runner import DemoResult, VersionEval
+    from clawbridge.demo.results import DemoResult, VersionEval
 
     def ev(version: int, probe: tuple[float, ...]) -> VersionEval:
         return VersionEval(version, 0.0, (0.0,), 1, 0.0, probe=sum(probe) / len(probe), probe_per_prompt=probe)

@@ -9,7 +9,7 @@
     hand back every measured version, its examples, the steps and the gate's decisions
 
 What a round is, what a measurement holds and what counts as "settled" is the player's; each
-demo turns the `Played` record into its own result type (`runner.DemoResult`, `tools.ToolsResult`).
+demo turns the `Played` record into its own result type (`results.DemoResult`, `tools.ToolsResult`).
 """
 
 from __future__ import annotations
