@@ -46,6 +46,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory):
         "static": _engine(tmp_path_factory.mktemp("static"), static_cache=True),
         "off": _engine(tmp_path_factory.mktemp("off"), prefix_cache_mb=0),
         "dynamic-bf16": _engine(tmp_path_factory.mktemp("dynamic-bf16"), dtype=torch.bfloat16),
+        "static-bf16": _engine(
+            tmp_path_factory.mktemp("static-bf16"), static_cache=True, dtype=torch.bfloat16
+        ),
         "off-bf16": _engine(
             tmp_path_factory.mktemp("off-bf16"), prefix_cache_mb=0, dtype=torch.bfloat16
         ),
@@ -112,7 +115,7 @@ def test_a_zero_budget_keeps_nothing() -> None:
     assert len(cache) == 0 and cache.lookup(0, (1, 2, 3, 4)) is None
 
 
-@pytest.mark.parametrize("mode", ["dynamic", "static", "dynamic-bf16"])
+@pytest.mark.parametrize("mode", ["dynamic", "static", "dynamic-bf16", "static-bf16"])
 async def test_greedy_output_with_the_cache_equals_greedy_output_without(engines, mode: str):
     engine, off = engines[mode], engines["off-bf16" if mode.endswith("bf16") else "off"]
     tolerance = 1e-2 if mode.endswith("bf16") else 1e-4  # bf16: the tail's rounding differs
