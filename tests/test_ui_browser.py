@@ -29,7 +29,7 @@ DRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and DRIVER):
     pytest.skip(f"needs Chromium and its driver: {INSTALL}", allow_module_level=True)
 webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium: pip install -e '.[dev]'")
-from selenium.common.exceptions import NoAlertPresentException  # noqa: E402
+from selenium.common.exceptions import NoAlertPresentException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
@@ -93,9 +93,14 @@ class Server:
 
 
 def wait(what: str, done: Callable[[], Any], timeout: float = 90) -> Any:
+    """`done()` until it is truthy. The page redraws its tables as it polls, so an element found a
+    moment ago may be gone (stale): that is "not yet", not a failure."""
     deadline = time.monotonic() + timeout
     while True:
-        got = done()
+        try:
+            got = done()
+        except StaleElementReferenceException:
+            got = None
         if got:
             return got
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -176,7 +181,8 @@ def test_the_page_signs_in_shows_hostile_text_as_text_updates_live_and_rolls_bac
         assert browser.execute_script("return window.__pwned") is None
 
         # the conversation view of the session whose id is markup
-        row_element(browser, HOSTILE[2]).find_element(By.CSS_SELECTOR, "a.session").click()
+        wait("the session's link", lambda: row_element(browser, HOSTILE[2]).find_element(
+            By.CSS_SELECTOR, "a.session").click() or True)
         wait("the conversation", lambda: SESSION in text(browser, "#conv-id") or None)
         wait("its messages", lambda: HOSTILE[0] in text(browser, "#conv-turns"))
         assert browser.execute_script("return window.__pwned") is None
@@ -209,7 +215,8 @@ def test_the_page_signs_in_shows_hostile_text_as_text_updates_live_and_rolls_bac
 
         # roll back to v0 through the page's control, with its confirmation
         serving = server.running.backend.version
-        browser.find_element(By.CSS_SELECTOR, '#versions button.rollback[data-version="0"]').click()
+        wait("the rollback button", lambda: browser.find_element(
+            By.CSS_SELECTOR, '#versions button.rollback[data-version="0"]').click() or True)
         assert "v0" in accept_confirm(browser)
         wait("the rollback's message", lambda: "now serves the weights of v0" in browser.find_element(By.ID, "message").text)
         assert server.running.backend.version == serving + 1
