@@ -6,7 +6,16 @@ import random
 
 import pytest
 from clawbridge.learning.advantages import anchored
-from clawbridge.learning.gate import Comparison, GroupFigures, _t_sf, decide, doubtful, early, paired_worse, price
+from clawbridge.learning.gate import (
+    Comparison,
+    GroupFigures,
+    _t_sf,
+    decide,
+    doubtful,
+    early,
+    paired_worse,
+    price,
+)
 
 
 def test_the_t_tail_matches_the_tables():
