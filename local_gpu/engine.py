@@ -37,6 +37,7 @@ import logging
 import queue
 import secrets
 import threading
+import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
@@ -156,8 +157,12 @@ class Engine(Decoding, VersionSlots, Training):
             target_modules=self.target_modules,
             lora_dropout=0.0,
         )
-        with torch.random.fork_rng(devices=[]):  # LoRA A init must not depend on global state
-            torch.manual_seed(self.seed)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            torch.manual_seed(self.seed)  # LoRA A init must not depend on global state
+            # PEFT 0.21 itself reads transformers' deprecated `is_gradient_checkpointing` (our
+            # code uses neither): the one library warning a new user would otherwise see
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
             self._model = get_peft_model(base, config, adapter_name=TRAIN)
         self._model.eval()  # no dropout anywhere; PEFT mixed-batch rows require eval mode
         from peft.tuners.tuners_utils import BaseTunerLayer

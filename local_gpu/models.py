@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -290,6 +292,21 @@ def model_config(spec: ModelSpec) -> Any:
     return config
 
 
+@contextlib.contextmanager
+def quiet_load() -> Iterator[None]:
+    """transformers draws a progress bar for every checkpoint it loads ("Loading weights: 100%"):
+    noise in a server's log and in a piped demo, for a load that takes under a second."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(
     spec: ModelSpec, *, dtype: torch.dtype | None = None, device: str = "cpu", seed: int = 0
 ) -> PreTrainedModel:
@@ -303,9 +320,10 @@ def load_model(
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(tiny_config(spec.context_length), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(spec.path), dtype=dtype, local_files_only=True, config=model_config(spec)
-        )
+        with quiet_load():
+            model = AutoModelForCausalLM.from_pretrained(
+                str(spec.path), dtype=dtype, local_files_only=True, config=model_config(spec)
+            )
     model.to(device)
     model.eval()
     return model
