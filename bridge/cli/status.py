@@ -45,8 +45,7 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         last = decisions[-1]
         t.add_row("gate", f"{len(decisions) - held} accepted, {held} held back; last: v{last['version']} "
                   f"{gate_label(last)}")
-        priced = price_label(next((d for d in reversed(decisions) if "price_points" in d.get("figures", {})), None))
-        if priced:
+        if priced := price_label(newest_priced(decisions)):
             t.add_row("price of your preferences", priced)
     if steps:
         m = steps[-1].metrics
@@ -86,6 +85,11 @@ def gate_label(record: dict | None) -> str:  # type: ignore[type-arg]
     return f"accepted{shown}"
 
 
+def newest_priced(decisions: list[dict]) -> dict | None:  # type: ignore[type-arg]
+    """The newest gate decision that measured the price of the preferences."""
+    return next((d for d in reversed(decisions) if "price_points" in d.get("figures", {})), None)
+
+
 def price_label(record: dict | None) -> str:  # type: ignore[type-arg]
     """What the preferences the twin was asked with cost on the general probe, in words."""
     figures = (record or {}).get("figures", {})
@@ -116,8 +120,7 @@ def print_preferences(data_dir: str | None, db: str | None) -> None:
     for p in known:
         t.add_row("yes" if p in standing else "", p.text, str(p.count), f"v{p.first_version}", " ".join(p.turns))
     Console().print(t)
-    priced = price_label(next((d for d in reversed(decisions) if "price_points" in d.get("figures", {})), None))
-    if priced:
+    if priced := price_label(newest_priced(decisions)):
         Console().print(f"price: {priced}")
 
 

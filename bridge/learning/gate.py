@@ -440,7 +440,7 @@ class Gate:
                 if rule is not None:
                     comparisons[f"{g} vs {ref_name}"] = Comparison(fig, rule, margin, alpha, what)
             if g == "probe" and "twin" in refs:
-                figures["price_points"] = 100 * (figures["probe_v0"] - figures["probe_twin"])
+                figures["price_points"] = 100 * price([v0[i] for i in idx], [refs["twin"][i] for i in idx])
         return comparisons, figures
 
 
