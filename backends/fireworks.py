@@ -299,6 +299,9 @@ class FireworksBackend(Routing):
         self.meter.check_training()
         if loss.kl_coef:
             raise BackendError("kl_coef > 0 is not supported on Fireworks' built-in ppo loss")
+        if loss.topk:
+            raise BackendError("top-k distillation (opd_topk > 0) needs the teacher's logits inside the loss; "
+                               "Fireworks' built-in ppo loss cannot take them")
         check_batch(batch, "Fireworks")
         started = time.monotonic()
         data = [platform_datum(d, 1.0, types) for d in batch]  # the server divides by loss tokens

@@ -35,6 +35,7 @@ CPU_SUGGESTED_MAX_TOKENS = 128
 
 class LocalBackend(Routing):
     name = "local"
+    distills_topk = True  # the engine runs the base model inside its own loss (protocol.DistillsTopK)
 
     def __init__(
         self,

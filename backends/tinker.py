@@ -371,6 +371,9 @@ class TinkerBackend(Routing):
         self.meter.check_training()
         if loss.kl_coef:
             raise BackendError("kl_coef > 0 is not supported on Tinker's built-in ppo loss")
+        if loss.topk:
+            raise BackendError("top-k distillation (opd_topk > 0) needs the teacher's logits inside the loss; "
+                               "Tinker's built-in ppo loss cannot take them")
         check_batch(batch, "Tinker")
         started = time.monotonic()
         scale = sum_loss_scale(batch)

@@ -59,16 +59,20 @@ class TrainingSettings:
     batch_size: int
     max_staleness: int
     learning_rate: float
+    warmup_steps: int
     grad_clip_norm: float
     clip_low: float
     clip_high: float
     kl_coef: float
+    opd_topk: int
+    opd_topk_coef: float
     checkpoint_every: int
     gate_recent: int  # how many of a batch's prompts the gate replays pairwise
 
     @property
     def loss(self) -> LossSpec:
-        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef)
+        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef,
+                        topk=self.opd_topk, topk_coef=self.opd_topk_coef)
 
     @property
     def optim(self) -> OptimSpec:
@@ -199,10 +203,13 @@ class Settings(BaseSettings):
     batch_size: int = Field(16, ge=1, description="Samples per training step.")
     max_staleness: int = Field(4, ge=0, description="Samples older than this many versions are dropped.")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate of the LoRA parameters.")
+    warmup_steps: int = Field(0, ge=0, description="After every fresh optimizer (a new run, a gate's hold-back, a rollback, a resume from published weights) the learning rate ramps up linearly over this many steps: step k trains at learning_rate * min(1, k / warmup_steps). Adam's first step moves every parameter by the full rate whatever its gradient (docs/methods.md#a-warmup-after-every-fresh-optimizer-warmup_steps); 0 turns it off.")
     grad_clip_norm: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables it.")
     clip_low: float = Field(0.2, ge=0, description="PPO clip below: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO clip above: ratio <= 1 + clip_high.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")
+    opd_topk: int = Field(0, ge=0, le=1000, description="Top-k distillation: every hinted sample's tokens (its answer and its rewrite) also learn the teacher's whole next-token distribution, as KL(policy || teacher) over the teacher's top opd_topk tokens plus one bin for the rest, at every position (docs/methods.md#top-k-distillation-opd_topk). Needs a backend that runs the base model inside its loss (local); 0 turns it off.")
+    opd_topk_coef: float = Field(1.0, ge=0, description="Weight of the top-k distillation term in the loss.")
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
     lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
@@ -281,7 +288,8 @@ class Settings(BaseSettings):
 
     @property
     def loss(self) -> LossSpec:
-        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef)
+        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef,
+                        topk=self.opd_topk, topk_coef=self.opd_topk_coef)
 
     @property
     def optim(self) -> OptimSpec:

@@ -4,6 +4,8 @@
     l_t    = -min(rho_t * A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_t)
     loss   = sum_t l_t / (number of completion tokens in the whole batch)   prompt tokens masked
            + kl_coef * mean_t KL_k3(pi_theta || pi_base)                     (0 by default)
+           + topk_coef * KL_topk(pi_theta || pi_teacher) per position of a Datum with a teacher
+             prompt, same normalisation                                      (topk 0 by default)
 
 Backends that micro-batch call `ppo_token_losses` per micro-batch and divide the sum by the
 token count of the whole batch, so the gradient is the same as one big batch. Platforms whose
@@ -56,6 +58,27 @@ def ppo_token_losses(
     took_clip = (clipped < unclipped).to(new_logprobs.dtype)
     approx_kl = (ratio - 1.0) - log_ratio
     return TokenLosses(per_token * mask, took_clip * mask, approx_kl.detach() * mask)
+
+
+def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, k: int, temperature: float = 1.0) -> torch.Tensor:
+    """KL(pi_student || pi_teacher) per position over the teacher's top-k tokens plus one bin for
+    the rest of the vocabulary (the hybrid top-k form of on-policy distillation); logits [n, V]
+    of the same positions, both at `temperature`. Reverse KL is mode-seeking: the student moves
+    its mass onto what the teacher is sure of, and is not asked to spread it over the teacher's
+    long tail. Gradients flow through `student` only."""
+    t = temperature if temperature > 0 else 1.0
+    s_log = torch.log_softmax(student.float() / t, dim=-1)
+    t_log = torch.log_softmax(teacher.detach().float() / t, dim=-1)
+    top = t_log.topk(min(k, t_log.shape[-1]), dim=-1).indices
+    s_top, t_top = s_log.gather(-1, top), t_log.gather(-1, top)
+
+    def rest(top_logs: torch.Tensor) -> torch.Tensor:  # log(1 - sum p) of the top-k, stable
+        mass = torch.logsumexp(top_logs, dim=-1).clamp(max=-1e-6)
+        return torch.log(-torch.expm1(mass))
+
+    s_bins = torch.cat([s_top, rest(s_top).unsqueeze(-1)], dim=-1)
+    t_bins = torch.cat([t_top, rest(t_top).unsqueeze(-1)], dim=-1)
+    return (s_bins.exp() * (s_bins - t_bins)).sum(-1)
 
 
 def ppo_loss(

@@ -238,6 +238,16 @@ class SuggestsMaxTokens(Protocol):
 
 
 @runtime_checkable
+class DistillsTopK(Protocol):
+    """Its `train_step` distils the teacher's top-k next-token distribution (`LossSpec.topk`, a
+    `Datum.teacher_prompt_ids`): the loss needs the teacher's full logits at every position, which
+    only a backend that runs the base model inside its own loss has. The others refuse
+    `opd_topk` at start."""
+
+    distills_topk: bool
+
+
+@runtime_checkable
 class NamesItsDtype(Protocol):
     """Computes in a dtype it names (the embedded engine: "bf16" or "fp32"), which the banner,
     /v1/models and status show."""

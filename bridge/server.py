@@ -143,7 +143,7 @@ def build_learning(
         judges=judges,
         collector=Collector(learning, backend, store, judges, teacher),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher),
-        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate),
+        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher),
     )
 
 

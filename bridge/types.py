@@ -78,6 +78,9 @@ class Datum:
     logprobs: tuple[float, ...]
     advantages: tuple[float, ...]
     temperature: float = 1.0
+    # the teacher's prompt for top-k distillation (LossSpec.topk): the base model's next-token
+    # distribution under it + the completion is distilled at every completion position
+    teacher_prompt_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -97,6 +100,10 @@ class LossSpec:
     clip_low: float = 0.2
     clip_high: float = 0.28
     kl_coef: float = 0.0  # KL to the base model (adapter disabled); 0 by default
+    # top-k distillation: + topk_coef * KL(pi_theta || teacher) over the teacher's top-k tokens
+    # and one bin for the rest, at every completion position of a Datum with a teacher prompt
+    topk: int = 0
+    topk_coef: float = 1.0
 
 
 @dataclass(frozen=True)

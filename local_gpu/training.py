@@ -11,6 +11,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,7 +20,7 @@ from clawbridge.local_gpu import adapters, models
 from clawbridge.local_gpu.adapters import BASE, TRAIN
 from clawbridge.local_gpu.kvbatch import CACHE, PrefixCache, cache_of
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
-from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs
+from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs, topk_reverse_kl
 from clawbridge.protocol import BackendError, UnknownVersion
 from clawbridge.types import (
     Datum,
@@ -111,11 +112,11 @@ class Training:
             self._optimizer = torch.optim.AdamW(self._params(), lr=1e-4)
         return self._optimizer
 
-    def _batch_logprobs(self, group: list[Datum], name: str | None = None) -> torch.Tensor:
-        """New logprobs of every completion token of `group`, concatenated, each datum at its
-        own temperature, under adapter `name` (None: the trainable one). The group is packed
-        into one row without padding (`packing.py`); only completion positions' logits are
-        materialised."""
+    def _completion_logits(self, group: list[Datum], name: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits at every completion position of `group` ([tokens, V], concatenated) and
+        the completion tokens, under adapter `name` (None: the trainable one). The group is
+        packed into one row without padding (`packing.py`); only completion positions' logits
+        are materialised."""
         packed = pack(group)
         device = self.device
         logits = self._forward(
@@ -125,7 +126,10 @@ class Training:
             logits_to_keep=torch.tensor(packed.keep, device=device),
             use_cache=False,  # with a cache transformers would not read the packed positions
         ).logits[0]
-        targets = torch.tensor(packed.targets, device=device)
+        return logits, torch.tensor(packed.targets, device=device)
+
+    @staticmethod
+    def _logprobs_of(group: list[Datum], logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         parts, at = [], 0
         for d in group:
             n = len(d.completion_ids)
@@ -133,6 +137,31 @@ class Training:
             parts.append(token_logprobs(logits[at : at + n], targets[at : at + n], temperature))
             at += n
         return torch.cat(parts)
+
+    def _batch_logprobs(self, group: list[Datum], name: str | None = None) -> torch.Tensor:
+        """New logprobs of every completion token of `group`, concatenated, each datum at its
+        own temperature, under adapter `name` (None: the trainable one)."""
+        return self._logprobs_of(group, *self._completion_logits(group, name))
+
+    def _topk_kl(self, group: list[Datum], student: torch.Tensor, k: int) -> torch.Tensor:
+        """Per completion token of `group`: KL(student || teacher) over the teacher's top-k
+        (`loss.topk_reverse_kl`) where the datum has a teacher prompt, 0 elsewhere. The teacher
+        is the base model (adapter off) under the teacher prompt + the same completion."""
+        taught = [d for d in group if d.teacher_prompt_ids is not None]
+        out = torch.zeros(student.shape[0], device=student.device, dtype=torch.float32)
+        if not taught:
+            return out
+        with torch.no_grad():
+            teacher, _ = self._completion_logits(
+                [replace(d, prompt_ids=d.teacher_prompt_ids) for d in taught], BASE)  # type: ignore[arg-type]
+        at = t_at = 0
+        for d in group:
+            n = len(d.completion_ids)
+            if d.teacher_prompt_ids is not None:
+                out[at : at + n] = topk_reverse_kl(student[at : at + n], teacher[t_at : t_at + n], k, d.temperature)
+                t_at += n
+            at += n
+        return out
 
     def _train_step(
         self, batch: tuple[Datum, ...], loss: LossSpec, optim: OptimSpec
@@ -150,13 +179,14 @@ class Training:
                 weight_decay=optim.weight_decay,
             )
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = clipped = kl = 0.0
+        loss_sum = clipped = kl = topk_sum = 0.0
         for group in packed_micro_batches(batch, self.train_token_budget):
             base = None
             if loss.kl_coef:
                 with torch.no_grad():
                     base = self._batch_logprobs(group, BASE)
-            new = self._batch_logprobs(group)
+            logits, targets = self._completion_logits(group)
+            new = self._logprobs_of(group, logits, targets)
             old = torch.tensor(
                 [x for d in group for x in d.logprobs], device=new.device, dtype=new.dtype
             )
@@ -164,7 +194,13 @@ class Training:
                 [x for d in group for x in d.advantages], device=new.device, dtype=new.dtype
             )
             terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
-            part = terms.loss.sum() / total  # token-mean over the WHOLE batch
+            per_token = terms.loss
+            if loss.topk > 0:
+                distill = self._topk_kl(group, logits, loss.topk)
+                per_token = per_token + loss.topk_coef * distill.to(per_token.dtype)
+                topk_sum += float(distill.detach().sum())
+            del logits
+            part = per_token.sum() / total  # token-mean over the WHOLE batch
             part.backward()
             loss_sum += float(part.detach())
             clipped += float(terms.clipped.sum())
@@ -182,6 +218,7 @@ class Training:
             tokens=total,
             samples=len(batch),
             seconds=time.perf_counter() - started,
+            extra={"topk_kl": topk_sum / total} if loss.topk > 0 else {},
         )
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:

@@ -176,6 +176,8 @@ async def test_requests_beyond_the_context_and_unsupported_losses_fail_clearly(t
         await b.sample(PROMPT, SamplingParams(max_tokens=11))
     with pytest.raises(BackendError, match="kl_coef"):
         await b.train_step(fixed_batch(), LossSpec(kl_coef=0.1))
+    with pytest.raises(BackendError, match="top-k distillation"):
+        await b.train_step(fixed_batch(), LossSpec(topk=20))
 
 
 async def test_an_unknown_base_model_is_a_permanent_error_at_start(tokenizer) -> None:

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.learning.learner import Learner
-from clawbridge.learning.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum
+from clawbridge.learning.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum, warmed
 from clawbridge.server import learner_hooks
 from clawbridge.store import Store
-from clawbridge.types import StepMetrics
+from clawbridge.types import OptimSpec, StepMetrics
 from live_server import LiveServer
 from test_collector import record_turns, settings_for
 
@@ -44,6 +44,38 @@ def test_step_record_summarises_the_batch():
     assert rec["mean_reward"] == 0.0 and rec["mean_advantage"] == 0.25 and rec["hinted"] == 1.0
     assert rec["rewrites"] == 1.0
     assert rec["loss"] == 0.5 and rec["tokens"] == 10.0
+
+
+def test_the_rate_ramps_up_over_the_warmup_after_a_fresh_optimizer():
+    o = OptimSpec(learning_rate=3e-3, grad_clip_norm=0.5)
+    assert [warmed(o, k, 3).learning_rate for k in (1, 2, 3, 4)] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3])
+    assert warmed(o, 1, 3).grad_clip_norm == 0.5  # only the rate changes
+    assert warmed(o, 1, 0) == o and warmed(o, 1, 1) == o  # no warmup
+
+
+async def test_every_fresh_optimizer_warms_up_again_and_the_rate_is_recorded(data_dir: Path):
+    """A new run, then a rollback (a fresh optimizer, as a gate's hold-back is): each step's
+    rate reaches the engine's optimizer and the step's stored metrics."""
+    settings = settings_for(data_dir, batch_size=1, learning_rate=3e-3, warmup_steps=3, checkpoint_every=100,
+                            max_staleness=100)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        judged_samples(store, 5)
+        trainer = Trainer(settings.training, backend, store)
+        rates = []
+        for _ in range(4):
+            await trainer.step_once()
+            rates.append(backend.engine._optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
+        await trainer.rollback(2)
+        await trainer.step_once()
+        rates.append(backend.engine._optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
+        assert rates == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 1e-3])
+        assert [s.metrics["learning_rate"] for s in store.training_steps()] == pytest.approx(rates)
+    finally:
+        await backend.close()
+        store.close()
 
 
 async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_dir: Path):

@@ -113,6 +113,8 @@ class Recipe(BaseModel):
     batch_size: int = Field(8, ge=1)
     rounds: int = Field(6, ge=1, description="Training steps: each round is batch_size conversations.")
     learning_rate: float = Field(2e-3, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="The rate ramps up over this many steps after every fresh optimizer "
+                              "(Settings.warmup_steps).")
     lora_rank: int = Field(16, ge=1)
     temperature: float = Field(0.7, gt=0)
     max_tokens: int = Field(48, ge=1)
@@ -127,6 +129,7 @@ class Recipe(BaseModel):
     )
     concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
+    opd_topk: int = Field(0, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
     rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
     w_negative: float = Field(1.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")

@@ -21,14 +21,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from clawbridge.config import TrainingSettings
+from clawbridge.judges import Teacher
 from clawbridge.learning import preferences
+from clawbridge.learning.collector import turn_context
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
-from clawbridge.protocol import Backend, BackendError, Restorable, Screens, TransientBackendError
+from clawbridge.protocol import (
+    Backend,
+    BackendError,
+    DistillsTopK,
+    Restorable,
+    Screens,
+    TransientBackendError,
+)
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
-from clawbridge.types import Datum, StepMetrics
+from clawbridge.types import Datum, OptimSpec, StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +73,33 @@ def to_datum(s: Sample) -> Datum:
     )
 
 
-def to_datums(s: Sample) -> list[Datum]:
+def to_datums(s: Sample, teacher_prompt_ids: Sequence[int] | None = None) -> list[Datum]:
     """What one sample trains: the turn's answer, and its hint-guided rewrite when it has one
     (the teacher's answer under the turn's own prompt, docs/methods.md). Both in the same step,
-    so a sample is trained exactly once whatever it carries."""
+    so a sample is trained exactly once whatever it carries. `teacher_prompt_ids` (top-k
+    distillation): both also learn the teacher's distribution at every position."""
+    teacher = None if teacher_prompt_ids is None else tuple(teacher_prompt_ids)
+    own = replace(to_datum(s), teacher_prompt_ids=teacher)
     if s.rewrite is None:
-        return [to_datum(s)]
+        return [own]
     # an own answer whose advantages are all zero adds no gradient, only tokens to the mean
-    out = [to_datum(s)] if any(s.advantages or ()) else []
-    if s.rewrite is not None:
-        out.append(Datum(
-            prompt_ids=s.prompt_ids, completion_ids=s.rewrite.ids, logprobs=s.rewrite.logprobs,
-            advantages=s.rewrite.advantages, temperature=s.temperature,
-        ))
+    # (unless it is distilled)
+    out = [own] if any(s.advantages or ()) or teacher is not None else []
+    out.append(Datum(
+        prompt_ids=s.prompt_ids, completion_ids=s.rewrite.ids, logprobs=s.rewrite.logprobs,
+        advantages=s.rewrite.advantages, temperature=s.temperature, teacher_prompt_ids=teacher,
+    ))
     return out
+
+
+def warmed(optim: OptimSpec, k: int, warmup_steps: int) -> OptimSpec:
+    """The optimizer of the k-th step (1-based) since the optimizer was fresh (pure): the rate
+    ramps up linearly over `warmup_steps`. Adam's first step moves every parameter by the full
+    rate, the sign of its gradient whatever the gradient's size (its moments know nothing yet), so
+    a first step at the full rate is the largest and the noisiest of a run."""
+    if warmup_steps <= 0 or k >= warmup_steps:
+        return optim
+    return replace(optim, learning_rate=optim.learning_rate * max(k, 1) / warmup_steps)
 
 
 def step_record(metrics: StepMetrics, batch: Sequence[Sample]) -> dict[str, float]:
@@ -121,11 +143,15 @@ class RollbackResult:
 class Trainer:
     def __init__(
         self, settings: TrainingSettings, backend: Backend, store: Store, *,
-        lock: asyncio.Lock | None = None, gate: Gate | None = None,
+        lock: asyncio.Lock | None = None, gate: Gate | None = None, teacher: Teacher | None = None,
     ) -> None:
+        if settings.opd_topk > 0 and not (isinstance(backend, DistillsTopK) and backend.distills_topk):
+            raise ValueError(f"opd_topk {settings.opd_topk}: the {backend.name} backend cannot distil the teacher's "
+                             "top-k distribution (its loss never sees the teacher's logits); set opd_topk 0")
         self.settings = settings
         self.backend = backend
         self.store = store
+        self.teacher = teacher if settings.opd_topk > 0 else None
         # With a gate, the backend keeps serving the current version (`serve`) while the gate
         # judges the candidate; without one every publish serves at once.
         self.gate = gate
@@ -135,6 +161,9 @@ class Trainer:
         self.dropped_untrainable = 0
         self._failures: dict[tuple[int, ...], int] = {}  # batch -> permanent train_step failures in a row
         self.last: StepResult | None = None  # the newest step this process trained
+        # steps trained since the optimizer was fresh (the warmup's clock): a new run, a resume
+        # from published weights, a rollback and a gate's hold-back all start a fresh optimizer
+        self.fresh_steps = 0
 
     async def resume(self) -> str | None:
         """At every start: serve the newest version the store recorded and train on from it,
@@ -154,6 +183,7 @@ class Trainer:
         ck = await store.run(store.get_meta, CHECKPOINT_KEY)
         if ck and (newest is None or int(ck["version"]) >= newest.version):
             await self.backend.load_state(ck["path"])
+            self.fresh_steps = self.settings.warmup_steps  # the optimizer's moments came back with it
             log.info("resumed from %s (step %s, policy@v%s)", ck["path"], ck["step"], ck["version"])
             return str(ck["path"])
         if newest is None or newest.version == 0:
@@ -164,6 +194,7 @@ class Trainer:
                         ck["version"] if ck else 0, newest.version)
             if ck:
                 await self.backend.load_state(ck["path"])
+                self.fresh_steps = self.settings.warmup_steps
                 return str(ck["path"])
             return None
         await self.backend.restore(newest.version, newest.path)
@@ -257,8 +288,10 @@ class Trainer:
         reason, so a sample that can never train never blocks the queue."""
         s = self.settings
         key = tuple(x.id for x in batch)
+        optim = warmed(s.optim, self.fresh_steps + 1, s.warmup_steps)
+        datums = [d for x in batch for d in to_datums(x, await self._teacher_prompt(x))]
         try:
-            metrics = await self.backend.train_step([d for x in batch for d in to_datums(x)], s.loss, s.optim)
+            metrics = await self.backend.train_step(datums, s.loss, optim)
         except TransientBackendError:
             raise
         except BackendError as e:
@@ -270,7 +303,18 @@ class Trainer:
                 log.error("dropped a batch of %d samples: %s", len(key), reason)
             raise
         self._failures.clear()
-        return metrics
+        self.fresh_steps += 1
+        return replace(metrics, extra={**metrics.extra, "learning_rate": optim.learning_rate})
+
+    async def _teacher_prompt(self, sample: Sample) -> list[int] | None:
+        """The teacher's prompt of a hinted sample (the turn's prompt with the hint, exactly as
+        the collector scored it), when top-k distillation is on; None otherwise."""
+        if self.settings.opd_topk <= 0 or not sample.hint:
+            return None
+        if self.teacher is None:
+            raise ValueError("opd_topk > 0 needs the trainer built with the teacher (build_learning does)")
+        turn = await self.store.run(self.store.get_turn, sample.turn_id)
+        return None if turn is None else self.teacher.prompt_ids(turn_context(turn), sample.hint)
 
     async def _recent(self, batch: Sequence[Sample]) -> list[Recent]:
         """The user's own recent prompts for the gate's pairwise comparison: those of the batch."""
@@ -321,6 +365,7 @@ class Trainer:
             log.info("gate: policy@v%d accepted (%s)", candidate, decision.reason)
             return candidate
         restored = await self.backend.rollback(serving)
+        self.fresh_steps = 0
         await store.run(store.record_policy_version,
                         PolicyVersionRow(version=restored.version, path=restored.path, samples=0))
         rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
@@ -339,6 +384,7 @@ class Trainer:
             store = self.store
             previous = self.backend.version
             policy = await self.backend.rollback(version)
+            self.fresh_steps = 0
             await store.run(store.record_policy_version,
                             PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
             rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})

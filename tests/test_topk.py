@@ -1,0 +1,112 @@
+"""Top-k distillation (`opd_topk`): the loss term's math, and the embedded engine learning the
+teacher's distribution from it on a real model; backends whose loss cannot see the teacher refuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from clawbridge.backends.local import LocalBackend
+from clawbridge.judges import Teacher
+from clawbridge.learning.trainer import Trainer, to_datums
+from clawbridge.loss import topk_reverse_kl
+from clawbridge.store import Store
+from clawbridge.types import Datum, LossSpec, OptimSpec
+from test_collector import settings_for
+
+
+def full_kl(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (torch.softmax(s, -1) * (torch.log_softmax(s, -1) - torch.log_softmax(t, -1))).sum(-1)
+
+
+def test_over_the_whole_vocabulary_it_is_the_reverse_kl_and_zero_at_the_teacher():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(4, 30, generator=g), torch.randn(4, 30, generator=g)
+    assert torch.allclose(topk_reverse_kl(s, t, 30), full_kl(s, t), atol=1e-5)
+    assert torch.allclose(topk_reverse_kl(s, t, 30, temperature=0.5), full_kl(s / 0.5, t / 0.5), atol=1e-5)
+    assert torch.allclose(topk_reverse_kl(t, t, 5), torch.zeros(4), atol=1e-6)
+
+
+def test_the_rest_of_the_vocabulary_is_one_bin():
+    """Two distributions that agree on the teacher's top-2 and on the total mass of the rest,
+    but not on how the rest is spread, are equal to it; moving mass out of the top-2 is not."""
+    t = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+    spread = torch.log(torch.tensor([[0.5, 0.3, 0.19, 0.01]]))
+    assert topk_reverse_kl(spread, t, 2).item() == pytest.approx(0.0, abs=1e-6)
+    assert full_kl(spread, t).item() > 0.05
+    worse = torch.log(torch.tensor([[0.3, 0.3, 0.2, 0.2]]))
+    p, q = torch.tensor([0.3, 0.3, 0.4]), torch.tensor([0.5, 0.3, 0.2])
+    assert topk_reverse_kl(worse, t, 2).item() == pytest.approx(float((p * (p / q).log()).sum()), abs=1e-5)
+
+
+def test_gradients_reach_the_student_only():
+    s, t = torch.randn(3, 10, requires_grad=True), torch.randn(3, 10, requires_grad=True)
+    topk_reverse_kl(s, t, 4).sum().backward()
+    assert s.grad is not None and s.grad.abs().sum() > 0 and t.grad is None
+
+
+async def test_the_engine_moves_the_policy_to_the_teacher_it_is_given(data_dir: Path):
+    """A real train_step on the tiny model: the teacher is the base model under another prompt;
+    distilling it on a completion brings the policy's distribution at those positions towards
+    the teacher's (the KL the step reports falls), and a Datum without a teacher prompt adds
+    nothing to the term."""
+    backend = LocalBackend.from_settings(settings_for(data_dir))
+    await backend.start()
+    try:
+        prompt, teacher, completion = (1, 520, 3121, 28), (1, 77, 900, 41, 520, 3121, 28), (17, 401, 2032, 9, 88)
+        lp = tuple(await backend.score(prompt, completion))
+        d = Datum(prompt, completion, lp, (0.0,) * len(completion), temperature=1.0, teacher_prompt_ids=teacher)
+        spec, optim = LossSpec(topk=8), OptimSpec(learning_rate=2e-2)
+        kls = [(await backend.train_step([d], spec, optim)).extra["topk_kl"] for _ in range(6)]
+        assert kls[0] > 0 and kls[-1] < 0.5 * kls[0]
+        plain = Datum(prompt, completion, lp, (0.0,) * len(completion), temperature=1.0)
+        assert (await backend.train_step([plain], spec, optim)).extra["topk_kl"] == 0.0
+    finally:
+        await backend.close()
+
+
+async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_prompt(data_dir: Path):
+    """A hinted sample's datums carry the teacher prompt the collector scored with (the turn's
+    prompt with the hint); an approved one's carry none; the step reports the term."""
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.learning.collector import turn_context
+    from test_collector import record_turns
+
+    settings = settings_for(data_dir, batch_size=2, opd_topk=8)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        hinted_turn, plain_turn = record_turns(store, 2)
+        n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
+        store.create_sample(hinted_turn, "combine", reward=-1.0, hint="Answer in one word.", advantages=(0.0,) * n)
+        m = len(store.get_turn(plain_turn).completion_ids)  # type: ignore[union-attr]
+        store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
+        teacher = Teacher(backend, Renderer(backend.tokenizer()))
+        trainer = Trainer(settings.training, backend, store, teacher=teacher)
+        hinted, plain = sorted(store.pending_samples(2, method="combine"), key=lambda x: x.hint is None)
+        want = teacher.prompt_ids(turn_context(store.get_turn(hinted.turn_id)), "Answer in one word.")  # type: ignore[arg-type]
+        assert await trainer._teacher_prompt(hinted) == want and await trainer._teacher_prompt(plain) is None
+        # an all-zero own answer trains only because it is distilled
+        assert [d.teacher_prompt_ids for d in to_datums(hinted, want)] == [tuple(want)]
+        result = await trainer.step_once()
+        assert result is not None and result.metrics["topk_kl"] > 0
+    finally:
+        await backend.close()
+        store.close()
+
+
+def test_a_backend_whose_loss_cannot_see_the_teacher_is_refused_at_start(data_dir: Path, tokenizer):
+    from clawbridge.backends.tinker import TinkerBackend
+    from fakes.fake_tinker import FakeTinkerService
+
+    settings = settings_for(data_dir, opd_topk=20)
+    store = Store.open(settings.db_url)
+    try:
+        tinker = TinkerBackend(service_client=FakeTinkerService(), base_model="Qwen/Qwen3-4B-Instruct-2507",
+                               tokenizer=tokenizer)
+        with pytest.raises(ValueError, match="tinker backend cannot distil"):
+            Trainer(settings.training, tinker, store)
+    finally:
+        store.close()
