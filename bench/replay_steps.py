@@ -14,7 +14,8 @@ A configuration is space-separated `key=value` (or a bare flag): `lr` (Adam's ra
 (the rate ramps linearly over this many steps from a fresh optimizer: step k trains at
 lr * min(1, k / warmup)), `finished` (train only rewrites that ended by themselves), `topk`
 (top-k distillation of the hinted teacher, Settings.opd_topk), `eps` (Adam's epsilon), `rank`
-(the LoRA rank). v0 and the
+(the LoRA rank), `draws` (that many fresh answers of the policy per hinted sample, trained on the
+top-k term alone: on-policy distillation on fresh draws; needs `topk`). v0 and the
 prompted twin (v0 asked for the run's standing preferences) are measured once, on the same
 questions and seeds. Off-policy after the first step (the samples came from v0); the first step
 is exactly what the gate judged.
@@ -55,6 +56,7 @@ class Config:
     topk: int = 0
     eps: float = 1e-8
     rank: int | None = None
+    draws: int = 0
 
     def rate(self, k: int) -> float:
         """The learning rate of step k (1-based) after a fresh optimizer (pure)."""
@@ -66,12 +68,12 @@ def parse_config(text: str, default_lr: float) -> Config:
     for part in text.split():
         key, _, value = part.partition("=")
         fields[key] = value or "1"
-    unknown = set(fields) - {"lr", "warmup", "finished", "topk", "eps", "rank"}
+    unknown = set(fields) - {"lr", "warmup", "finished", "topk", "eps", "rank", "draws"}
     if unknown:
         raise SystemExit(f"unknown config keys {sorted(unknown)} in {text!r}")
     return Config(text, float(fields.get("lr", default_lr)), int(fields.get("warmup", 0)), "finished" in fields,
                   int(fields.get("topk", 0)), float(fields.get("eps", 1e-8)),
-                  int(fields["rank"]) if "rank" in fields else None)
+                  int(fields["rank"]) if "rank" in fields else None, int(fields.get("draws", 0)))
 
 
 def batches(data_dir: Path) -> tuple[list[list[Sample]], str | None]:
@@ -119,6 +121,20 @@ async def teacher_prompts(data_dir: Path, recorded: list[list[Sample]], teacher:
         store.close()
 
 
+async def fresh_draws(backend: LocalBackend, batch: list[Sample], teacher: dict[int, list[int]], n: int,
+                      max_tokens: int) -> list[Datum]:
+    """`n` answers of the current policy to each hinted sample's prompt, distilled from its teacher
+    (no advantage of their own): on-policy distillation on fresh draws."""
+    async def one(s: Sample) -> list[Datum]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=s.temperature)
+        comps = await backend.sample(s.prompt_ids, params, n=n)
+        return [Datum(s.prompt_ids, tuple(c.tokens), tuple(c.logprobs), (0.0,) * len(c.tokens), s.temperature,
+                      tuple(teacher[s.id])) for c in comps if c.tokens]
+
+    rows = await asyncio.gather(*(one(s) for s in batch if s.id in teacher))
+    return [d for row in rows for d in row]
+
+
 async def answers(backend: LocalBackend, renderer: Renderer, asks: list[tuple[list[dict[str, str]], object]],
                   params: SamplingParams, draws: int) -> list[tuple[str, str | None]]:
     async def one(messages: list[dict[str, str]]) -> list[tuple[str, str | None]]:
@@ -160,7 +176,7 @@ async def main_async(args: argparse.Namespace) -> int:
     configs = [parse_config(c, sc.recipe.learning_rate) for c in args.configs]
     print(f"{len(recorded)} recorded batches; the twin is asked: {asked!r}", file=sys.stderr)
     rows: list[dict[str, object]] = []
-    for cfg in [None, *configs]:
+    for cfg in [*([] if args.no_reference else [None]), *configs]:
         rank = {} if cfg is None or cfg.rank is None else {"lora_rank": cfg.rank, "lora_alpha": cfg.rank}
         settings = demo_settings(sc, Path(tempfile.mkdtemp(prefix="cb-replay-")), seed=args.seed, **rank)
         backend = LocalBackend.from_settings(settings)
@@ -181,7 +197,8 @@ async def main_async(args: argparse.Namespace) -> int:
             loss = replace(tr.loss, topk=cfg.topk)
             for k, batch in enumerate(recorded[: max(args.after)], start=1):
                 optim = OptimSpec(learning_rate=cfg.rate(k), grad_clip_norm=tr.optim.grad_clip_norm, eps=cfg.eps)
-                metrics = await backend.train_step(datums(batch, cfg.finished, stop_ids, teacher), loss, optim)
+                extra = await fresh_draws(backend, batch, teacher or {}, cfg.draws, sc.recipe.max_tokens) if cfg.draws else []
+                metrics = await backend.train_step(datums(batch, cfg.finished, stop_ids, teacher) + extra, loss, optim)
                 await backend.publish()
                 if k in args.after:
                     m = await measure(backend, renderer, sc, args.probes, args.draws, args.seed, None, args.show)
@@ -205,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=0, help="print this many answers of each measurement")
+    ap.add_argument("--no-reference", action="store_true", help="do not measure v0 and the twin")
     return asyncio.run(main_async(ap.parse_args(argv)))
 
 

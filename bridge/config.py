@@ -66,8 +66,10 @@ class TrainingSettings:
     kl_coef: float
     opd_topk: int
     opd_topk_coef: float
+    opd_draws: int
     checkpoint_every: int
     gate_recent: int  # how many of a batch's prompts the gate replays pairwise
+    gate_patience: int
 
     @property
     def loss(self) -> LossSpec:
@@ -210,6 +212,7 @@ class Settings(BaseSettings):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")
     opd_topk: int = Field(0, ge=0, le=1000, description="Top-k distillation: every hinted sample's tokens (its answer and its rewrite) also learn the teacher's whole next-token distribution, as KL(policy || teacher) over the teacher's top opd_topk tokens plus one bin for the rest, at every position (docs/methods.md#top-k-distillation-opd_topk). Needs a backend that runs the base model inside its loss (local); 0 turns it off.")
     opd_topk_coef: float = Field(1.0, ge=0, description="Weight of the top-k distillation term in the loss.")
+    opd_draws: int = Field(0, ge=0, le=16, description="On-policy distillation on fresh draws: at every step the policy being trained answers each hinted sample's prompt this many times more, and those answers learn the teacher's top-k distribution alone (no reward of their own; they are not stored). Needs opd_topk (docs/methods.md#top-k-distillation-opd_topk); 0 turns it off.")
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
     lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
@@ -227,6 +230,7 @@ class Settings(BaseSettings):
     gate_alpha_base: float = Field(0.2, gt=0, lt=1, description="Significance of the comparisons with v0, the base: they guard what all the steps together cost, so the test is stricter (a loss beyond gate_margin at p < 0.2 holds the candidate back).")
     gate_v0_test: Literal["non_inferiority", "harm"] = Field("non_inferiority", description="What the comparison with v0 asks: non_inferiority (a candidate serves only when shown to lose less than gate_margin, p < gate_alpha_base) or harm (it is held back only when shown to lose more: more candidates serve, and among many candidates the one whose answers happened to look fine).")
     gate_reference: Literal["twin", "v0"] = Field("twin", description="What the general probe is judged against. twin: the base model asked for the user's standing preferences (`clawbridge preferences`; the instruction the OPD teacher gets): paying their price is not harm, falling more than gate_margin below the twin is, and the candidate's mean on every probe asked decides. v0: strict, no worse than the base model (gate_v0_test decides), for users who would rather keep facts than preferences.")
+    gate_patience: int = Field(0, ge=0, le=100, description="Held-back candidates in a row that training continues from (the served version keeps serving meanwhile) before it restarts from the served weights with a fresh optimizer; 0: every hold-back restarts from the served weights (docs/methods.md#patience-training-on-through-a-held-back-candidate-gate_patience).")
     gate_max_price: float = Field(0.15, ge=0, le=1, description="The most general-probe answers (a rate) the preferences may cost, and the most a served version may fall below v0: above it, candidates are held back with the price as the reason. Raising it is consenting to a higher price.")
     gate_reference_samples: int = Field(2, ge=1, description="Answers per probe of v0 and the twin, asked once for every candidate (so more are cheap): the more, the fewer wrong decisions (docs/methods.md#harm-is-judged-against-what-you-asked-for).")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")

@@ -34,7 +34,7 @@ from clawbridge.learning.gate import Gate, GateProbe, probe_check
 from clawbridge.learning.learner import Learner, LearningParts
 from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
-from clawbridge.learning.trainer import Trainer, pending_candidate
+from clawbridge.learning.trainer import Trainer, held_candidate, pending_candidate
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
@@ -317,6 +317,10 @@ async def serve(
         # the newest version never passed the gate (a restart while it judged): its predecessor
         # serves until the learner's gate has decided (`Trainer.judge_pending`)
         backend.serve(pending[1])
+    elif settings.train and settings.gate != "off" and (held := await held_candidate(store)) is not None:
+        # training had gone on from a held-back candidate (gate_patience): the version that served
+        # serves until the learner restores its weights (`Trainer.judge_pending`)
+        backend.serve(held[1])
     coordinator = Coordinator(store, backend, train=settings.train) if store.shared else None
     if coordinator is not None:
         await coordinator.start()  # the lease, or the version the trainer serves

@@ -107,6 +107,69 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         assert await restarted.judge_pending() is None  # decided once: nothing pending
 
 
+def _same_as_v0(plain: list[str]) -> list[GateProbe]:
+    return [GateProbe("validation", ({"role": "user", "content": p},),
+                      lambda text, _finish, want=want: 1.0 if text == want else 0.0)
+            for p, want in zip(PROMPTS, plain, strict=True)]
+
+
+async def _plain(backend: LocalBackend, renderer: Renderer, params: SamplingParams) -> list[str]:
+    return [renderer.parse(
+        (await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=0))[0].tokens,
+        "length").content or "" for p in PROMPTS]
+
+
+async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_path: Path):
+    """gate_patience 1: the first held-back candidate stays the training lineage while v0 keeps
+    serving (no copy); the second in a row restarts from v0's weights with a fresh optimizer."""
+    from clawbridge.learning.trainer import held_candidate
+
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"gate_patience": 1, "max_staleness": 100})
+        v0 = await _answers(backend, renderer, params, 0)
+        gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
+        record_turns(store, 6)  # "ok" is neutral: two of every three replies give a sample
+        await collector_for(settings, backend, store).run_once()
+        assert len(store.pending_samples(10, method="combine")) == 4
+        trainer = Trainer(settings.training, backend, store, gate=gate)
+        first = await trainer.step_once()
+        assert first is not None and first.version == 1 and first.served == 0
+        assert backend.held == 0 and backend.version == 0 and backend.newest == 1  # v0 serves; v1 is the lineage
+        assert store.get_meta(ROLLBACKS_KEY) is None and await held_candidate(store) == (1, 0)
+        assert await _answers(backend, renderer, params, backend.version) == v0
+        assert trainer.fresh_steps == 1  # the lineage's optimizer goes on
+
+        second = await trainer.step_once()
+        assert second is not None and second.version == 2 and trainer.decisions[-1].decision == "rejected"
+        assert trainer.decisions[-1].serving == 0  # judged against what serves, not against the lineage
+        # the second hold-back in a row restarts from the served weights
+        assert second.served == 3 and backend.held is None and store.get_meta(ROLLBACKS_KEY) == {"3": 0}
+        assert trainer.fresh_steps == 0 and await held_candidate(store) is None
+        assert await _answers(backend, renderer, params, 3) == v0
+
+
+async def test_a_restart_while_training_goes_on_from_a_held_back_candidate_serves_and_restores_the_served(
+        tmp_path: Path):
+    from clawbridge.learning.trainer import held_candidate
+
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"gate_patience": 3})
+        v0 = await _answers(backend, renderer, params, 0)
+        probes = _same_as_v0(await _plain(backend, renderer, params))
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        first = await Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params)).step_once()
+        assert first is not None and first.served == 0 and await held_candidate(store) == (1, 0)
+    async with _wrecked(tmp_path) as (_, store, backend, renderer, params):  # the same data dir: a restart
+        await Trainer(settings.training, backend, store).resume()  # as serve() does before the first request
+        backend.serve((await held_candidate(store))[1])  # type: ignore[index]  # and pins it
+        assert backend.version == 0
+        restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        assert await restarted.judge_pending() == 2 and backend.held is None and backend.version == 2
+        assert store.get_meta(ROLLBACKS_KEY) == {"2": 0} and await held_candidate(store) is None
+        assert await _answers(backend, renderer, params, 2) == v0
+
+
 @pytest.mark.parametrize("reserve", [False, True])
 async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserve: bool):
     """Four first probes see the wrecked candidate worse on one: no evidence of harm, and none

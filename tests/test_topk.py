@@ -92,6 +92,39 @@ async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_pr
         assert [d.teacher_prompt_ids for d in to_datums(hinted, want)] == [tuple(want)]
         result = await trainer.step_once()
         assert result is not None and result.metrics["topk_kl"] > 0
+        assert result.metrics["samples"] == 2  # the hinted answer (distilled) and the approved one
+    finally:
+        await backend.close()
+        store.close()
+
+
+async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(data_dir: Path):
+    """opd_draws 3: the hinted sample brings three fresh answers of the newest weights, drawn at
+    the turn's settings, each with the teacher prompt and no advantage of its own."""
+    from clawbridge.chat.renderer import Renderer
+    from test_collector import record_turns
+
+    settings = settings_for(data_dir, batch_size=2, opd_topk=8, opd_draws=3)
+    with pytest.raises(ValueError, match="opd_draws needs opd_topk"):
+        Trainer(settings_for(data_dir, opd_draws=3).training, LocalBackend.from_settings(settings), Store.open(settings.db_url))
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        hinted_turn, plain_turn = record_turns(store, 2)
+        n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
+        store.create_sample(hinted_turn, "combine", reward=-1.0, hint="Answer in one word.", advantages=(0.0,) * n)
+        m = len(store.get_turn(plain_turn).completion_ids)  # type: ignore[union-attr]
+        store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
+        trainer = Trainer(settings.training, backend, store, teacher=Teacher(backend, Renderer(backend.tokenizer())))
+        [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
+        teacher_ids = await trainer._teacher_prompt(hinted)
+        drawn = await trainer._fresh_draws(hinted, teacher_ids)  # type: ignore[arg-type]
+        assert len(drawn) == 3 and all(d.teacher_prompt_ids == tuple(teacher_ids) for d in drawn)  # type: ignore[arg-type]
+        assert all(set(d.advantages) == {0.0} and d.prompt_ids == hinted.prompt_ids for d in drawn)
+        assert all(len(d.completion_ids) <= store.get_turn(hinted_turn).sampling.max_tokens for d in drawn)  # type: ignore[union-attr]
+        result = await trainer.step_once()
+        assert result is not None and result.metrics["samples"] == 2 + 3
     finally:
         await backend.close()
         store.close()

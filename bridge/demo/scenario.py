@@ -130,6 +130,7 @@ class Recipe(BaseModel):
     concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
     opd_topk: int = Field(0, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
+    opd_draws: int = Field(0, ge=0, description="Fresh answers per hinted sample distilled on-policy (Settings.opd_draws).")
     rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
     w_negative: float = Field(1.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
@@ -140,6 +141,8 @@ class Recipe(BaseModel):
         "first gate_probes hold the candidate back beyond doubt (None: the setting's default).",
     )
     gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")
+    gate_patience: int = Field(0, ge=0, description="Held-back candidates in a row training goes on from "
+                               "(Settings.gate_patience).")
 
 
 class Scenario(BaseModel):

@@ -37,7 +37,7 @@ from clawbridge.protocol import (
     TransientBackendError,
 )
 from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
-from clawbridge.types import Datum, OptimSpec, StepMetrics
+from clawbridge.types import Datum, OptimSpec, SamplingParams, StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,8 @@ class Trainer:
         if settings.opd_topk > 0 and not (isinstance(backend, DistillsTopK) and backend.distills_topk):
             raise ValueError(f"opd_topk {settings.opd_topk}: the {backend.name} backend cannot distil the teacher's "
                              "top-k distribution (its loss never sees the teacher's logits); set opd_topk 0")
+        if settings.opd_draws > 0 and settings.opd_topk <= 0:
+            raise ValueError("opd_draws needs opd_topk > 0: fresh draws learn only the teacher's top-k distribution")
         self.settings = settings
         self.backend = backend
         self.store = store
@@ -164,6 +166,10 @@ class Trainer:
         # steps trained since the optimizer was fresh (the warmup's clock): a new run, a resume
         # from published weights, a rollback and a gate's hold-back all start a fresh optimizer
         self.fresh_steps = 0
+        # gate_patience: the version held serving while training continues from held-back
+        # candidates (None: the newest serves), and how many were held back in a row
+        self.held: int | None = None
+        self.held_back_in_a_row = 0
 
     async def resume(self) -> str | None:
         """At every start: serve the newest version the store recorded and train on from it,
@@ -209,7 +215,17 @@ class Trainer:
         Returns the version that serves afterwards (None: nothing was pending)."""
         pending = await pending_candidate(self.store) if self.gate is not None else None
         if pending is None:
-            return None
+            held = await held_candidate(self.store)
+            if held is None:
+                return None
+            candidate, serving = held
+            log.warning("policy@v%d was held back by the gate and training had gone on from it (gate_patience): "
+                        "a restart trains on from the served v%d's weights", candidate, serving)
+            async with self.lock:
+                try:
+                    return await self._restore_served(serving)
+                finally:
+                    self.backend.serve(None)
         candidate, before = pending
         log.warning("policy@v%d was published but the gate never decided on it (a restart during the "
                     "gate): judging it now; v%d serves meanwhile", candidate, before)
@@ -249,7 +265,7 @@ class Trainer:
         if len(batch) < s.batch_size:
             return None
         step = await self.next_step_number()
-        before = self.backend.version
+        before = self.backend.version  # the served version (held, while training goes on from a held-back candidate)
         if self.gate is not None:
             self.backend.serve(before)  # the candidate is published but not served until it passes
         try:
@@ -271,13 +287,15 @@ class Trainer:
                 served = await self._gate(policy.version, before, await self._recent(batch), asked)
         finally:
             if self.gate is not None:
-                self.backend.serve(None)  # between steps the newest version serves: accepted, or the restored copy
+                # between steps the newest version serves (accepted, or the restored copy), unless
+                # training goes on from a held-back candidate: then the served version stays
+                self.backend.serve(self.held)
         log.info(
             "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d%s",
             step, len(batch), metrics.loss, record["mean_reward"], policy.version,
             "" if served == policy.version else f" (held back by the gate; v{served} serves v{before}'s weights)",
         )
-        if step % s.checkpoint_every == 0:
+        if step % s.checkpoint_every == 0 and self.held is None:  # a held lineage is never a resume point
             await self.checkpoint(step, served)
         self.last = StepResult(step, policy.version, len(batch), record, served)
         return self.last
@@ -289,7 +307,12 @@ class Trainer:
         s = self.settings
         key = tuple(x.id for x in batch)
         optim = warmed(s.optim, self.fresh_steps + 1, s.warmup_steps)
-        datums = [d for x in batch for d in to_datums(x, await self._teacher_prompt(x))]
+        datums: list[Datum] = []
+        for x in batch:
+            teacher = await self._teacher_prompt(x)
+            datums += to_datums(x, teacher)
+            if teacher is not None and s.opd_draws > 0:
+                datums += await self._fresh_draws(x, teacher)
         try:
             metrics = await self.backend.train_step(datums, s.loss, optim)
         except TransientBackendError:
@@ -315,6 +338,23 @@ class Trainer:
             raise ValueError("opd_topk > 0 needs the trainer built with the teacher (build_learning does)")
         turn = await self.store.run(self.store.get_turn, sample.turn_id)
         return None if turn is None else self.teacher.prompt_ids(turn_context(turn), sample.hint)
+
+    async def _fresh_draws(self, sample: Sample, teacher_prompt_ids: Sequence[int]) -> list[Datum]:
+        """`opd_draws` answers of the policy being trained (the newest published weights, which a
+        gate may not be serving) to the sample's prompt at the turn's sampling settings, each to
+        learn the teacher's top-k distribution alone: on-policy distillation whatever version
+        the user talked to. Drawn for the step and not stored: a step lost in a crash draws anew."""
+        turn = await self.store.run(self.store.get_turn, sample.turn_id)
+        if turn is None:
+            return []
+        sp = turn.sampling
+        params = SamplingParams(max_tokens=max(1, sp.max_tokens), temperature=sp.temperature, top_p=sp.top_p,
+                                top_k=sp.top_k, stop=sp.stop, stop_token_ids=sp.stop_token_ids)
+        drawn = await self.backend.sample(sample.prompt_ids, params, n=self.settings.opd_draws,
+                                          version=self.backend.newest)
+        zeros = lambda c: (0.0,) * len(c.tokens)  # noqa: E731
+        return [Datum(sample.prompt_ids, tuple(c.tokens), tuple(c.logprobs), zeros(c), sample.temperature,
+                      tuple(teacher_prompt_ids)) for c in drawn if c.tokens]
 
     async def _recent(self, batch: Sequence[Sample]) -> list[Recent]:
         """The user's own recent prompts for the gate's pairwise comparison: those of the batch."""
@@ -363,17 +403,34 @@ class Trainer:
         await store.run(store.set_meta, GATE_KEY, records[-500:])
         if decision.decision == "accepted":
             log.info("gate: policy@v%d accepted (%s)", candidate, decision.reason)
+            self.held, self.held_back_in_a_row = None, 0
             return candidate
+        self.held_back_in_a_row += 1
+        if self.held_back_in_a_row <= self.settings.gate_patience:
+            self.held = serving
+            log.warning("gate: policy@v%d rejected (%s); v%d keeps serving and training goes on from v%d "
+                        "(%d of gate_patience %d held back in a row)", candidate, decision.reason, serving,
+                        candidate, self.held_back_in_a_row, self.settings.gate_patience)
+            return serving
+        restored = await self._restore_served(serving)
+        log.warning("gate: policy@v%d rejected (%s); v%d serves v%d's weights", candidate, decision.reason,
+                    restored, serving)
+        return restored
+
+    async def _restore_served(self, serving: int) -> int:
+        """Publish the served version's weights as a new version (a copy, with a fresh optimizer)
+        and train on from it; returns the new version."""
+        store = self.store
         restored = await self.backend.rollback(serving)
         self.fresh_steps = 0
+        self.held, self.held_back_in_a_row = None, 0
         await store.run(store.record_policy_version,
                         PolicyVersionRow(version=restored.version, path=restored.path, samples=0))
         rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
         rollbacks[str(restored.version)] = serving
         await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
-        self.gate.alias(restored.version, serving)
-        log.warning("gate: policy@v%d rejected (%s); v%d serves v%d's weights", candidate, decision.reason,
-                    restored.version, serving)
+        if self.gate is not None:
+            self.gate.alias(restored.version, serving)
         return restored.version
 
     async def rollback(self, version: int) -> RollbackResult:
@@ -401,6 +458,20 @@ class Trainer:
             self.store.set_meta, CHECKPOINT_KEY, {"path": path, "step": step, "version": version}
         )
         return path
+
+
+async def held_candidate(store: Store) -> tuple[int, int] | None:
+    """(candidate, the version that served while it was judged) when the newest recorded version
+    is a candidate the gate held back and no copy of the served weights followed it: training had
+    gone on from it (`gate_patience`). None otherwise."""
+    newest = await store.run(store.latest_version)
+    if newest is None or newest.step is None:
+        return None
+    decisions = await store.run(store.get_meta, GATE_KEY) or []
+    last = next((d for d in reversed(decisions) if int(d["version"]) == newest.version), None)
+    if last is None or last.get("decision") != "rejected":
+        return None
+    return newest.version, int(last["serving"])
 
 
 async def pending_candidate(store: Store) -> tuple[int, int] | None:
