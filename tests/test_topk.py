@@ -87,9 +87,10 @@ async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_pr
         trainer = Trainer(settings.training, backend, store, teacher=teacher)
         hinted, plain = sorted(store.pending_samples(2, method="combine"), key=lambda x: x.hint is None)
         want = teacher.prompt_ids(turn_context(store.get_turn(hinted.turn_id)), "Answer in one word.")  # type: ignore[arg-type]
-        assert await trainer._teacher_prompt(hinted) == want and await trainer._teacher_prompt(plain) is None
         # an all-zero own answer trains only because it is distilled
-        assert [d.teacher_prompt_ids for d in to_datums(hinted, want)] == [tuple(want)]
+        assert [d.teacher_prompt_ids for d in await trainer._datums(hinted)] == [tuple(want)]
+        assert [d.teacher_prompt_ids for d in await trainer._datums(plain)] == [None]
+        assert await trainer._datums(plain) == to_datums(plain)
         result = await trainer.step_once()
         assert result is not None and result.metrics["topk_kl"] > 0
         assert result.metrics["samples"] == 2  # the hinted answer (distilled) and the approved one
@@ -105,10 +106,10 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
     from test_collector import record_turns
 
     settings = settings_for(data_dir, batch_size=2, opd_topk=8, opd_draws=3)
-    with pytest.raises(ValueError, match="opd_draws needs opd_topk"):
-        Trainer(settings_for(data_dir, opd_draws=3).training, LocalBackend.from_settings(settings), Store.open(settings.db_url))
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
+    with pytest.raises(ValueError, match="opd_draws needs opd_topk"):
+        Trainer(settings_for(data_dir, opd_draws=3).training, backend, store)
     await backend.start()
     try:
         hinted_turn, plain_turn = record_turns(store, 2)
@@ -118,9 +119,12 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
         trainer = Trainer(settings.training, backend, store, teacher=Teacher(backend, Renderer(backend.tokenizer())))
         [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
-        teacher_ids = await trainer._teacher_prompt(hinted)
-        drawn = await trainer._fresh_draws(hinted, teacher_ids)  # type: ignore[arg-type]
-        assert len(drawn) == 3 and all(d.teacher_prompt_ids == tuple(teacher_ids) for d in drawn)  # type: ignore[arg-type]
+        turn = store.get_turn(hinted.turn_id)
+        assert turn is not None
+        teacher_ids = trainer._teacher_prompt(turn, "Answer in one word.")
+        [own, *drawn] = await trainer._datums(hinted)
+        assert own == to_datums(hinted, teacher_ids)[0]
+        assert len(drawn) == 3 and all(d.teacher_prompt_ids == tuple(teacher_ids) for d in drawn)
         assert all(set(d.advantages) == {0.0} and d.prompt_ids == hinted.prompt_ids for d in drawn)
         assert all(len(d.completion_ids) <= store.get_turn(hinted_turn).sampling.max_tokens for d in drawn)  # type: ignore[union-attr]
         result = await trainer.step_once()

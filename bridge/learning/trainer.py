@@ -36,7 +36,7 @@ from clawbridge.protocol import (
     Screens,
     TransientBackendError,
 )
-from clawbridge.store import PolicyVersionRow, Sample, Store, TrainingStep
+from clawbridge.store import PolicyVersionRow, Sample, Store, StoredTurn, TrainingStep
 from clawbridge.types import Datum, OptimSpec, SamplingParams, StepMetrics
 
 log = logging.getLogger(__name__)
@@ -307,12 +307,8 @@ class Trainer:
         s = self.settings
         key = tuple(x.id for x in batch)
         optim = warmed(s.optim, self.fresh_steps + 1, s.warmup_steps)
-        datums: list[Datum] = []
-        for x in batch:
-            teacher = await self._teacher_prompt(x)
-            datums += to_datums(x, teacher)
-            if teacher is not None and s.opd_draws > 0:
-                datums += await self._fresh_draws(x, teacher)
+        # one request per sample: the engine batches the fresh draws of the whole batch together
+        datums = [d for row in await asyncio.gather(*(self._datums(x) for x in batch)) for d in row]
         try:
             metrics = await self.backend.train_step(datums, s.loss, optim)
         except TransientBackendError:
@@ -329,24 +325,29 @@ class Trainer:
         self.fresh_steps += 1
         return replace(metrics, extra={**metrics.extra, "learning_rate": optim.learning_rate})
 
-    async def _teacher_prompt(self, sample: Sample) -> list[int] | None:
-        """The teacher's prompt of a hinted sample (the turn's prompt with the hint, exactly as
-        the collector scored it), when top-k distillation is on; None otherwise."""
+    async def _datums(self, sample: Sample) -> list[Datum]:
+        """What the sample trains (`to_datums`); with top-k distillation on, a hinted sample's
+        datums carry the teacher prompt, and `opd_draws` fresh answers join them."""
         if self.settings.opd_topk <= 0 or not sample.hint:
-            return None
+            return to_datums(sample)
+        turn = await self.store.run(self.store.get_turn, sample.turn_id)
+        if turn is None:
+            return to_datums(sample)
+        teacher = self._teacher_prompt(turn, sample.hint)
+        drawn = await self._fresh_draws(sample, turn, teacher) if self.settings.opd_draws > 0 else []
+        return to_datums(sample, teacher) + drawn
+
+    def _teacher_prompt(self, turn: StoredTurn, hint: str) -> list[int]:
+        """The teacher's prompt: the turn's prompt with the hint, exactly as the collector scored it."""
         if self.teacher is None:
             raise ValueError("opd_topk > 0 needs the trainer built with the teacher (build_learning does)")
-        turn = await self.store.run(self.store.get_turn, sample.turn_id)
-        return None if turn is None else self.teacher.prompt_ids(turn_context(turn), sample.hint)
+        return self.teacher.prompt_ids(turn_context(turn), hint)
 
-    async def _fresh_draws(self, sample: Sample, teacher_prompt_ids: Sequence[int]) -> list[Datum]:
+    async def _fresh_draws(self, sample: Sample, turn: StoredTurn, teacher_prompt_ids: Sequence[int]) -> list[Datum]:
         """`opd_draws` answers of the policy being trained (the newest published weights, which a
         gate may not be serving) to the sample's prompt at the turn's sampling settings, each to
         learn the teacher's top-k distribution alone: on-policy distillation whatever version
         the user talked to. Drawn for the step and not stored: a step lost in a crash draws anew."""
-        turn = await self.store.run(self.store.get_turn, sample.turn_id)
-        if turn is None:
-            return []
         sp = turn.sampling
         params = SamplingParams(max_tokens=max(1, sp.max_tokens), temperature=sp.temperature, top_p=sp.top_p,
                                 top_k=sp.top_k, stop=sp.stop, stop_token_ids=sp.stop_token_ids)
