@@ -66,23 +66,30 @@ async def test_the_engine_moves_the_policy_to_the_teacher_it_is_given(data_dir: 
         await backend.close()
 
 
+def hinted_and_approved(store: Store) -> None:
+    """Two judged samples: a corrected turn with a hint (its own answer's advantages all zero, as
+    with w_negative 0) and an approved one."""
+    from test_collector import record_turns
+
+    hinted_turn, plain_turn = record_turns(store, 2)
+    n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
+    store.create_sample(hinted_turn, "combine", reward=-1.0, hint="Answer in one word.", advantages=(0.0,) * n)
+    m = len(store.get_turn(plain_turn).completion_ids)  # type: ignore[union-attr]
+    store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
+
+
 async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_prompt(data_dir: Path):
     """A hinted sample's datums carry the teacher prompt the collector scored with (the turn's
     prompt with the hint); an approved one's carry none; the step reports the term."""
     from clawbridge.chat.renderer import Renderer
     from clawbridge.learning.collector import turn_context
-    from test_collector import record_turns
 
     settings = settings_for(data_dir, batch_size=2, opd_topk=8)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
     try:
-        hinted_turn, plain_turn = record_turns(store, 2)
-        n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
-        store.create_sample(hinted_turn, "combine", reward=-1.0, hint="Answer in one word.", advantages=(0.0,) * n)
-        m = len(store.get_turn(plain_turn).completion_ids)  # type: ignore[union-attr]
-        store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
+        hinted_and_approved(store)
         teacher = Teacher(backend, Renderer(backend.tokenizer()))
         trainer = Trainer(settings.training, backend, store, teacher=teacher)
         hinted, plain = sorted(store.pending_samples(2, method="combine"), key=lambda x: x.hint is None)
@@ -103,7 +110,6 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
     """opd_draws 3: the hinted sample brings three fresh answers of the newest weights, drawn at
     the turn's settings, each with the teacher prompt and no advantage of its own."""
     from clawbridge.chat.renderer import Renderer
-    from test_collector import record_turns
 
     settings = settings_for(data_dir, batch_size=2, opd_topk=8, opd_draws=3)
     store = Store.open(settings.db_url)
@@ -112,11 +118,7 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         Trainer(settings_for(data_dir, opd_draws=3).training, backend, store)
     await backend.start()
     try:
-        hinted_turn, plain_turn = record_turns(store, 2)
-        n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
-        store.create_sample(hinted_turn, "combine", reward=-1.0, hint="Answer in one word.", advantages=(0.0,) * n)
-        m = len(store.get_turn(plain_turn).completion_ids)  # type: ignore[union-attr]
-        store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
+        hinted_and_approved(store)
         trainer = Trainer(settings.training, backend, store, teacher=Teacher(backend, Renderer(backend.tokenizer())))
         [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
         turn = store.get_turn(hinted.turn_id)
@@ -126,7 +128,7 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         assert own == to_datums(hinted, teacher_ids)[0]
         assert len(drawn) == 3 and all(d.teacher_prompt_ids == tuple(teacher_ids) for d in drawn)
         assert all(set(d.advantages) == {0.0} and d.prompt_ids == hinted.prompt_ids for d in drawn)
-        assert all(len(d.completion_ids) <= store.get_turn(hinted_turn).sampling.max_tokens for d in drawn)  # type: ignore[union-attr]
+        assert all(len(d.completion_ids) <= turn.sampling.max_tokens for d in drawn)
         result = await trainer.step_once()
         assert result is not None and result.metrics["samples"] == 2 + 3
     finally:
