@@ -148,6 +148,21 @@ async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_pat
         assert await _answers(backend, renderer, params, 3) == v0
 
 
+async def test_a_rollback_while_training_goes_on_from_a_held_back_candidate_serves_the_copy(tmp_path: Path):
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"gate_patience": 3})
+        v0 = await _answers(backend, renderer, params, 0)
+        probes = _same_as_v0(await _plain(backend, renderer, params))
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        trainer = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        assert (await trainer.step_once()).served == 0 and backend.held == 0  # type: ignore[union-attr]
+        rb = await trainer.rollback(0)
+        assert (rb.version, backend.version, backend.held, trainer.held) == (2, 2, None, None)
+        assert store.get_meta(ROLLBACKS_KEY) == {"2": 0}
+        assert await _answers(backend, renderer, params, backend.version) == v0
+
+
 async def test_a_restart_while_training_goes_on_from_a_held_back_candidate_serves_and_restores_the_served(
         tmp_path: Path):
     from clawbridge.learning.trainer import held_candidate

@@ -116,6 +116,16 @@ def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift",
     return max(ok, key=lambda i: (draws[i].lift, draws[i].confidence))
 
 
+def redraw_params(turn: StoredTurn) -> SamplingParams:
+    """The turn's own sampling settings, unseeded, for new answers to its prompt (a rewrite's
+    teacher draws, the trainer's fresh draws); room for at least the turn's own answer."""
+    sp = turn.sampling
+    return SamplingParams(
+        max_tokens=max(1, len(turn.completion_ids), sp.max_tokens), temperature=sp.temperature,
+        top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+    )
+
+
 def teacher_version(teacher: ScoreModel) -> int | None:
     """Where the teacher samples: the frozen base is version 0, the live policy the newest."""
     return 0 if teacher == "base" else None
@@ -179,11 +189,7 @@ async def write_rewrite(
     rest under the turn's own prompt by the policy; pick one. None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    sp = turn.sampling
-    params = SamplingParams(
-        max_tokens=max(1, len(turn.completion_ids), sp.max_tokens), temperature=sp.temperature,
-        top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
-    )
+    params = redraw_params(turn)
     prompt = renderer.render(teacher_messages(turn.messages, hint), turn.tools)
     completions: list[Completion] = await backend.sample(
         prompt, params, n=samples, version=teacher_version(teacher)
@@ -195,12 +201,12 @@ async def write_rewrite(
     ok = usable(draws, turn.completion_ids)
     if question is not None and min_relevance > float("-inf") and ok:
         blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
-        draws = await scored(backend, draws, ok, blank, "alone", model=teacher, temperature=sp.temperature)
+        draws = await scored(backend, draws, ok, blank, "alone", model=teacher, temperature=params.temperature)
         ok = usable(draws, turn.completion_ids, min_relevance)
     if rule == "surest":  # only the chosen one needs the policy's scores
         j = pick([draws[i] for i in ok], (), "surest")
         ok = [] if j is None else [ok[j]]
-    draws = await scored(backend, draws, ok, turn.prompt_ids, "student", model="policy", temperature=sp.temperature)
+    draws = await scored(backend, draws, ok, turn.prompt_ids, "student", model="policy", temperature=params.temperature)
     chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None

@@ -28,6 +28,7 @@ from clawbridge.judges import Teacher
 from clawbridge.learning import preferences
 from clawbridge.learning.collector import turn_context
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
+from clawbridge.learning.rewrite import redraw_params
 from clawbridge.protocol import (
     Backend,
     BackendError,
@@ -37,7 +38,7 @@ from clawbridge.protocol import (
     TransientBackendError,
 )
 from clawbridge.store import PolicyVersionRow, Sample, Store, StoredTurn, TrainingStep
-from clawbridge.types import Datum, OptimSpec, SamplingParams, StepMetrics
+from clawbridge.types import Datum, OptimSpec, PolicyVersion, StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -348,10 +349,7 @@ class Trainer:
         gate may not be serving) to the sample's prompt at the turn's sampling settings, each to
         learn the teacher's top-k distribution alone: on-policy distillation whatever version
         the user talked to. Drawn for the step and not stored: a step lost in a crash draws anew."""
-        sp = turn.sampling
-        params = SamplingParams(max_tokens=max(1, sp.max_tokens), temperature=sp.temperature, top_p=sp.top_p,
-                                top_k=sp.top_k, stop=sp.stop, stop_token_ids=sp.stop_token_ids)
-        drawn = await self.backend.sample(sample.prompt_ids, params, n=self.settings.opd_draws,
+        drawn = await self.backend.sample(sample.prompt_ids, redraw_params(turn), n=self.settings.opd_draws,
                                           version=self.backend.newest)
         zeros = lambda c: (0.0,) * len(c.tokens)  # noqa: E731
         return [Datum(sample.prompt_ids, tuple(c.tokens), tuple(c.logprobs), zeros(c), sample.temperature,
@@ -421,33 +419,34 @@ class Trainer:
     async def _restore_served(self, serving: int) -> int:
         """Publish the served version's weights as a new version (a copy, with a fresh optimizer)
         and train on from it; returns the new version."""
-        store = self.store
-        restored = await self.backend.rollback(serving)
-        self.fresh_steps = 0
-        self.held, self.held_back_in_a_row = None, 0
-        await store.run(store.record_policy_version,
-                        PolicyVersionRow(version=restored.version, path=restored.path, samples=0))
-        rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
-        rollbacks[str(restored.version)] = serving
-        await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
+        restored = await self._copy_of(serving)
         if self.gate is not None:
             self.gate.alias(restored.version, serving)
         return restored.version
+
+    async def _copy_of(self, version: int) -> PolicyVersion:
+        """backend.rollback(version) (its weights published as a new version, a fresh optimizer),
+        recorded in the store with what it copies; training goes on from it, and a lineage held
+        back by the gate (gate_patience) is given up."""
+        store = self.store
+        policy = await self.backend.rollback(version)
+        self.fresh_steps = 0
+        self.held, self.held_back_in_a_row = None, 0
+        await store.run(store.record_policy_version,
+                        PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
+        rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
+        rollbacks[str(policy.version)] = version
+        await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
+        return policy
 
     async def rollback(self, version: int) -> RollbackResult:
         """Serve `version`'s weights again, as a new version; the next step trains from them.
         Waits for a running step to finish first. UnknownVersion (a BackendError) changes
         nothing."""
         async with self.lock:
-            store = self.store
             previous = self.backend.version
-            policy = await self.backend.rollback(version)
-            self.fresh_steps = 0
-            await store.run(store.record_policy_version,
-                            PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
-            rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
-            rollbacks[str(policy.version)] = version
-            await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
+            policy = await self._copy_of(version)
+            self.backend.serve(None)  # the copy serves (a pin held for a gate's lineage ends here)
             step = await self.next_step_number() - 1
             path = await self.checkpoint(step, policy.version, f"rollback-v{policy.version:06d}")
             log.info("rollback: policy@v%d serves policy@v%d's weights (was v%d)", policy.version, version, previous)
