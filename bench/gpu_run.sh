@@ -30,6 +30,7 @@ export CLAWBRIDGE_TOKENIZER_DIR="$PWD/build/gpu_assets/tokenizer"
 [ "${TRAIN:-1}" = 1 ] && timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 2>&1 | tail -40 | tee "$OUT/gpu_train.txt"
 [ -n "${NO_CKPT:-}" ] && timeout ${T_TRAIN:-170} python bench/gpu_train.py --arch qwen3-4b --batch 8 --prompt 512 --completion 512 --steps 4 --no-checkpointing --no-reference 2>&1 | tail -40 | tee "$OUT/gpu_train_nockpt.txt"
 [ "${CPU:-0}" = 1 ] && timeout ${T_CPU:-300} python bench/train_step.py --mixed --samples 8 --tokens 2048 --repeats 2 --json > "$OUT/train_step.json" 2> "$OUT/train_step.err"
-[ "${TESTS:-1}" = 1 ] && timeout ${T_TESTS:-120} python -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt"
+# the whole log is kept (a failure's cause is often far above pytest's last lines)
+[ "${TESTS:-1}" = 1 ] && { timeout ${T_TESTS:-120} python -m pytest -q -p no:cacheprovider tests/gpu -x > "$OUT/tests_gpu.txt" 2>&1; tail -25 "$OUT/tests_gpu.txt"; }
 cp /tmp/cb-train-*/trainer.log "$OUT/" 2>/dev/null || true
 python bench/gpu_summary.py "$OUT"

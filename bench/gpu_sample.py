@@ -170,8 +170,14 @@ async def main() -> None:
         "tokens": args.tokens,
         "model_write_s": round(made, 1),
     }
+    modes = []
     for mode in args.modes:
-        result[mode] = await sweep(spec, root, args, prompt, mode)
+        try:
+            result[mode] = await sweep(spec, root, args, prompt, mode)
+            modes.append(mode)
+        except Exception as e:  # one mode's failure is a finding: the others and the reference run
+            result[f"{mode}_error"] = f"{type(e).__name__}: {e}"
+            print(f"{mode} failed: {result[f'{mode}_error']}", flush=True)
     if args.profile or args.device != "cuda":
         return
     result["reference_hf_eager"] = {
@@ -183,7 +189,7 @@ async def main() -> None:
     limit = bandwidth / weights if bandwidth else None
     result["bandwidth_limit_tokens_per_s"] = round(limit, 1) if limit else None
     ratios: dict[str, Any] = {}
-    for mode in args.modes:
+    for mode in modes:
         for i, c in enumerate(args.concurrency):
             engine_tps = result[mode]["adapter"]["runs"][i]["tokens_per_s"]
             eager_tps = result["reference_hf_eager"]["runs"][i]["tokens_per_s"]

@@ -50,6 +50,17 @@ def decode_rows(r: dict[str, Any] | None) -> list[str]:
     limit = r.get("bandwidth_limit_tokens_per_s")
     concurrency = [run["concurrency"] for run in r["reference_hf_eager"]["runs"]]
     for mode in ("dynamic", "static", "graphs"):
+        if f"{mode}_error" in r:
+            out.append(
+                row(
+                    f"torch engine ({mode})",
+                    "failed: " + r[f"{mode}_error"][:120],
+                    "",
+                    "",
+                    "",
+                    False,
+                )
+            )
         if mode not in r:
             continue
         for i, c in enumerate(concurrency):

@@ -115,10 +115,15 @@ class Decoding:
                 names = [self._row(s.version) for s in self._active]
                 if isinstance(self._batch, SlotBatch):
                     unique = set(names)
-                    logits = self._batch.step(
-                        lambda inputs: self._forward(names, **inputs, use_cache=True).logits[:, -1],
-                        unique.pop() if len(unique) == 1 else None,
-                    )
+
+                    def forward(inputs: dict[str, Any]) -> torch.Tensor:
+                        # a bucketed step has free rows past the live ones: they ride on row 0's
+                        # adapter (their logits are dropped)
+                        pad = inputs["input_ids"].shape[0] - len(names)
+                        rows = names + names[:1] * pad
+                        return self._forward(rows, **inputs, use_cache=True).logits[:, -1]
+
+                    logits = self._batch.step(forward, unique.pop() if len(unique) == 1 else None)
                 else:
                     logits = self._forward(
                         names, **self._batch.step_inputs(), use_cache=True

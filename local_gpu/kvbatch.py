@@ -180,7 +180,14 @@ class SlotBatch:
 
     def invalidate(self) -> None:
         """Forget captured steps (the adapters' layers were rebuilt: the graphs read old tensors)."""
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Free every captured step and its memory pool. The pool goes with the graphs: once the
+        last graph sharing a pool is freed, torch retires the pool, and a capture that names it
+        again fails an internal assertion (seen on an H200 with torch 2.11)."""
         self._steps.clear()
+        self._pool = None
 
     def _reserve(
         self, length: int, like: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -206,7 +213,7 @@ class SlotBatch:
             self._ids = torch.zeros(self.slots, dtype=torch.long, device=device)
             self._pos = torch.zeros(self.slots, dtype=torch.long, device=device)
             self._rows = torch.arange(self.slots, device=device)
-        self._steps.clear()  # captured steps read the old tensors
+        self._drop_graphs()  # captured steps read the old tensors
 
     def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
         """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
