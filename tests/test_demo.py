@@ -128,7 +128,10 @@ def test_the_twin_is_asked_what_the_trainer_derives_from_the_scenarios_correctio
         trained = [(sc.reply(False, i, prompt="What is rain?"), f"turn-{i}") for i in range(12)]
         standing = preferences.standing(preferences.merge([], trained, 1))
         assert instruction(sc) == preferences.instruction(standing), name
-        assert instruction(sc).splitlines() == list(dict.fromkeys(sc.replies.unsatisfied))[:3], name
+        assert instruction(sc).splitlines() == sorted(list(dict.fromkeys(sc.replies.unsatisfied))[:3]), name
+        # the same preferences first seen in the other order are asked the same way
+        backwards = [(sc.reply(False, i, prompt="What is rain?"), f"turn-{i}") for i in reversed(range(12))]
+        assert preferences.instruction(preferences.standing(preferences.merge([], backwards, 1))) == instruction(sc)
 
 
 def test_yes_and_no_in_a_keyword_list_are_words(tmp_path: Path):

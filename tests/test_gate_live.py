@@ -5,6 +5,7 @@ the serving weights, and what serves afterwards answers as before."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe
+from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe, question_seed
 from clawbridge.learning.trainer import ROLLBACKS_KEY, Trainer
 from clawbridge.store import Store
 from clawbridge.types import SamplingParams
@@ -37,6 +38,11 @@ async def _wrecked(tmp_path: Path) -> AsyncIterator[tuple[Any, Store, LocalBacke
         store.close()
 
 
+def _as_gate(params: SamplingParams, question: str) -> SamplingParams:
+    """`params` as the gate asks `question` with them: the question's own seed."""
+    return dataclasses.replace(params, seed=question_seed(params.seed, question))
+
+
 async def _answers(backend: LocalBackend, renderer: Renderer, params: SamplingParams, version: int) -> list[str]:
     out = []
     for p in PROMPTS:
@@ -52,7 +58,7 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
 
         # each probe's check: the answer is exactly v0's (same seed), so any change counts as worse
         plain = [renderer.parse(
-            (await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=0))[0].tokens,
+            (await backend.sample(renderer.render([{"role": "user", "content": p}]), _as_gate(params, p), version=0))[0].tokens,
             "length").content or "" for p in PROMPTS]
 
         def same_as_v0(i: int):
@@ -94,7 +100,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
         assert await pending_candidate(store) == (1, 0)
 
         plain = [renderer.parse(
-            (await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=0))[0].tokens,
+            (await backend.sample(renderer.render([{"role": "user", "content": p}]), _as_gate(params, p), version=0))[0].tokens,
             "length").content or "" for p in PROMPTS]
         probes = [GateProbe("validation", ({"role": "user", "content": p},),
                             lambda text, _finish, want=want: 1.0 if text == want else 0.0)
@@ -115,7 +121,7 @@ def _same_as_v0(plain: list[str]) -> list[GateProbe]:
 
 async def _plain(backend: LocalBackend, renderer: Renderer, params: SamplingParams) -> list[str]:
     return [renderer.parse(
-        (await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=0))[0].tokens,
+        (await backend.sample(renderer.render([{"role": "user", "content": p}]), _as_gate(params, p), version=0))[0].tokens,
         "length").content or "" for p in PROMPTS]
 
 
@@ -194,7 +200,7 @@ async def test_doubt_on_the_first_probes_asks_the_reserve(tmp_path: Path, reserv
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         questions = [*PROMPTS, "What is ice?", "Why is grass green?", "What is a dog?", "Where is Chad?"]
         plain = {q: renderer.parse((await backend.sample(
-            renderer.render([{"role": "user", "content": q}]), params, version=0))[0].tokens, "length").content or ""
+            renderer.render([{"role": "user", "content": q}]), _as_gate(params, q), version=0))[0].tokens, "length").content or ""
             for q in questions}
 
         def probe(q: str, check_v0: bool) -> GateProbe:
@@ -228,7 +234,7 @@ async def test_against_the_twin_a_price_is_shown_capped_and_paid_only_with_conse
     worse than v0) holds the same candidate back."""
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         plain = {q: renderer.parse((await backend.sample(
-            renderer.render([{"role": "user", "content": q}]), params, version=0))[0].tokens, "length").content or ""
+            renderer.render([{"role": "user", "content": q}]), _as_gate(params, q), version=0))[0].tokens, "length").content or ""
             for q in PROMPTS}
         probes = [GateProbe("probe", ({"role": "user", "content": q},),
                             lambda text, _f, want=plain[q]: 1.0 if text == want else 0.0) for q in PROMPTS]
@@ -249,3 +255,24 @@ async def test_against_the_twin_a_price_is_shown_capped_and_paid_only_with_conse
 
         strict = await Gate(backend, renderer, probes, params=params, reference="v0").evaluate(1, 0, asked=asked)
         assert strict.decision == "rejected" and strict.reference == "v0" and strict.asked is None
+
+
+async def test_every_probe_is_asked_with_its_own_seed_the_same_for_every_version_and_the_twin(tmp_path: Path):
+    """Paired across versions (the same seed for a probe whoever answers it), independent across
+    probes (one seed for all made the whole probe one correlated draw)."""
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        asked: list[tuple[int | None, int | None]] = []
+        sample = backend.sample
+
+        async def recorded(prompt: Any, p: SamplingParams, n: int = 1, version: int | None = None) -> Any:
+            asked.append((version, p.seed))
+            return await sample(prompt, p, n=n, version=version)
+
+        backend.sample = recorded  # type: ignore[method-assign]
+        probes = [GateProbe("probe", ({"role": "user", "content": q},), lambda _t, _f: 1.0) for q in PROMPTS]
+        gate = Gate(backend, renderer, probes, params=params)
+        await gate.scores(0)
+        await gate.scores(0, asked="Answer in one short sentence.")
+        seeds = [question_seed(params.seed, q) for q in PROMPTS]
+        assert len(set(seeds)) == len(PROMPTS)
+        assert asked == [(0, s) for s in seeds] * 2

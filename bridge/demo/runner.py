@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +35,7 @@ from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.demo.teachability import Price, Teachability
 from clawbridge.judges.hints import teacher_messages
 from clawbridge.learning.collector import judge_kinds
-from clawbridge.learning.gate import GateProbe
+from clawbridge.learning.gate import GateProbe, question_seed
 from clawbridge.learning.probes import Probe, general_probes, rate
 from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
 
@@ -177,8 +176,11 @@ class SimulatedUser:
 
 
 def eval_seed(prompt: str) -> int:
-    """The evaluation seed of a prompt: the same for every version (and every run)."""
-    return zlib.crc32(prompt.encode())
+    """The evaluation seed of a prompt: the same for every version (and every run), and the seed
+    the gate asks the same question with under seed 0 (`gate.question_seed`)."""
+    seed = question_seed(0, prompt)
+    assert seed is not None
+    return seed
 
 
 def _client(base_url: str) -> AsyncOpenAI:

@@ -33,18 +33,25 @@ at the stricter significance an early look needs (`early`, O'Brien and Fleming's
 every other case (`doubtful`) the reserve (the rest of the general probe set) is asked too and
 the decision is taken on both tiers: a candidate is accepted only on all of them. Sixteen probes
 cannot tell a 15-point loss from noise (such a candidate looks no worse on them often enough, and
-a gate that accepted there would serve exactly those lucky draws); fifty often can. Both
-versions answer each probe with the same sampling seed, so their answers are coupled (the
-engines draw by inverse CDF from the seed's uniform numbers) and the paired differences are
-mostly the versions', not the dice's.
+a gate that accepted there would serve exactly those lucky draws); fifty often can. Every
+version (and the twin) answers a probe with that probe's own seed (`question_seed`: the question's
+checksum offset by the settings' seed), so their answers are coupled (the engines draw by inverse
+CDF from the seed's uniform numbers) and the paired differences are mostly the versions', not the
+dice's; and different probes draw independently. One seed shared by every probe made the whole
+probe one correlated draw: the same base model scored 57 % plain and 42.5 % as the twin under a
+shared seed against 62 % and 57 % with a seed per question (108 questions), and the gate's price
+came out at twice the demo's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -311,7 +318,8 @@ class Gate:
         version, asked = who
         messages = list(probe.messages) if asked is None else teacher_messages(probe.messages, asked)
         prompt = self.renderer.render(messages)
-        comps = await self.backend.sample(prompt, self.params, n=samples, version=version)
+        params = dataclasses.replace(self.params, seed=question_seed(self.params.seed, message_key(probe.messages)))
+        comps = await self.backend.sample(prompt, params, n=samples, version=version)
         texts = [(self.renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
         return sum(probe.check(t, f) for t, f in texts) / len(texts), texts[0][0]
 
@@ -326,7 +334,9 @@ class Gate:
         self.answers.pop((version, None), None)
 
     async def _answer(self, prompt_ids: Sequence[int], version: int) -> str:
-        [c] = await self.backend.sample(prompt_ids, self.params, n=1, version=version)
+        key = ",".join(map(str, prompt_ids))
+        params = dataclasses.replace(self.params, seed=question_seed(self.params.seed, key))
+        [c] = await self.backend.sample(prompt_ids, params, n=1, version=version)
         return self.renderer.parse(c.tokens, c.finish_reason).content or ""
 
     async def _compare(self, prompt: Recent, candidate: int, serving: int) -> float:
@@ -448,6 +458,22 @@ def _quoted(asked: str) -> str:
     return ", ".join(f"'{line}'" for line in asked.splitlines())
 
 
+def question_seed(seed: int | None, key: str) -> int | None:
+    """The seed a question is asked with: its text's checksum offset by `seed` (None: unseeded).
+    The same for every version asked it (paired answers), different across questions
+    (independent ones). With `seed` 0 it is the demo's evaluation seed of that question."""
+    return None if seed is None else (seed + zlib.crc32(key.encode())) % 2**32
+
+
+def message_key(messages: Sequence[Any]) -> str:
+    """What identifies a probe's question: the last message's text (the question itself, for a
+    one-message probe), or the whole conversation where that is not plain text."""
+    last = messages[-1].get("content") if messages else None
+    if len(messages) == 1 and isinstance(last, str):
+        return last
+    return json.dumps(list(messages), sort_keys=True, default=str)
+
+
 def probe_check(answered: Callable[[str], bool]) -> Check:
     """A general-probe check: 1 when the answer answers the question (a cut-off answer counts:
     the probe asks whether the model still answers, not how long it talks)."""
@@ -455,4 +481,4 @@ def probe_check(answered: Callable[[str], bool]) -> Check:
 
 
 __all__ = ["GATE_KEY", "Comparison", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "early",
-           "paired_worse", "price", "probe_check"]
+           "message_key", "paired_worse", "price", "probe_check", "question_seed"]

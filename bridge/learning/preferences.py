@@ -92,8 +92,10 @@ def standing(prefs: Sequence[Preference], keep: int = 3) -> list[Preference]:
 
 
 def instruction(prefs: Sequence[Preference]) -> str | None:
-    """The twin's instruction: the standing preferences, one a line (None: nothing was asked)."""
-    return "\n".join(p.text for p in prefs) or None
+    """The twin's instruction: the standing preferences, one a line (None: nothing was asked), in
+    a canonical order (sorted), so the same preferences are asked the same way whichever the user
+    gave first (the order is part of the prompt the twin's price is measured with)."""
+    return "\n".join(sorted(p.text for p in prefs)) or None
 
 
 def to_json(prefs: Sequence[Preference]) -> list[dict[str, Any]]:
