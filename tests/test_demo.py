@@ -18,7 +18,7 @@ TINY = {
     "replies": {"satisfied": ["Thanks, perfect."], "unsatisfied": ["Too long. Please answer in under 3 words."]},
     "recipe": {"method": "combine", "batch_size": 2, "rounds": 2, "learning_rate": 1e-3, "lora_rank": 4,
                "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4, "gate_probes": 4,
-               "probe_questions": 20},
+               "gate_probes_max": 20},
     "train_prompts": ["What is rain?", "Why is the sky blue?", "What is a cat?"],
     "heldout_prompts": ["What is snow?", "What is a dog?", "What is fog?"],
 }

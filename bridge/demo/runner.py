@@ -33,13 +33,13 @@ from clawbridge.demo.results import DemoResult, VersionEval
 from clawbridge.demo.rounds import Progress, Settle, play
 from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.demo.teachability import Price, Teachability
-from clawbridge.judges.hints import teacher_messages
 from clawbridge.learning.collector import judge_kinds
-from clawbridge.learning.gate import GateProbe, question_seed
-from clawbridge.learning.probes import Probe, general_probes, rate
+from clawbridge.learning.gate import Gate, GateProbe, question_seed
+from clawbridge.learning.probes import rate
 from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
 
 if TYPE_CHECKING:
+    from clawbridge.learning.learner import Learner
     from clawbridge.server import Running
     from openai import AsyncOpenAI
 
@@ -126,25 +126,11 @@ class SimulatedUser:
         """`n` answers to `messages`, seeded by `prompt` as every evaluation is (`teachability.Ask`)."""
         return await self._answers(prompt, messages, n, self.scenario.recipe.max_tokens, eval_seed(prompt))
 
-    async def probe(self, asked: str | None = None) -> tuple[float, ...]:
-        """The general probe set, one answer per question, seeded by the question: 1.0 where it
-        answers. `asked`: the base model asked for the preferences (served v0 only: the twin)."""
-        async def one(p: Probe) -> float:
-            messages = [{"role": "user", "content": p.question}]
-            (text, _), = await self.ask(p.question, messages if asked is None else teacher_messages(messages, asked), 1)
-            return float(p.check.answered(text))
-
-        t0 = time.monotonic()
-        out = tuple(await asyncio.gather(*(one(p) for p in general_probes()[: self.scenario.recipe.probe_questions])))
-        self._took("twin probe" if asked else "probe", t0)
-        return out
-
     def _took(self, part: str, since: float) -> None:
         self.seconds[part] = self.seconds.get(part, 0.0) + time.monotonic() - since
 
-    async def evaluate(self, version: int, *, probe: bool = False) -> tuple[VersionEval, list[dict[str, Any]]]:
-        """Held-out rates: `eval_samples` answers per prompt, never trained on; with `probe`,
-        also the general probe set's on-topic rate (one answer per question). Every version
+    async def evaluate(self, version: int) -> tuple[VersionEval, list[dict[str, Any]]]:
+        """Held-out rates: `eval_samples` answers per prompt, never trained on. Every version
         answers a prompt with the same seed (common random numbers): the engines draw by inverse
         CDF, so two versions that agree answer alike and a paired difference is the versions',
         not the dice's."""
@@ -160,8 +146,6 @@ class SimulatedUser:
 
         rated = await asyncio.gather(*(one(p) for p in sc.heldout_prompts))
         self._took("held-out", t0)
-        probed = await self.probe() if probe else ()
-        probe_rate = sum(probed) / len(probed) if probed else None
 
         def per_prompt(field_: str) -> tuple[float, ...]:
             return tuple(rate([getattr(v, field_) for v in vs]) for vs, _ in rated)
@@ -170,8 +154,7 @@ class SimulatedUser:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ev = VersionEval(version, mean(pref), pref, len(pref) * r.eval_samples, time.monotonic() - t0,
                          on_topic=mean(topic), truly=mean(truly), truly_per_prompt=truly,
-                         on_topic_per_prompt=topic, probe=probe_rate,
-                         probe_per_prompt=probed, conversations=self.conversations)
+                         on_topic_per_prompt=topic, conversations=self.conversations)
         return ev, [ex for _, ex in rated]
 
 
@@ -202,8 +185,9 @@ class PreferenceRounds:
     conversations; a version is measured when it serves new weights, and at the end. Before
     the first round, v0 is also asked for the preference: teachability and the price."""
 
-    def __init__(self, scenario: Scenario, running: Running, note: Note | None = None) -> None:
-        self.scenario, self.running = scenario, running
+    def __init__(self, scenario: Scenario, running: Running, learner: Learner, note: Note | None = None) -> None:
+        self.scenario, self.running, self.learner = scenario, running, learner
+        self._gate: Gate | None = None
         self.client = _client(running.base_url)
         self.user = SimulatedUser(self.client, running.proxy.model_name, scenario)
         self.note = note or (lambda line: None)
@@ -221,9 +205,45 @@ class PreferenceRounds:
         self.teachability = await teachability.asked_heldout(sc, self.user.ask, asked, sc.recipe.teach_samples, v0.truly)
         self.user.seconds["teachability"] = self.teachability.seconds
         self.note(self.teachability.verdict())
-        self.price = Price(v0.probe_per_prompt, await self.user.probe(asked), asked)
+        self.price = Price(v0.probe_per_prompt, await self.probe(0, asked), asked)
         twin_gate = settings.gate == "on" and settings.gate_reference == "twin"
         self.note(self.price.line(settings.gate_max_price if twin_gate else None))
+
+    async def gate(self) -> Gate | None:
+        """What measures the general probe: the learner's gate, so the demo's figures are the
+        gate's own (the same questions, seeds and answers, one price) and nothing is asked twice;
+        a gate built only to measure where the recipe turns gating off. None: no general probe
+        (gate_probes 0)."""
+        if self._gate is None:
+            for _ in range(200):  # the learner binds its parts as the stack starts serving
+                if self.learner.trainer is not None:
+                    break
+                await asyncio.sleep(0.05)
+            trainer = self.learner.trainer
+            self._gate = trainer.gate if trainer is not None else None
+            if self._gate is None:
+                from clawbridge.server import build_gate
+
+                settings, running = self.running.settings, self.running
+                self._gate = build_gate(replace(settings.gating, gate="on"), running.backend, running.renderer)
+        return self._gate
+
+    async def probe(self, version: int, asked: str | None = None) -> tuple[float, ...]:
+        """`version`'s score per general probe question as the gate measures it: v0 and the twin
+        (`asked`) with the gate's reference answers per question, a candidate with its own."""
+        gate = await self.gate()
+        if gate is None:
+            return ()
+        t0 = time.monotonic()
+        samples = gate.reference_samples if version == 0 else gate.samples
+        out = tuple(await gate.general(version, asked, samples))
+        self.user.seconds["twin probe" if asked else "probe"] = (
+            self.user.seconds.get("twin probe" if asked else "probe", 0.0) + time.monotonic() - t0)
+        return out
+
+    async def with_probe(self, ev: VersionEval) -> VersionEval:
+        probed = await self.probe(ev.version)
+        return replace(ev, probe=sum(probed) / len(probed) if probed else None, probe_per_prompt=probed)
 
     def round_label(self, rnd: int, rounds: int) -> str:
         return f"round {rnd + 1}/{rounds}: conversations"
@@ -260,7 +280,8 @@ class PreferenceRounds:
     async def measure(self, version: int, previous: VersionEval | None, *,
                       last: bool) -> tuple[VersionEval, list[dict[str, Any]]]:
         if previous is None:
-            ev, ex = await self.user.evaluate(version, probe=True)
+            ev, ex = await self.user.evaluate(version)
+            ev = await self.with_probe(ev)
             await self.ask_for_it(ev)
         else:
             store = self.running.store
@@ -269,7 +290,9 @@ class PreferenceRounds:
             if copied is not None:
                 ev, ex = copied, self.shown[previous.version]
             else:
-                ev, ex = await self.user.evaluate(version, probe=last)
+                ev, ex = await self.user.evaluate(version)
+                if last:
+                    ev = await self.with_probe(ev)
         self.shown[ev.version] = ex
         return ev, ex
 
@@ -298,7 +321,7 @@ async def run_demo(
     players: list[PreferenceRounds] = []  # made once the stack runs (it needs its address); read after
 
     def player_for(running: Running) -> PreferenceRounds:
-        players.append(PreferenceRounds(scenario, running, note))
+        players.append(PreferenceRounds(scenario, running, learner, note))
         return players[-1]
 
     played = await play(settings, learner, player_for, rounds=scenario.recipe.rounds, progress=progress,

@@ -119,10 +119,6 @@ class Recipe(BaseModel):
     temperature: float = Field(0.7, gt=0)
     max_tokens: int = Field(48, ge=1)
     eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
-    probe_questions: int | None = Field(
-        None, ge=2, description="Questions of the general probe set the demo asks v0, the prompted twin and the "
-        "last version (one answer each, seeded by the question): the first ones (None: all).",
-    )
     teach_samples: int = Field(
         2, ge=1, description="Answers per held-out prompt of v0 asked for the preference, before training "
         "(teachability: how often the teacher the hints make meets it).",

@@ -323,6 +323,13 @@ class Gate:
         texts = [(self.renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
         return sum(probe.check(t, f) for t, f in texts) / len(texts), texts[0][0]
 
+    async def general(self, version: int, asked: str | None = None, samples: int | None = None) -> list[float]:
+        """`version`'s score on each general probe question of every tier (asked with `asked`:
+        the twin), as the gate measures it (the same seeds, and cached: what the gate has asked
+        is not asked again). What the demo shows as "the general probe"."""
+        scores = await self.scores(version, len(self.tiers), asked, samples)
+        return [x for x, p in zip(scores, (p for t in self.tiers for p in t), strict=True) if p.group == "probe"]
+
     def alias(self, version: int, same_as: int) -> None:
         """`version` holds `same_as`'s weights (a restored copy): reuse its scores."""
         if (same_as, None) in self._scores:
