@@ -276,3 +276,22 @@ async def test_every_probe_is_asked_with_its_own_seed_the_same_for_every_version
         seeds = [question_seed(params.seed, q) for q in PROMPTS]
         assert len(set(seeds)) == len(PROMPTS)
         assert asked == [(0, s) for s in seeds] * 2
+
+
+async def test_the_price_is_told_once_even_when_the_demo_measured_it_first(tmp_path: Path, caplog: Any):
+    """The demo measures v0 and the twin through the gate before any candidate; the gate's first
+    decision still tells the price (the server's log line), and only once."""
+    import logging
+
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        probes = [GateProbe("probe", ({"role": "user", "content": q},), lambda _t, _f: 1.0) for q in PROMPTS]
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        assert (await Trainer(settings.training, backend, store).step_once()).version == 1  # type: ignore[union-attr]
+        gate = Gate(backend, renderer, probes, params=params)
+        assert await gate.general(0, "Be brief.", gate.reference_samples) == [1.0] * len(PROMPTS)
+        with caplog.at_level(logging.WARNING, logger="clawbridge.learning.gate"):
+            await gate.evaluate(1, 0, asked="Be brief.")
+            await gate.evaluate(1, 0, asked="Be brief.")
+        told = [r.getMessage() for r in caplog.records if "of general answers" in r.getMessage()]
+        assert len(told) == 1 and "'Be brief.' cost 0 points" in told[0], told

@@ -286,6 +286,7 @@ class Gate:
         self.params = params
         self.samples = samples
         self.reference_samples = reference_samples
+        self._told: set[tuple[int, str]] = set()  # prices the log has shown
         self.margin = margin
         self.alpha = alpha
         self.alpha_base = alpha if alpha_base is None else alpha_base
@@ -375,9 +376,9 @@ class Gate:
         twin = self.reference == "twin"
         asked = asked if twin else None
         if twin and asked is not None:
-            new = (base, asked) not in self._scores
             plain, prompted = await self.price(asked, base)
-            if new:
+            if (base, asked) not in self._told:  # said once per set of preferences, whoever measured it
+                self._told.add((base, asked))
                 log.warning("your preferences %s cost %.0f points of general answers on this model: %.0f %% -> "
                             "%.0f %% of the probe answered when the base model is asked for them "
                             "(gate_max_price %.0f points)", _quoted(asked), 100 * (plain - prompted),
