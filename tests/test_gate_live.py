@@ -260,7 +260,7 @@ async def test_against_the_twin_a_price_is_shown_capped_and_paid_only_with_conse
 async def test_every_probe_is_asked_with_its_own_seed_the_same_for_every_version_and_the_twin(tmp_path: Path):
     """Paired across versions (the same seed for a probe whoever answers it), independent across
     probes (one seed for all made the whole probe one correlated draw)."""
-    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+    async with _wrecked(tmp_path) as (_settings, _store, backend, renderer, params):
         asked: list[tuple[int | None, int | None]] = []
         sample = backend.sample
 
