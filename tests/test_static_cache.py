@@ -18,24 +18,19 @@ G = torch.Generator().manual_seed(7)
 PROMPTS = [tuple(torch.randint(100, 4000, (n,), generator=G).tolist()) for n in (8, 3, 250, 40, 17)]
 
 
+def _engine(data_dir: Path, **kw: object) -> Engine:
+    """The tiny model's engine: four rows, one thread (the fixture's and the tests' own)."""
+    return Engine(models.resolve(models.TINY), data_dir=data_dir, lora_rank=4, lora_alpha=8, threads=1,
+                  max_batch=4, **kw)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory):
     threads = torch.get_num_threads()  # the engine's setting is process-wide: restored
     # "bucketed": the CUDA-graph shapes (power-of-two rows, every allocated column, fixed input
     # buffers) run eagerly, as they do on a CPU; only the capture itself needs CUDA
     modes = {"dynamic": {}, "static": {"static_cache": True}, "bucketed": {"cuda_graphs": True}}
-    made = {
-        mode: Engine(
-            models.resolve(models.TINY),
-            data_dir=Path(tmp_path_factory.mktemp(mode)),
-            lora_rank=4,
-            lora_alpha=8,
-            threads=1,
-            max_batch=4,
-            **kw,  # type: ignore[arg-type]
-        )
-        for mode, kw in modes.items()
-    }
+    made = {mode: _engine(Path(tmp_path_factory.mktemp(mode)), **kw) for mode, kw in modes.items()}
     for e in made.values():
         e.start()
     yield made
@@ -148,15 +143,7 @@ async def test_a_bucketed_step_with_rows_on_two_versions_runs_each_on_its_own(tm
     captured): the padding row needs an adapter too. Each row samples what it samples alone."""
     from clawbridge.types import Datum, LossSpec, OptimSpec
 
-    engine = Engine(
-        models.resolve(models.TINY),
-        data_dir=tmp_path,
-        lora_rank=4,
-        lora_alpha=8,
-        threads=1,
-        max_batch=4,
-        cuda_graphs=True,
-    )
+    engine = _engine(tmp_path, cuda_graphs=True)
     engine.start()
     try:
         batch = [Datum(PROMPTS[0], (5, 6, 7), (-11.0, -10.0, -10.5), (1.0, -1.0, 0.5))]
