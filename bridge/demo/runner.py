@@ -126,7 +126,8 @@ class SimulatedUser:
         """`n` answers to `messages`, seeded by `prompt` as every evaluation is (`teachability.Ask`)."""
         return await self._answers(prompt, messages, n, self.scenario.recipe.max_tokens, eval_seed(prompt))
 
-    def _took(self, part: str, since: float) -> None:
+    def took(self, part: str, since: float) -> None:
+        """Add the seconds since `since` to `part` (the --json's seconds_by_part)."""
         self.seconds[part] = self.seconds.get(part, 0.0) + time.monotonic() - since
 
     async def evaluate(self, version: int) -> tuple[VersionEval, list[dict[str, Any]]]:
@@ -145,7 +146,7 @@ class SimulatedUser:
                               "answered": v.answered, "satisfied": v.truly}
 
         rated = await asyncio.gather(*(one(p) for p in sc.heldout_prompts))
-        self._took("held-out", t0)
+        self.took("held-out", t0)
 
         def per_prompt(field_: str) -> tuple[float, ...]:
             return tuple(rate([getattr(v, field_) for v in vs]) for vs, _ in rated)
@@ -237,8 +238,7 @@ class PreferenceRounds:
         t0 = time.monotonic()
         samples = gate.reference_samples if version == 0 else gate.samples
         out = tuple(await gate.general(version, asked, samples))
-        self.user.seconds["twin probe" if asked else "probe"] = (
-            self.user.seconds.get("twin probe" if asked else "probe", 0.0) + time.monotonic() - t0)
+        self.user.took("twin probe" if asked else "probe", t0)
         return out
 
     async def with_probe(self, ev: VersionEval) -> VersionEval:
