@@ -125,6 +125,18 @@ async def _plain(backend: LocalBackend, renderer: Renderer, params: SamplingPara
         "length").content or "" for p in PROMPTS]
 
 
+async def _patient(settings: Any, store: Store, backend: LocalBackend, renderer: Renderer,
+                   params: SamplingParams) -> tuple[Any, list[str], list[GateProbe]]:
+    """gate_patience 3 on the wrecked setup, two judged samples waiting: the settings, v0's
+    answers, and probes that count any change from v0 as worse."""
+    settings = settings.model_copy(update={"gate_patience": 3})
+    v0 = await _answers(backend, renderer, params, 0)
+    probes = _same_as_v0(await _plain(backend, renderer, params))
+    record_turns(store, 2)
+    await collector_for(settings, backend, store).run_once()
+    return settings, v0, probes
+
+
 async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_path: Path):
     """gate_patience 1: the first held-back candidate stays the training lineage while v0 keeps
     serving (no copy); the second in a row restarts from v0's weights with a fresh optimizer."""
@@ -156,11 +168,7 @@ async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_pat
 
 async def test_a_rollback_while_training_goes_on_from_a_held_back_candidate_serves_the_copy(tmp_path: Path):
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
-        settings = settings.model_copy(update={"gate_patience": 3})
-        v0 = await _answers(backend, renderer, params, 0)
-        probes = _same_as_v0(await _plain(backend, renderer, params))
-        record_turns(store, 2)
-        await collector_for(settings, backend, store).run_once()
+        settings, v0, probes = await _patient(settings, store, backend, renderer, params)
         trainer = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
         assert (await trainer.step_once()).served == 0 and backend.held == 0  # type: ignore[union-attr]
         rb = await trainer.rollback(0)
@@ -174,11 +182,7 @@ async def test_a_restart_while_training_goes_on_from_a_held_back_candidate_serve
     from clawbridge.learning.trainer import held_candidate
 
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
-        settings = settings.model_copy(update={"gate_patience": 3})
-        v0 = await _answers(backend, renderer, params, 0)
-        probes = _same_as_v0(await _plain(backend, renderer, params))
-        record_turns(store, 2)
-        await collector_for(settings, backend, store).run_once()
+        settings, v0, probes = await _patient(settings, store, backend, renderer, params)
         first = await Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params)).step_once()
         assert first is not None and first.served == 0 and await held_candidate(store) == (1, 0)
     async with _wrecked(tmp_path) as (_, store, backend, renderer, params):  # the same data dir: a restart
