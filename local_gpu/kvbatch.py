@@ -179,13 +179,10 @@ class SlotBatch:
         return 0 if not self.keys else int(self.keys[0].shape[2])
 
     def invalidate(self) -> None:
-        """Forget captured steps (the adapters' layers were rebuilt: the graphs read old tensors)."""
-        self._drop_graphs()
-
-    def _drop_graphs(self) -> None:
-        """Free every captured step and its memory pool. The pool goes with the graphs: once the
-        last graph sharing a pool is freed, torch retires the pool, and a capture that names it
-        again fails an internal assertion (seen on an H200 with torch 2.11)."""
+        """Forget captured steps, and their memory pool (the adapters' layers were rebuilt, or the
+        cache was reallocated: the graphs read old tensors). The pool goes with the graphs: once
+        the last graph sharing a pool is freed, torch retires the pool, and a capture that names
+        it again fails an internal assertion (seen on an H200 with torch 2.11)."""
         self._steps.clear()
         self._pool = None
 
@@ -213,7 +210,7 @@ class SlotBatch:
             self._ids = torch.zeros(self.slots, dtype=torch.long, device=device)
             self._pos = torch.zeros(self.slots, dtype=torch.long, device=device)
             self._rows = torch.arange(self.slots, device=device)
-        self._drop_graphs()  # captured steps read the old tensors
+        self.invalidate()  # captured steps read the old tensors
 
     def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
         """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
