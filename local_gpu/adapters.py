@@ -7,7 +7,8 @@ to `adapters/vK`. The temporary folder is created before the version serves: it 
 so a crash between the switch and the rename leaves `.vK.tmp` behind and no later publish reuses K.
 
 What is served is what a restart loads: the slot is filled by `copy_` from the trainable weights,
-exactly as loading the persisted folder into a slot does (the same cast to the model's dtype).
+exactly as loading the persisted folder into a slot does (the same cast to the slot's dtype: the
+model's on a GPU, fp32 on a CPU, whose activations stay fp32).
 """
 
 from __future__ import annotations
@@ -111,9 +112,12 @@ class Slots:
     one with gradients, and the caller must re-point its layers (`changed` says when)."""
 
     def __init__(
-        self, model: Any, trainable: str, layers: list[Any], trainable_active: list[Any]
+        self, model: Any, trainable: str, layers: list[Any], trainable_active: list[Any], *, upcast: bool = False
     ) -> None:
         self.model, self.trainable = model, trainable
+        # upcast: slots in fp32 whatever the base layers' dtype (a CPU's bf16 matmuls in an fp32
+        # model); otherwise in the model's dtype, so that a bf16 GPU model casts nothing per token
+        self.upcast = upcast
         self.layers, self.trainable_active = layers, trainable_active
         self.spare: list[str] = []
         self.params: dict[str, dict[str, torch.nn.Parameter]] = {}
@@ -154,7 +158,7 @@ class Slots:
             self._structural(),
             torch.random.fork_rng(devices=[]),
         ):  # LoRA init must not draw from global RNG
-            self.model.add_adapter(name, config, autocast_adapter_dtype=False)
+            self.model.add_adapter(name, config, autocast_adapter_dtype=self.upcast)
             self.params[name] = self._params_of(name)
         return name
 

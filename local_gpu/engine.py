@@ -148,9 +148,7 @@ class Engine(Decoding, VersionSlots, Training):
             torch.set_num_threads(self.threads)
         # loaded in fp32 and cast down here, so that the output head keeps the exact weights
         base = models.load_model(self.spec, device=self.device, seed=self.seed)
-        precision.to_compute_dtype(base, self.dtype)  # all but the head (fp32 logits)
-        if self.dtype == torch.bfloat16 and str(self.device).startswith("cpu"):
-            precision.use_decode_attention(base)  # torch's CPU SDPA is slow on one bf16 query
+        precision.prepare(base, self.dtype, self.device)  # a CPU: bf16 matmuls, the rest fp32
         config = LoraConfig(
             r=self.lora_rank,
             lora_alpha=self.lora_alpha,
@@ -170,7 +168,9 @@ class Engine(Decoding, VersionSlots, Training):
         self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]
         self._trainable_active = [layer._active_adapter for layer in self._lora_layers]
         self._initial = self._trainable_state()
-        self._slots = adapters.Slots(self._model, TRAIN, self._lora_layers, self._trainable_active)
+        # on a CPU the activations stay fp32 whatever the dtype, and the served adapters with them
+        upcast = str(self.device).startswith("cpu")
+        self._slots = adapters.Slots(self._model, TRAIN, self._lora_layers, self._trainable_active, upcast=upcast)
         self._slots.ensure_spare()  # the first publish fills it without creating LoRA layers
         self._adapter_config = adapters.config_json(self._model, TRAIN)
         self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)

@@ -5,13 +5,19 @@ A CPU with AVX512-BF16 (or AMX) multiplies bf16 matrices at 2.0-2.4x its fp32 ra
 `auto` keeps fp32 there and the engine behaves exactly as before. The choice is a pure function
 of the CPU's flags so that both answers are testable on any machine.
 
-What stays fp32 in a bf16 engine, because precision matters more there than speed: the LoRA
-adapter being trained and its optimizer state (PEFT keeps a trainable adapter in fp32 on a bf16
-base), and the output head (`to_compute_dtype`): the last hidden state is cast up and the logits, from
-which every recorded logprob and the loss's log-softmax come, are fp32 products of the fp32 head
-weights. bf16 logits would round a logit of 20 to a multiple of 0.125; the fp32 head measured
-under 5 % of a decode step against a bf16 one. On a CPU a bf16 model's decode steps attend
-through `decode_attention` (torch's CPU SDPA is slow on one bf16 query).
+On a CPU, bf16 means **bf16 matmuls in an fp32 model** (`bf16_matmuls`): the decoder's linear
+layers hold bf16 weights and multiply a bf16 copy of their fp32 input, and everything else (the
+residual stream, the norms, attention and its KV cache, the output head, the LoRA adapters and
+their optimizer) stays fp32. The matmuls are where the time and the bytes go; the rest is where
+the rounding would pile up: a model cast to bf16 whole rounds the residual stream at every layer,
+and its scores differed from the sampled logprobs by 0.036 on average (0.33 at most) against 0.014
+(0.10) for bf16 matmuls alone, on the embedded model (docs/engine.md). Without a grad the weights
+are used pre-packed for oneDNN (bit-equal to the unpacked product, without re-packing the weight
+on every call, which made a one-row bf16 product slower than fp32).
+
+On a GPU (a caller that names `dtype=torch.bfloat16`) the model is cast whole (`to_compute_dtype`)
+as GPU serving does, all but the output head: the last hidden state is cast up and the logits, from
+which every recorded logprob and the loss's log-softmax come, are fp32 products of the fp32 head.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 EngineDtype = Literal["auto", "bf16", "fp32"]
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -62,6 +69,68 @@ def name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def prepare(model: Any, dtype: torch.dtype, device: str) -> None:
+    """Put `model` (loaded in fp32) into the engine's arithmetic for `dtype` on `device`: nothing
+    for fp32, bf16 matmuls on a CPU, the whole model but its head cast on a GPU."""
+    if dtype == torch.float32:
+        return
+    if str(device).startswith("cpu") and dtype == torch.bfloat16:
+        bf16_matmuls(model)
+    else:
+        to_compute_dtype(model, dtype)
+
+
+# --- a CPU: bf16 matmuls in an fp32 model -------------------------------------------------------
+
+
+def _packs() -> bool:
+    """This torch build can pre-pack bf16 weights for oneDNN."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Bf16Linear(torch.nn.Linear):
+    """A frozen linear layer with bf16 weights in an fp32 model: its input is rounded to bf16,
+    multiplied (fp32 accumulation, as oneDNN does), and the product returned in the input's dtype.
+    Without a grad the weight is used as packed for oneDNN once (`packed`): bit-equal to
+    `F.linear` on the same bf16 operands, without re-packing the weight on every call."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = x.to(self.weight.dtype)
+        if self.packed is not None and not torch.is_grad_enabled():
+            y = torch.ops.mkldnn._linear_pointwise(low, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(low, self.weight, self.bias)
+        return y.to(x.dtype)
+
+
+def bf16_matmuls(model: Any) -> int:
+    """Every linear layer of `model` but its output head becomes a `Bf16Linear` (bf16 weights,
+    packed where oneDNN can); the rest of the model stays as loaded (fp32). Returns how many.
+    Run before the LoRA adapters are added: PEFT wraps these layers as it wraps any Linear."""
+    head = model.get_output_embeddings()
+    packs = _packs()
+    count = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear or module is head:
+            continue
+        module.weight.data = module.weight.data.to(torch.bfloat16)
+        if module.bias is not None:
+            module.bias.data = module.bias.data.to(torch.bfloat16)
+        module.__class__ = Bf16Linear
+        if packs:
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
+        count += 1
+    return count
+
+
+# --- a GPU: the whole model in its dtype, the head fp32 -----------------------------------------
+
+
 def to_compute_dtype(model: Any, dtype: torch.dtype) -> None:
     """Cast `model` (loaded in fp32) to `dtype`, all but its output head: the head gets its own
     fp32 copy of the checkpoint's weights (untied from the input embeddings, which go to `dtype`
@@ -84,55 +153,3 @@ def to_compute_dtype(model: Any, dtype: torch.dtype) -> None:
 
 def _cast_up(_head: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (args[0].float(), *args[1:])
-
-
-# --- attention in a decode step ---------------------------------------------------------------
-
-BF16_ATTENTION = "clawbridge_bf16"
-
-
-def decode_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention for a bf16 model: a decode step (one query per row) as two batched matmuls with
-    the softmax in fp32; anything longer (a prefill, a score, a training step) through SDPA.
-    torch's CPU SDPA kernel takes 3.3x longer on one bf16 query than on fp32 (16 rows x 1,000
-    keys: 30.5 vs 9.2 ms, 1 thread) and 4.5x longer than these matmuls (6.8 ms); prefill is
-    fast in bf16 and stays with it. The query heads that share a key head are the rows of one
-    matmul (grouped-query attention without repeating the keys)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.shape[2] != 1 or dropout:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    rows, heads, _, dim = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
-    q = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * (scaling or dim**-0.5)
-    if attention_mask is not None:  # [rows, 1, 1, >= length]: True or 0 where a key is seen
-        mask = attention_mask[..., :length]
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # [rows, kv_heads, group, dim]
-    return out.reshape(rows, 1, heads, dim), None
-
-
-def use_decode_attention(model: Any) -> None:
-    """Route `model`'s attention through `decode_attention` (masks built as for SDPA)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(BF16_ATTENTION, decode_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(BF16_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(BF16_ATTENTION)

@@ -116,7 +116,7 @@ def _reference_gradient(case: BackendCase, weights: dict[str, torch.Tensor], bat
 
     spec_model = models.resolve(models.TINY)
     base = models.load_model(spec_model, seed=case.model_seed)
-    precision.to_compute_dtype(base, precision.DTYPES[case.dtype])  # the engine's own arithmetic
+    precision.prepare(base, precision.DTYPES[case.dtype], "cpu")  # the engine's own arithmetic
     config = LoraConfig(r=case.lora_rank, lora_alpha=case.lora_alpha, target_modules="all-linear", lora_dropout=0.0)
     model = get_peft_model(base, config)
     set_peft_model_state_dict(model, weights)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from clawbridge.backends.local import LocalBackend
-from clawbridge.local_gpu import models
+from clawbridge.local_gpu import adapters, models, precision
 from clawbridge.protocol import BackendError, ContextLengthExceeded
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 
@@ -222,28 +222,22 @@ async def test_the_embedded_model_answers_a_simple_question(tmp_path: Path, engi
         await backend.close()
 
 
-async def test_a_published_adapter_serves_in_the_models_dtype(tmp_path: Path) -> None:
-    """A bf16 model serves its published adapters in bf16 (PEFT's default upcast to fp32 made
-    every LoRA layer cast each token's activations up and back: ~500 extra kernels a token on
-    a GPU). The trainable adapter stays fp32."""
-    threads = torch.get_num_threads()  # the engine's setting is process-wide: restored
-    backend = LocalBackend(
-        "tiny-random", tmp_path, lora_rank=4, lora_alpha=4, dtype=torch.bfloat16, threads=1
-    )
-    backend.engine.start()
-    try:
-        published = await backend.publish()
-        c = (
-            await backend.sample(
-                PROMPT, SamplingParams(max_tokens=3, seed=1), version=published.version
-            )
-        )[0]
-        assert c.version == published.version
-        params = dict(backend.engine._model.named_parameters())
-        slot = backend.engine._served[published.version]
-        served = {p.dtype for n, p in params.items() if f".{slot}." in n}
-        assert served == {torch.bfloat16}
-        assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
-    finally:
-        backend.engine.close()
-        torch.set_num_threads(threads)
+def test_a_gpu_bf16_model_keeps_its_serving_slots_in_bf16_and_a_cpu_in_fp32() -> None:
+    """A bf16 model cast whole (a GPU's arithmetic, built here on the CPU) serves its published
+    adapters in bf16: PEFT's default upcast to fp32 made every LoRA layer cast each token's
+    activations up and back (~500 extra kernels a token on a GPU). On a CPU the activations stay
+    fp32 whatever the matmuls' dtype (`upcast`), and so do the slots. The trainable adapter is
+    fp32 either way."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for upcast, expected in ((False, torch.bfloat16), (True, torch.float32)):
+        base = models.load_model(models.resolve(models.TINY))
+        precision.to_compute_dtype(base, torch.bfloat16)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear"))
+        layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        slots = adapters.Slots(model, "default", layers, [m._active_adapter for m in layers], upcast=upcast)
+        trainable = slots.trainable_params()
+        name = slots.fill({k: v.detach() for k, v in trainable.items()})
+        assert {p.dtype for p in slots.params[name].values()} == {expected}
+        assert {p.dtype for p in trainable.values()} == {torch.float32}

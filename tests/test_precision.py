@@ -46,7 +46,51 @@ def test_the_backend_resolves_auto_from_this_cpu_and_honours_a_forced_dtype(tmp_
     assert backend.dtype == "fp32"  # an explicit torch dtype (a GPU caller's) wins
 
 
-def test_a_bf16_body_keeps_the_checkpoints_head_in_fp32_and_gives_fp32_logits() -> None:
+def test_a_cpu_bf16_model_multiplies_in_bf16_and_keeps_everything_else_fp32() -> None:
+    """On a CPU, bf16 is bf16 matmuls in an fp32 model: only the decoder's linear weights are
+    bf16; embeddings, norms and the head stay as loaded, and the logits are fp32 products."""
+    spec = models.resolve(models.TINY)
+    reference = models.load_model(spec)
+    model = models.load_model(spec)
+    precision.prepare(model, torch.bfloat16, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()]
+    assert linears and all(type(m) is precision.Bf16Linear and m.weight.dtype == torch.bfloat16 for m in linears)
+    rest = {n: p for n, p in model.named_parameters() if not any(p is m.weight for m in linears)}
+    assert rest and {p.dtype for p in rest.values()} == {torch.float32}
+    head = model.get_output_embeddings()
+    assert torch.equal(head.weight, reference.get_output_embeddings().weight)
+    ids = torch.tensor([[1, 520, 3121, 28, 1830]])
+    with torch.inference_mode():
+        logits, expected = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected, rtol=0, atol=0.05)  # bf16 products, not fp32 ones
+    assert not torch.equal(logits, expected)
+
+
+def test_the_packed_product_equals_the_plain_one_and_a_grad_flows_to_the_input() -> None:
+    """Without a grad a Bf16Linear multiplies by its oneDNN-packed weight: bit-equal to F.linear
+    on the same bf16 operands at every row count; with a grad it takes F.linear, whose backward
+    gives the input (an fp32 activation) its gradient."""
+    layer = torch.nn.Linear(64, 96, bias=False)
+    model = torch.nn.Sequential(layer)
+    model.get_output_embeddings = lambda: None  # type: ignore[attr-defined]
+    assert precision.bf16_matmuls(model) == 1
+    if layer.packed is None:
+        pytest.skip("this torch build cannot pack bf16 weights for oneDNN")
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            packed = layer(x)
+        plain = torch.nn.functional.linear(x.bfloat16(), layer.weight).float()
+        assert packed.dtype == torch.float32 and torch.equal(packed, plain)
+    x = torch.randn(3, 64, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, layer.weight.float().sum(0).expand(3, 64), rtol=0, atol=0.05)
+
+
+def test_a_gpu_bf16_body_keeps_the_checkpoints_head_in_fp32_and_gives_fp32_logits() -> None:
+    """The GPU's arithmetic (the model cast whole), checked on the CPU: the head untied and fp32."""
     spec = models.resolve(models.TINY)
     reference = models.load_model(spec)
     model = models.load_model(spec)
@@ -89,30 +133,15 @@ async def test_the_trainable_adapter_and_its_optimizer_stay_fp32(tmp_path: Path,
         assert engine._optimizer is not None
         moments = [t for s in engine._optimizer.state.values() for t in s.values() if t.dim()]
         assert moments and {t.dtype for t in moments} == {torch.float32}
-        body = {p.dtype for n, p in engine._model.named_parameters() if "lora_" not in n and "lm_head" not in n}
-        assert body == {precision.DTYPES[engine_dtype]}
-        attention = engine._model.config._attn_implementation  # bf16: its own in a decode step
-        assert attention == (precision.BF16_ATTENTION if engine_dtype == "bf16" else "sdpa")
+        matmuls = {p.dtype for n, p in engine._model.named_parameters() if "base_layer.weight" in n}
+        assert matmuls == {precision.DTYPES[engine_dtype]}
+        rest = {p.dtype for n, p in engine._model.named_parameters() if "base_layer.weight" not in n}
+        assert rest == {torch.float32}  # the served adapters too: the activations stay fp32
+        await backend.publish()
+        served = {p.dtype for n, p in engine._model.named_parameters() if "lora_" in n and ".serve" in n}
+        assert served == {torch.float32}
     finally:
         await backend.close()
-
-
-def test_a_bf16_decode_step_attends_as_sdpa_does_with_and_without_padding() -> None:
-    """The decode step's own attention (two matmuls, fp32 softmax) against torch's SDPA on the
-    same bf16 inputs: 9 query heads on 3 key heads, one row left-padded."""
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 9, 1, 64, generator=g).bfloat16()
-    k = torch.randn(2, 3, 40, 64, generator=g).bfloat16()
-    v = torch.randn(2, 3, 40, 64, generator=g).bfloat16()
-    seen = torch.ones(2, 1, 1, 40, dtype=torch.bool)
-    seen[1, ..., :7] = False
-    for mask in (None, seen, torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).bfloat16()):
-        got, _ = precision.decode_attention(torch.nn.Module(), q, k, v, mask, scaling=0.125)
-        expected = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=None if mask is None else seen, scale=0.125, enable_gqa=True
-        ).transpose(1, 2)
-        assert got.shape == (2, 1, 9, 64)
-        torch.testing.assert_close(got.float(), expected, rtol=0, atol=0.02)
 
 
 def test_the_chosen_dtype_is_in_the_banner_the_model_card_and_the_status(tmp_path: Path) -> None:
