@@ -3,7 +3,7 @@ without the correction as a system instruction (the teacher of OPD and of hint-g
 docs/methods.md#the-teacher-prompt). A preference the hinted teacher rarely meets cannot be learned
 from hints: the rewrites have nothing right to imitate and OPD nothing to pull towards.
 
-    .venv/bin/python bench/teacher.py --scenario bullets --draws 4
+    .venv/bin/python bench/teacher.py --scenario bench/scenarios/bullets.yaml --draws 4
     .venv/bin/python bench/teacher.py --scenario my.yaml --hint "Answer as a list." --show 3
     .venv/bin/python bench/teacher.py --probe --draws 4    # what the preference costs on the probe
     .venv/bin/python bench/teacher.py --probe --probes bridge/learning/probes_large.yaml --draws 2

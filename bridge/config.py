@@ -217,7 +217,7 @@ class Settings(BaseSettings):
     lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
     prefix_cache_mb: int = Field(2048, ge=0, description="Torch engine: memory for the KV of recent prompts, reused when a new prompt shares their prefix (0: off).")
-    engine_dtype: Literal["auto", "bf16", "fp32"] = Field("fp32", description="Torch engine on a CPU: the base model's compute dtype. fp32 (default): sampled and scored logprobs agree exactly. auto: bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), fp32 elsewhere; bf16 is 1.2-1.6x faster on a 2-core AVX512-BF16 machine but its scores differ from the sampled logprobs by 0.03 on average (up to 0.25), so the first PPO step is not exactly on-policy (docs/engine.md). The trained adapter, its optimizer and the logprobs stay fp32 either way.")
+    engine_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="Torch engine on a CPU: the arithmetic of the base model's matmuls. auto (default): bf16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), fp32 elsewhere. bf16 is bf16 matmuls in an fp32 model (the linear weights bf16; the residual stream, attention, KV cache, head, logprobs and the LoRA adapters fp32): faster where the matmuls are the work, and scores agree with the sampled logprobs to about 0.014 (fp32: bit for bit, 4e-6), docs/engine.md. fp32: exact logprobs.")
 
     # --- gate (settings.gating) -------------------------------------------------------------------
     gate: Literal["on", "off"] = Field("on", description="Compare every trained candidate with the serving version on probes before it serves (off: publish at once).")

@@ -25,7 +25,7 @@ TINY = {
 
 
 def test_builtin_scenarios_load_and_hold_disjoint_prompts():
-    assert {"concise", "bullets"} <= set(scenario.builtin_names())
+    assert {"concise", "one_sentence"} <= set(scenario.builtin_names())
     for name in scenario.builtin_names():
         sc = scenario.load(name)
         assert not set(sc.train_prompts) & set(sc.heldout_prompts)
@@ -349,3 +349,15 @@ async def test_a_harmful_run_serves_nothing_worse_than_the_twin(tmp_path: Path):
     ungated = await run_demo(off, demo_settings(off, tmp_path / "ungated"))
     assert ungated.last.probe is not None and ungated.twin_probe is not None
     assert ungated.last.probe < ungated.twin_probe - 0.2, "the harmful run did no harm: the test proves nothing"
+
+
+def test_one_sentence_counts_one_finished_sentence_of_any_length_and_nothing_else():
+    check = scenario.load("one_sentence").check
+    long_one = "An earthquake is " + "a very " * 20 + "sudden shaking of the ground."
+    assert check.satisfied("A noun is a word for a thing.", "stop")
+    assert check.satisfied(long_one, "stop")  # no word limit, unlike concise
+    assert check.satisfied("Is it big? ", "stop")
+    assert not check.satisfied("Short. Two sentences.", "stop")
+    assert not check.satisfied("Line one.\nLine two.", "stop")  # a second line is a second sentence
+    assert not check.satisfied("A noun is a word for a thing.", "length")  # cut, not ended
+    assert not check.satisfied("A noun is a word for a thing", "stop")  # no end mark

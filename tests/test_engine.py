@@ -213,10 +213,11 @@ async def test_the_embedded_model_answers_a_simple_question(tmp_path: Path, engi
         )
         (c,) = await backend.sample(list(prompt), SamplingParams(max_tokens=8, temperature=0.0))
         assert "Paris" in tok.decode(c.tokens)
-        # the real model in bf16 (docs/engine.md: 3.4e-2 on average at T = 1): score is close
+        # the real model's bf16 matmuls (docs/engine.md: 1.4e-2 on average at T = 1, 0.10 at
+        # most): score is close
         scored = await backend.score(list(prompt), c.tokens)
         assert max(abs(x - y) for x, y in zip(scored, c.logprobs, strict=True)) < (
-            2e-4 if engine_dtype == "fp32" else 0.5
+            2e-4 if engine_dtype == "fp32" else 0.15
         )
     finally:
         await backend.close()

@@ -198,7 +198,7 @@ def ui_cmd(
 
 @app.command("demo")
 def demo_cmd(
-    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario (concise, bullets, tools) or a YAML/JSON file."),
+    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario (concise, one_sentence, tools) or a YAML/JSON file."),
     model: str | None = typer.Option(None, help="Model (default: the embedded smollm2-135m-instruct)."),
     method: str | None = typer.Option(None, help="binary | opd | combine (default: the scenario's)."),
     rounds: int | None = typer.Option(None, help="Training steps (default: the scenario's)."),
