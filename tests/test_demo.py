@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from clawbridge.demo import scenario
 from clawbridge.demo.runner import demo_settings, run_demo
+from clawbridge.local_gpu import precision
 
 TINY = {
     "name": "tiny",
@@ -201,6 +202,8 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert {"start", "measure", "conversations", "learning", "gate", "held-out", "probe", "teachability",
             "twin probe"} <= set(parts) and all(v >= 0 for v in parts.values())
     assert parts["held-out"] + parts["probe"] + parts["teachability"] + parts["twin probe"] <= parts["measure"] + 1
+    # the arithmetic the timings were taken in: what this CPU resolves the setting to
+    assert summary["dtype"] == precision.name(precision.choose(settings.engine_dtype, "cpu", precision.cpu_flags()))
 
 
 def test_a_restored_copy_has_the_weights_it_copies():

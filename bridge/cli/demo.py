@@ -51,7 +51,7 @@ def run_demo_command(
 ) -> None:
     from clawbridge.demo import runner as demo
     from clawbridge.demo import scenario, tools
-    from clawbridge.demo.rounds import default_data_dir
+    from clawbridge.demo.rounds import default_data_dir, engine_dtype
 
     console = Console(stderr=as_json)
     try:
@@ -76,7 +76,7 @@ def run_demo_command(
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
-        f"  model {settings.model} · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
+        f"  model {settings.model} ({engine_dtype(settings)}) · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
         f"{sc.recipe.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
         f"{sc.recipe.eval_samples} · data {folder}",
         soft_wrap=True,  # piped, a path cut at 80 columns cannot be copied

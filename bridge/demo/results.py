@@ -54,6 +54,7 @@ class DemoResult:
     teachability: Teachability | None = None
     price: Price | None = None  # v0 plain and the prompted twin on the general probe
     parts: dict[str, float] = field(default_factory=dict)  # wall seconds per part of the run
+    dtype: str = "fp32"  # the engine's arithmetic (engine_dtype as the CPU resolved it)
 
     @property
     def improved(self) -> bool:
@@ -116,6 +117,7 @@ class DemoResult:
             "twin_probe": r4(self.twin_probe),
             "probe_vs_twin": None if a.probe is None or self.twin_probe is None else r4(a.probe - self.twin_probe),
             "seconds_by_part": {k: round(v, 1) for k, v in self.parts.items()},
+            "dtype": self.dtype,
         }
         versions = [
             {"version": v.version, "rate": r4(v.rate), "on_topic": r4(v.on_topic), "truly": r4(v.truly),

@@ -187,6 +187,14 @@ async def _await_step(player: Player[Any], learner: Learner, before: int, step_t
 
 
 # --- the stack ------------------------------------------------------------------------------------
+def engine_dtype(settings: Settings) -> str:
+    """The arithmetic the demo's engine runs in (its `LocalBackend.from_settings` on the CPU):
+    bf16 or fp32, for the header and the --json (a timing means little without it)."""
+    from clawbridge.local_gpu import precision
+
+    return precision.name(precision.choose(settings.engine_dtype, "cpu", precision.cpu_flags()))
+
+
 @contextlib.asynccontextmanager
 async def demo_stack(settings: Settings, learner: Learner) -> AsyncIterator[Running]:
     """The whole stack in-process on a free loopback port (local backend, store, proxy, the

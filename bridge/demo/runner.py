@@ -30,7 +30,7 @@ from clawbridge.config import Settings
 from clawbridge.demo import report, teachability
 from clawbridge.demo.report import Series, change, difference, gate_counts
 from clawbridge.demo.results import DemoResult, VersionEval
-from clawbridge.demo.rounds import Progress, Settle, play
+from clawbridge.demo.rounds import Progress, Settle, engine_dtype, play
 from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.demo.teachability import Price, Teachability
 from clawbridge.learning.collector import judge_kinds
@@ -343,6 +343,7 @@ async def run_demo(
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),
         eval_samples=scenario.recipe.eval_samples, truly_interval=(tlo, thi), gate=played.gate, examples=shown,
         teachability=player.teachability, price=player.price, parts={**played.seconds, **user.seconds},
+        dtype=engine_dtype(settings),
     )
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))
