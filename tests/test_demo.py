@@ -221,14 +221,16 @@ def test_a_restored_copy_takes_the_figures_of_the_version_it_copies():
     from clawbridge.demo.runner import reusable
 
     v0 = VersionEval(0, 0.05, (0.0, 0.1), 2, 55.0, truly=0.05, probe=0.68, probe_per_prompt=(1.0, 0.0))
-    copy = reusable(v0, 4, {"2": 0, "4": 2}, probe=True, conversations=40)
+    copy = reusable(v0, 4, {"2": 0, "4": 2}, conversations=40)
     assert copy is not None and (copy.version, copy.conversations, copy.seconds) == (4, 40, 0.0)
     assert (copy.rate, copy.per_prompt, copy.truly, copy.probe, copy.probe_per_prompt) == (
         v0.rate, v0.per_prompt, v0.truly, v0.probe, v0.probe_per_prompt)
-    assert reusable(v0, 5, {"2": 0, "4": 2}, probe=True, conversations=40) is None  # trained weights: measure
-    unprobed = VersionEval(3, 0.5, (0.5,), 1, 10.0)  # measured without the general probe
-    assert reusable(unprobed, 4, {"4": 3}, probe=True, conversations=40) is None  # the last needs it
-    assert reusable(unprobed, 4, {"4": 3}, probe=False, conversations=40) is not None
+    assert reusable(v0, 5, {"2": 0, "4": 2}, conversations=40) is None  # trained weights: measure
+    # the last candidate held back, the version still serving is measured once: its held-out
+    # figures are kept (the caller adds the general probe it lacks), not asked a second time
+    unprobed = VersionEval(4, 0.5, (0.5,), 1, 10.0)
+    kept = reusable(unprobed, 4, {}, conversations=40)
+    assert kept is not None and kept.per_prompt == unprobed.per_prompt and kept.probe is None
 
 
 def test_the_probe_interval_pairs_the_questions():

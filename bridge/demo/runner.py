@@ -286,13 +286,13 @@ class PreferenceRounds:
         else:
             store = self.running.store
             rollbacks = await store.run(store.get_meta, ROLLBACKS_KEY) or {}
-            copied = reusable(previous, version, rollbacks, probe=last, conversations=self.user.conversations)
+            copied = reusable(previous, version, rollbacks, conversations=self.user.conversations)
             if copied is not None:
                 ev, ex = copied, self.shown[previous.version]
             else:
                 ev, ex = await self.user.evaluate(version)
-                if last:
-                    ev = await self.with_probe(ev)
+            if last and ev.probe is None:
+                ev = await self.with_probe(ev)
         self.shown[ev.version] = ex
         return ev, ex
 
@@ -350,13 +350,14 @@ async def run_demo(
     return result
 
 
-def reusable(prev: VersionEval, version: int, rollbacks: dict[str, int], *, probe: bool,
+def reusable(prev: VersionEval, version: int, rollbacks: dict[str, int], *,
              conversations: int) -> VersionEval | None:
-    """`prev`'s figures as `version`'s when `version` is a restored copy of `prev`'s weights (the
-    gate held every candidate since back: the same weights give the same answers to the same
-    seeds) and `prev` was measured as fully as asked (with the general probe when `probe`);
-    None: measure `version` (pure)."""
-    if not same_weights(rollbacks, version, prev.version) or (probe and prev.probe is None):
+    """`prev`'s figures as `version`'s when `version` serves `prev`'s weights (`prev` itself, the
+    gate having held every candidate since back, or a restored copy of them): the same weights give
+    the same answers to the same seeds, and in bf16 a second asking would only add the prefix
+    cache's rounding (docs/engine.md); None: measure `version` (pure). The general probe, where
+    `prev` lacks it and the last version needs it, is added by the caller."""
+    if not same_weights(rollbacks, version, prev.version):
         return None
     return replace(prev, version=version, seconds=0.0, conversations=conversations)
 
