@@ -366,3 +366,12 @@ def test_one_sentence_counts_one_finished_sentence_of_any_length_and_nothing_els
     assert not check.satisfied("Line one.\nLine two.", "stop")  # a second line is a second sentence
     assert not check.satisfied("A noun is a word for a thing.", "length")  # cut, not ended
     assert not check.satisfied("A noun is a word for a thing", "stop")  # no end mark
+
+
+def test_the_gate_asks_each_validation_prompt_validation_samples_times():
+    from clawbridge.demo.runner import gate_probes
+
+    sc = scenario.load("concise")
+    probes = gate_probes(sc)
+    assert [p.messages for p in probes] == [tuple(sc.messages(q)) for q in sc.gate_prompts]
+    assert {p.group for p in probes} == {"validation"} and {p.samples for p in probes} == {sc.recipe.validation_samples}

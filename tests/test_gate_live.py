@@ -299,3 +299,23 @@ async def test_the_price_is_told_once_even_when_the_demo_measured_it_first(tmp_p
             await gate.evaluate(1, 0, asked="Be brief.")
         told = [r.getMessage() for r in caplog.records if "of general answers" in r.getMessage()]
         assert len(told) == 1 and "'Be brief.' cost 0 points" in told[0], told
+
+
+async def test_a_probe_with_its_own_samples_is_answered_that_many_times_by_every_version(tmp_path: Path):
+    """A validation probe asked 3 times (GateProbe.samples) beside a general one asked the gate's
+    once: each version's score of it is the mean check over 3 answers, the twin's and v0's too."""
+    async with _wrecked(tmp_path) as (_settings, _store, backend, renderer, params):
+        seen: dict[str, list[str]] = {"validation": [], "probe": []}
+
+        def counted(group: str):
+            return lambda text, _finish: (seen[group].append(text), 1.0 if len(text) % 2 else 0.0)[1]
+
+        probes = [GateProbe("validation", ({"role": "user", "content": PROMPTS[0]},), counted("validation"), 3),
+                  GateProbe("probe", ({"role": "user", "content": PROMPTS[1]},), counted("probe"))]
+        gate = Gate(backend, renderer, probes, params=params, reference_samples=2)
+        score, _ = await gate.scores(0, asked=None, samples=2)  # v0 as the gate asks it
+        assert (len(seen["validation"]), len(seen["probe"])) == (3, 2)
+        assert score == sum(len(t) % 2 for t in seen["validation"]) / 3
+        published = await backend.publish()
+        await gate.scores(published.version)  # a candidate: the gate's one answer, the probe's own three
+        assert (len(seen["validation"]), len(seen["probe"])) == (6, 3)

@@ -137,6 +137,10 @@ class Recipe(BaseModel):
         "first gate_probes hold the candidate back beyond doubt (None: the setting's default).",
     )
     gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")
+    validation_samples: int = Field(
+        4, ge=1, description="Answers per validation prompt and version: the gate's check that a candidate keeps "
+        "the preference (a handful of prompts: one answer each could not tell 50 % from 10 %).",
+    )
     gate_patience: int = Field(0, ge=0, description="Held-back candidates in a row training goes on from "
                                "(Settings.gate_patience).")
 

@@ -80,6 +80,9 @@ class GateProbe:
     group: str  # "probe" (the general set), "validation", "recent", ...
     messages: tuple[dict[str, Any], ...]
     check: Check
+    # answers per version for this probe (None: the gate's `samples`, or `reference_samples` for
+    # v0 and the twin): a small group (a demo's validation split) gains power from more answers
+    samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -320,7 +323,7 @@ class Gate:
         messages = list(probe.messages) if asked is None else teacher_messages(probe.messages, asked)
         prompt = self.renderer.render(messages)
         params = dataclasses.replace(self.params, seed=question_seed(self.params.seed, message_key(probe.messages)))
-        comps = await self.backend.sample(prompt, params, n=samples, version=version)
+        comps = await self.backend.sample(prompt, params, n=probe.samples or samples, version=version)
         texts = [(self.renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
         return sum(probe.check(t, f) for t, f in texts) / len(texts), texts[0][0]
 
