@@ -64,7 +64,7 @@ class LocalBackend(Routing):
         self.suggested_max_tokens = CPU_SUGGESTED_MAX_TOKENS if device == "cpu" else None
         # `dtype` (a GPU caller's) wins, then `engine_dtype`, `auto` asking the CPU. Here it
         # defaults to fp32 (logprobs reproducible to ~1e-6); the setting, to auto
-        chosen = dtype or precision.choose(engine_dtype, device, precision.cpu_flags())
+        chosen = dtype or precision.resolve(engine_dtype, device)
         self.dtype = precision.name(chosen)  # what the banner, /v1/models and status show
         self.engine = Engine(
             spec,

@@ -61,6 +61,11 @@ def choose(setting: EngineDtype, device: str, flags: frozenset[str]) -> torch.dt
     return torch.float32
 
 
+def resolve(setting: EngineDtype, device: str) -> torch.dtype:
+    """`choose` on this machine's own CPU flags: what an engine started here computes in."""
+    return choose(setting, device, cpu_flags())
+
+
 def name(dtype: torch.dtype) -> str:
     """What the banner, /v1/models and status show: bf16, fp32 or torch's own name."""
     for key, value in DTYPES.items():

@@ -188,11 +188,11 @@ async def _await_step(player: Player[Any], learner: Learner, before: int, step_t
 
 # --- the stack ------------------------------------------------------------------------------------
 def engine_dtype(settings: Settings) -> str:
-    """The arithmetic the demo's engine runs in (its `LocalBackend.from_settings` on the CPU):
-    bf16 or fp32, for the header and the --json (a timing means little without it)."""
+    """The arithmetic the demo's engine will run in (its `LocalBackend.from_settings` on the CPU
+    resolves the setting the same way), for the header printed before the stack starts."""
     from clawbridge.local_gpu import precision
 
-    return precision.name(precision.choose(settings.engine_dtype, "cpu", precision.cpu_flags()))
+    return precision.name(precision.resolve(settings.engine_dtype, "cpu"))
 
 
 @contextlib.asynccontextmanager

@@ -30,13 +30,14 @@ from clawbridge.config import Settings
 from clawbridge.demo import report, teachability
 from clawbridge.demo.report import Series, change, difference, gate_counts
 from clawbridge.demo.results import DemoResult, VersionEval
-from clawbridge.demo.rounds import Progress, Settle, engine_dtype, play
+from clawbridge.demo.rounds import Progress, Settle, play
 from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.demo.teachability import Price, Teachability
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import Gate, GateProbe, question_seed
 from clawbridge.learning.probes import rate
 from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
+from clawbridge.protocol import NamesItsDtype
 
 if TYPE_CHECKING:
     from clawbridge.learning.learner import Learner
@@ -345,7 +346,7 @@ async def run_demo(
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),
         eval_samples=scenario.recipe.eval_samples, truly_interval=(tlo, thi), gate=played.gate, examples=shown,
         teachability=player.teachability, price=player.price, parts={**played.seconds, **user.seconds},
-        dtype=engine_dtype(settings),
+        dtype=player.running.backend.dtype if isinstance(player.running.backend, NamesItsDtype) else "fp32",
     )
     if plot_path is not None:
         result.plot = str(save_plot(result, plot_path))
