@@ -171,9 +171,10 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
         comps = await backend.sample(renderer.render(teacher_messages(messages, hint)), params, n=draws)
         parsed = [renderer.parse(c.tokens, c.finish_reason) for c in comps]
         texts = [m.content or "" for m in parsed]
-        rows = [Draw(tuple(c.tokens), tuple(c.logprobs), echo=echoes(question, m)) for c, m in zip(comps, parsed, strict=True)]
+        rows = [Draw(tuple(c.tokens), tuple(c.logprobs), echo=echoes(question, m), finished=c.finish_reason != "length")
+                for c, m in zip(comps, parsed, strict=True)]
         every = range(len(rows))
-        rows = await scored(backend, rows, every, plain_ids, "student", model="policy", temperature=params.temperature)
+        rows = await scored(backend, rows, every, plain_ids, "plain", model="base", temperature=params.temperature)
         rows = await scored(backend, rows, every, blank_ids, "alone", model="base", temperature=params.temperature)
         verdicts = [sc.rate(prompt, t, c.finish_reason) for t, c in zip(texts, comps, strict=True)]
         for rule, (how, floor) in rules.items():

@@ -49,15 +49,26 @@ def test_pick_surest_keeps_the_teachers_surest_draw_that_is_not_the_turns_own_an
 
 
 def test_pick_lift_keeps_the_draw_the_hint_made_likeliest():
-    # teacher (with the hint) vs policy (without): lifts 1.0, 0.1 and 1.5 per token
+    # the teacher's model with the hint vs without: lifts 1.0, 0.1 and 1.5 per token
     ordinary = Draw((1, 2), (-0.5, -0.5), (-1.5, -1.5))
-    surest = Draw((3,), (-0.1,), (-0.2,))  # the teacher is surest of it, but so is the policy
+    surest = Draw((3,), (-0.1,), (-0.2,))  # the teacher is surest of it, but so is the model unhinted
     hinted = Draw((4, 5), (-1.0, -1.0), (-2.5, -2.5))
     assert [d.lift for d in (ordinary, surest, hinted)] == pytest.approx([1.0, 0.1, 1.5])
     assert pick([ordinary, surest, hinted]) == 2 and pick([ordinary, surest, hinted], rule="surest") == 1
     assert pick([ordinary, surest, hinted], own=(4, 5)) == 0
     assert Draw((1,), (-1.0,)).lift == float("-inf")  # not scored: never preferred
     assert pick([Draw((), ())]) is None
+
+
+def test_a_finished_draw_is_picked_before_one_cut_at_max_tokens_whatever_their_lifts():
+    # a policy that has learned to stop after one sentence gives a second sentence a low logprob;
+    # the teacher's cut, two-sentence draw then had the highest lift and was trained as the
+    # demonstration of a preference for less
+    cut = Draw((1, 2, 3), (-1.0, -1.0, -1.0), (-3.0, -3.0, -3.0), finished=False)
+    done = Draw((4, 5), (-1.0, -1.0), (-1.5, -1.5))
+    assert cut.lift > done.lift
+    assert pick([cut, done]) == 1 and pick([cut, done], rule="surest") == 1
+    assert pick([cut]) == 0  # every usable draw was cut: the best of them
 
 
 def test_a_draw_the_question_does_not_explain_is_never_picked_however_high_its_lift():

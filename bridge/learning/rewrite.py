@@ -8,11 +8,13 @@ positive example:
 
     teacher = the same model with the hint in its prompt (judges.hints.teacher_messages)
     draw k answers from the teacher at the turn's own sampling settings
-    score each under the turn's OWN prompt by the policy (no hint)
     drop the draws that do not answer the question: an echo of it, or a draw the question does
         not explain (relevance: log p(draw | question, hint) − log p(draw | no question, hint),
         summed over the draw, below `rewrite_min_relevance` nats)
-    keep the one the hint lifted most: the highest mean log p(draw | hint) − log p(draw | no hint)
+    score the rest under the turn's OWN prompt by the teacher's model (no hint)
+    keep a draw that ends by itself over one cut at max_tokens, and among those the one the hint
+        lifted most: the highest mean log p(draw | hint) − log p(draw | no hint), one model
+    score the kept draw under the turn's OWN prompt by the policy (its PPO old logprobs)
     train it under the turn's OWN prompt with advantage +w on every token
 
 Its log pi_old is the policy's logprob of those tokens under the turn's prompt, scored when the
@@ -22,12 +24,23 @@ backend has, so rewrites are identical on every platform.
 
 Why the lift picks (`rewrite_pick`, docs/methods.md#which-draw-a-rewrite-trains): the hinted
 teacher of a small model follows the hint in some draws and answers as it would have anyway in
-others. The draw the hint made most likely, relative to the model without it, is the one that
-carries what the hint asked for: the pointwise mutual information of the draw and the hint,
-per token. It needs no judge of the preference, and the policy's scores of the chosen draw are
-its PPO old logprobs anyway. The teacher's own confidence (`surest`) was the first rule; on a
-preference the model rarely shows it keeps picking the ordinary answer (`bench/teacher.py
---picks`: a list in 21 % of the picks by lift against 7 % by confidence, `bullets`).
+others. The draw the hint made most likely, relative to the same model without it, is the one
+that carries what the hint asked for: the pointwise mutual information of the draw and the hint,
+per token. It needs no judge of the preference. The teacher's own confidence (`surest`) was the
+first rule; on a preference the model rarely shows it keeps picking the ordinary answer
+(`bench/teacher.py --picks`: a list in 21 % of the picks by lift against 7 % by confidence,
+`bullets`).
+
+Why one model on both sides of the lift: it was once measured against the policy, which is the
+same model while training has not moved it. Once the policy meets the preference more often
+than its frozen teacher, the draws the teacher likes and the policy does not are the ones
+*without* the preference (a second sentence the policy has learned to leave out), and the lift
+picked them: late in a run most rewrites were long answers cut at max_tokens, and the learned
+preference faded step after step (docs/learning.md).
+
+Why a finished draw first: a draw cut at max_tokens is a fragment, not an answer, and as a
+demonstration it teaches the length the hint asked against when the hint asks for less; a cut
+draw is kept only when every usable draw was cut.
 
 Why the relevance floor (`rewrite_min_relevance`, docs/methods.md#a-rewrite-must-answer-the-question-rewrite_min_relevance):
 the lift alone prefers the draws that repeat the hint or comment on the answer ("Make it more
@@ -65,9 +78,10 @@ class Draw:
 
     ids: tuple[int, ...]
     logprobs: tuple[float, ...]  # the teacher's (with the hint), as sampled
-    student: tuple[float, ...] = ()  # the policy's under the turn's own prompt (no hint)
+    plain: tuple[float, ...] = ()  # the teacher's model under the turn's own prompt (no hint)
     alone: tuple[float, ...] = ()  # the teacher's with the hint but the question blanked
     echo: bool = False  # the draw says nothing the question did not
+    finished: bool = True  # the draw ended by itself (not cut at max_tokens)
 
     @property
     def confidence(self) -> float:
@@ -76,10 +90,11 @@ class Draw:
 
     @property
     def lift(self) -> float:
-        """How much more likely the hint made this draw, per token: mean(teacher − student)."""
-        if not self.ids or len(self.student) != len(self.logprobs):
+        """How much more likely the hint made this draw, per token: mean(with − without the hint),
+        one model."""
+        if not self.ids or len(self.plain) != len(self.logprobs):
             return float("-inf")
-        return fmean(t - s for t, s in zip(self.logprobs, self.student, strict=True))
+        return fmean(t - s for t, s in zip(self.logprobs, self.plain, strict=True))
 
     @property
     def relevance(self) -> float:
@@ -106,14 +121,14 @@ def usable(draws: Sequence[Draw], own: Sequence[int] = (), min_relevance: float 
 
 def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift",
          min_relevance: float = float("-inf")) -> int | None:
-    """The index of the draw to train (pure), among the usable ones: the highest lift, or the
-    teacher's surest with `surest`. None if none is usable."""
+    """The index of the draw to train (pure), among the usable ones: a finished draw before a
+    cut one, then the highest lift, or the teacher's surest with `surest`. None if none is usable."""
     ok = usable(draws, own, min_relevance)
     if not ok:
         return None
     if rule == "surest":
-        return max(ok, key=lambda i: draws[i].confidence)
-    return max(ok, key=lambda i: (draws[i].lift, draws[i].confidence))
+        return max(ok, key=lambda i: (draws[i].finished, draws[i].confidence))
+    return max(ok, key=lambda i: (draws[i].finished, draws[i].lift, draws[i].confidence))
 
 
 def redraw_params(turn: StoredTurn) -> SamplingParams:
@@ -155,10 +170,10 @@ def without_question(messages: Sequence[Message], at: int) -> list[dict[str, obj
 
 async def scored(
     backend: Backend, draws: Sequence[Draw], which: Sequence[int], prompt_ids: Sequence[int],
-    into: Literal["student", "alone"], *, model: ScoreModel, temperature: float,
+    into: Literal["plain", "alone"], *, model: ScoreModel, temperature: float,
 ) -> list[Draw]:
     """A copy of `draws` with draws `which` scored under `prompt_ids` by `model`, the scores put
-    in their `student` (the policy without the hint) or `alone` (the teacher without the
+    in their `plain` (the teacher's model without the hint) or `alone` (the teacher without the
     question) field; one concurrent `score` call per draw."""
     out = list(draws)
     got = await asyncio.gather(
@@ -167,7 +182,7 @@ async def scored(
     for i, lp in zip(which, got, strict=True):
         if len(lp) != len(draws[i].ids):
             raise ValueError(f"backend scored {len(lp)} of {len(draws[i].ids)} rewrite tokens")
-        out[i] = replace(draws[i], student=tuple(lp)) if into == "student" else replace(draws[i], alone=tuple(lp))
+        out[i] = replace(draws[i], plain=tuple(lp)) if into == "plain" else replace(draws[i], alone=tuple(lp))
     return out
 
 
@@ -185,8 +200,9 @@ async def write_rewrite(
 ) -> Rewrite | None:
     """Draw `samples` answers from the teacher for the turn's prompt with the hint; drop the
     turn's own answer, echoes of the question and draws the question explains by less than
-    `min_relevance` nats (scored by the teacher with the question blanked); score the
-    rest under the turn's own prompt by the policy; pick one. None when none is usable."""
+    `min_relevance` nats (scored by the teacher with the question blanked); score the rest
+    under the turn's own prompt by the teacher's model for the lift; pick one and score it by
+    the policy for its PPO old logprobs. None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     params = redraw_params(turn)
@@ -195,20 +211,24 @@ async def write_rewrite(
         prompt, params, n=samples, version=teacher_version(teacher)
     )
     question = question_of(turn.messages)
-    draws = [Draw(tuple(c.tokens), tuple(c.logprobs), echo=question is not None
-                  and echoes(question[1], renderer.parse(c.tokens, c.finish_reason)))
+    draws = [Draw(tuple(c.tokens), tuple(c.logprobs), finished=c.finish_reason != "length",
+                  echo=question is not None and echoes(question[1], renderer.parse(c.tokens, c.finish_reason)))
              for c in completions]
     ok = usable(draws, turn.completion_ids)
     if question is not None and min_relevance > float("-inf") and ok:
         blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
         draws = await scored(backend, draws, ok, blank, "alone", model=teacher, temperature=params.temperature)
         ok = usable(draws, turn.completion_ids, min_relevance)
-    if rule == "surest":  # only the chosen one needs the policy's scores
-        j = pick([draws[i] for i in ok], (), "surest")
-        ok = [] if j is None else [ok[j]]
-    draws = await scored(backend, draws, ok, turn.prompt_ids, "student", model="policy", temperature=params.temperature)
+    if rule == "lift":  # the surest needs no scores beyond the teacher's own
+        draws = await scored(backend, draws, ok, turn.prompt_ids, "plain", model=teacher, temperature=params.temperature)
     chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None
     d = draws[ok[chosen]]
-    return Rewrite(d.ids, d.student, (float(weight),) * len(d.ids))
+    if teacher == "policy" and d.plain:
+        old = d.plain  # the teacher's model is the policy: its scores are the old logprobs
+    else:
+        old = await backend.score(turn.prompt_ids, d.ids, model="policy", temperature=params.temperature)
+        if len(old) != len(d.ids):
+            raise ValueError(f"backend scored {len(old)} of {len(d.ids)} rewrite tokens")
+    return Rewrite(d.ids, tuple(old), (float(weight),) * len(d.ids))
