@@ -67,6 +67,7 @@ class TrainingSettings:
     opd_topk: int
     opd_topk_coef: float
     opd_draws: int
+    teacher: Literal["base", "policy"]
     checkpoint_every: int
     gate_recent: int  # how many of a batch's prompts the gate replays pairwise
     gate_patience: int
@@ -74,7 +75,7 @@ class TrainingSettings:
     @property
     def loss(self) -> LossSpec:
         return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef,
-                        topk=self.opd_topk, topk_coef=self.opd_topk_coef)
+                        topk=self.opd_topk, topk_coef=self.opd_topk_coef, topk_teacher=self.teacher)
 
     @property
     def optim(self) -> OptimSpec:
@@ -186,7 +187,7 @@ class Settings(BaseSettings):
     hint_selection: Literal["longest", "overlap"] = Field("longest", description="How one hint is chosen among accepted ones.")
 
     # --- advantages (settings.learning) -----------------------------------------------------------
-    teacher: Literal["base", "policy"] = Field("base", description="OPD teacher: the frozen base or the live policy, with the hint.")
+    teacher: Literal["base", "policy"] = Field("base", description="OPD teacher: the frozen base or the live policy, with the hint: its token logprobs, the rewrites it writes and the top-k distribution (opd_topk) all come from it.")
     w_opd: float = Field(1.0, description="Weight of the OPD term in combine.")
     w_rl: float = Field(1.0, description="Weight of the reward term in combine.")
     opd_clip: float = Field(1.0, gt=0, description="Clip of teacher - student logprob gaps.")
@@ -293,7 +294,7 @@ class Settings(BaseSettings):
     @property
     def loss(self) -> LossSpec:
         return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef,
-                        topk=self.opd_topk, topk_coef=self.opd_topk_coef)
+                        topk=self.opd_topk, topk_coef=self.opd_topk_coef, topk_teacher=self.teacher)
 
     @property
     def optim(self) -> OptimSpec:

@@ -104,6 +104,9 @@ class LossSpec:
     # and one bin for the rest, at every completion position of a Datum with a teacher prompt
     topk: int = 0
     topk_coef: float = 1.0
+    # whose distribution: the frozen base under the teacher prompt, or the policy being trained
+    # (its weights at the start of the step, no gradient) under it: a target that moves with it
+    topk_teacher: Literal["base", "policy"] = "base"
 
 
 @dataclass(frozen=True)

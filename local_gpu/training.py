@@ -143,17 +143,20 @@ class Training:
         own temperature, under adapter `name` (None: the trainable one)."""
         return self._logprobs_of(group, *self._completion_logits(group, name))
 
-    def _topk_kl(self, group: list[Datum], student: torch.Tensor, k: int) -> torch.Tensor:
+    def _topk_kl(self, group: list[Datum], student: torch.Tensor, k: int,
+                 teacher_model: Literal["base", "policy"] = "base") -> torch.Tensor:
         """Per completion token of `group`: KL(student || teacher) over the teacher's top-k
         (`loss.topk_reverse_kl`) where the datum has a teacher prompt, 0 elsewhere. The teacher
-        is the base model (adapter off) under the teacher prompt + the same completion."""
+        is the base model (adapter off), or with `teacher` "policy" the trainable adapter as the
+        step found it (no gradient), under the teacher prompt + the same completion."""
         taught = [d for d in group if d.teacher_prompt_ids is not None]
         out = torch.zeros(student.shape[0], device=student.device, dtype=torch.float32)
         if not taught:
             return out
         with torch.no_grad():
             teacher, _ = self._completion_logits(
-                [replace(d, prompt_ids=d.teacher_prompt_ids) for d in taught], BASE)  # type: ignore[arg-type]
+                [replace(d, prompt_ids=d.teacher_prompt_ids) for d in taught],  # type: ignore[arg-type]
+                BASE if teacher_model == "base" else None)
         at = t_at = 0
         for d in group:
             n = len(d.completion_ids)
@@ -196,7 +199,7 @@ class Training:
             terms = ppo_token_losses(new, old, adv, torch.ones_like(new), loss, base)
             per_token = terms.loss
             if loss.topk > 0:
-                distill = self._topk_kl(group, logits, loss.topk)
+                distill = self._topk_kl(group, logits, loss.topk, loss.topk_teacher)
                 per_token = per_token + loss.topk_coef * distill.to(per_token.dtype)
                 topk_sum += float(distill.detach().sum())
             del logits

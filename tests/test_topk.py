@@ -66,6 +66,29 @@ async def test_the_engine_moves_the_policy_to_the_teacher_it_is_given(data_dir: 
         await backend.close()
 
 
+async def test_a_policy_teacher_is_the_trained_adapter_as_the_step_found_it(data_dir: Path):
+    """`topk_teacher` "policy": the teacher's logits come from the adapter being trained, not
+    the base. Once steps have moved the adapter, the policy under its own prompt is its own
+    teacher (KL 0), while the base under that prompt is not."""
+    backend = LocalBackend.from_settings(settings_for(data_dir))
+    await backend.start()
+    try:
+        prompt, other, completion = (1, 520, 3121, 28), (1, 77, 900, 41, 520, 3121, 28), (17, 401, 2032, 9, 88)
+        lp = tuple(await backend.score(prompt, completion))
+        zeros = (0.0,) * len(completion)
+        moved = Datum(prompt, completion, lp, zeros, temperature=1.0, teacher_prompt_ids=other)
+        for _ in range(4):  # the policy learns the base's distribution under another prompt
+            await backend.train_step([moved], LossSpec(topk=8), OptimSpec(learning_rate=2e-2))
+        own = Datum(prompt, completion, lp, zeros, temperature=1.0, teacher_prompt_ids=prompt)
+        still = OptimSpec(learning_rate=1e-12)
+        by_policy = (await backend.train_step([own], LossSpec(topk=8, topk_teacher="policy"), still)).extra["topk_kl"]
+        by_base = (await backend.train_step([own], LossSpec(topk=8), still)).extra["topk_kl"]
+        # the tiny random model's distributions are nearly uniform: its KLs are ~1e-6, so relative
+        assert by_base > 0 and by_policy <= 1e-3 * by_base
+    finally:
+        await backend.close()
+
+
 def hinted_and_approved(store: Store) -> None:
     """Two judged samples: a corrected turn with a hint (its own answer's advantages all zero, as
     with w_negative 0) and an approved one."""

@@ -127,6 +127,8 @@ class Recipe(BaseModel):
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
     opd_topk: int = Field(0, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
     opd_draws: int = Field(0, ge=0, description="Fresh answers per hinted sample distilled on-policy (Settings.opd_draws).")
+    teacher: Literal["base", "policy"] = Field("base", description="The model the hint is given to: the frozen base "
+                                               "or the policy being trained (Settings.teacher).")
     rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
     w_negative: float = Field(1.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
