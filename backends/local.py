@@ -93,6 +93,7 @@ class LocalBackend(Routing):
             seed=settings.seed,
             prefix_cache_mb=settings.prefix_cache_mb,
             engine_dtype=settings.engine_dtype,
+            max_batch=settings.engine_max_batch,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

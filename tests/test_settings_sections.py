@@ -65,3 +65,11 @@ def test_the_flags_of_clawbridge_up_reach_the_sections(tmp_path: Path, monkeypat
     assert s.training.batch_size == 6 and s.training.method == "opd" and s.learning.method == "opd"
     assert s.training.optim.learning_rate == 0.001 and s.judging.kind == "rules"
     assert s.gating.gate_probes == 7
+
+
+def test_the_engine_settings_reach_the_local_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from clawbridge.backends.local import LocalBackend
+
+    monkeypatch.setenv("CLAWBRIDGE_ENGINE_MAX_BATCH", "3")
+    backend = LocalBackend.from_settings(Settings(data_dir=tmp_path, engine_dtype="fp32"))
+    assert backend.engine.max_batch == 3
