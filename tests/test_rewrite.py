@@ -258,3 +258,34 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
     finally:
         await backend.close()
         store.close()
+
+
+async def test_the_lift_is_scored_by_the_teachers_model_and_only_the_kept_draw_by_the_policy(data_dir: Path):
+    """write_rewrite through the real backend, its `score` calls recorded: every usable draw is
+    scored under the turn's own prompt by the teacher's model (the base), and the policy scores
+    the kept draw alone, whose scores are the rewrite's old logprobs."""
+    settings = settings_for(data_dir, gate="off")
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], str]] = []
+    real_score = backend.score
+
+    async def recorded(prompt_ids, completion_ids, *, model="policy", temperature=1.0):  # type: ignore[no-untyped-def]
+        calls.append((tuple(prompt_ids), tuple(completion_ids), model))
+        return await real_score(prompt_ids, completion_ids, model=model, temperature=temperature)
+
+    backend.score = recorded  # type: ignore[method-assign]
+    try:
+        [tid] = short_turns(store, ["Too long."])
+        turn = store.get_turn(tid)
+        assert turn is not None
+        kept = await write_rewrite(backend, Renderer(backend.tokenizer()), turn, "Be brief.", samples=3, weight=1.0)
+        assert kept is not None
+        own = [c for c in calls if c[0] == tuple(turn.prompt_ids)]
+        *lift, last = own
+        assert lift and {m for *_, m in lift} == {"base"} and kept.ids in {ids for _, ids, _ in lift}
+        assert last == (tuple(turn.prompt_ids), kept.ids, "policy")
+    finally:
+        await backend.close()
+        store.close()
