@@ -294,12 +294,11 @@ class Settings(BaseSettings):
 
     @property
     def loss(self) -> LossSpec:
-        return LossSpec(clip_low=self.clip_low, clip_high=self.clip_high, kl_coef=self.kl_coef,
-                        topk=self.opd_topk, topk_coef=self.opd_topk_coef, topk_teacher=self.teacher)
+        return self.training.loss
 
     @property
     def optim(self) -> OptimSpec:
-        return OptimSpec(learning_rate=self.learning_rate, grad_clip_norm=self.grad_clip_norm)
+        return self.training.optim
 
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
