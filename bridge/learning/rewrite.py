@@ -225,10 +225,7 @@ async def write_rewrite(
     if chosen is None:
         return None
     d = draws[ok[chosen]]
-    if teacher == "policy" and d.plain:
-        old = d.plain  # the teacher's model is the policy: its scores are the old logprobs
-    else:
-        old = tuple(await backend.score(turn.prompt_ids, d.ids, model="policy", temperature=params.temperature))
-        if len(old) != len(d.ids):
-            raise ValueError(f"backend scored {len(old)} of {len(d.ids)} rewrite tokens")
-    return Rewrite(d.ids, old, (float(weight),) * len(d.ids))
+    old = await backend.score(turn.prompt_ids, d.ids, model="policy", temperature=params.temperature)
+    if len(old) != len(d.ids):
+        raise ValueError(f"backend scored {len(old)} of {len(d.ids)} rewrite tokens")
+    return Rewrite(d.ids, tuple(old), (float(weight),) * len(d.ids))
