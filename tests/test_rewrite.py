@@ -162,6 +162,45 @@ async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answe
         store.close()
 
 
+@pytest.mark.timeout(240)
+async def test_one_pass_settles_its_turns_together_each_with_its_own_rewrite(data_dir: Path):
+    """The collector settles a pass's samples concurrently (the engine batches their teacher
+    draws): the backend sees more than one turn's draws in flight, and each corrected turn still
+    gets a rewrite of its own, scored under its own prompt."""
+    settings = settings_for(data_dir, rewrites=2, batch_size=4, gate="off", rewrite_min_relevance=-1e9)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        turns = short_turns(store, ["Too long. Please answer in one short sentence."] * 4)
+        collector = collector_for(settings, backend, store)
+        in_flight, peak = 0, 0
+        real = backend.sample
+
+        async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal in_flight, peak
+            in_flight += 1
+            peak = max(peak, in_flight)
+            try:
+                return await real(*args, **kwargs)
+            finally:
+                in_flight -= 1
+
+        backend.sample = counted  # type: ignore[method-assign]
+        assert await collector.run_once() == 4
+        assert peak > 1
+        samples = {s.turn_id: s for s in store.pending_samples()}
+        assert set(samples) == set(turns) and len({s.id for s in samples.values()}) == 4
+        for t in turns:
+            s = samples[t]
+            assert s.hint and s.rewrite is not None
+            again = await backend.score(s.prompt_ids, s.rewrite.ids, model="policy", temperature=1.0)
+            assert again == pytest.approx(s.rewrite.logprobs, abs=1e-4)
+    finally:
+        await backend.close()
+        store.close()
+
+
 async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: Path):
     """Nothing the model said is pushed down: the corrected answer's own tokens (all negative in
     combine: r = -1) weigh 0 and leave the batch, its rewrite trains; the thanked answer trains."""

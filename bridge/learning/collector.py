@@ -33,6 +33,7 @@ from clawbridge.types import Method
 log = logging.getLogger(__name__)
 
 FEEDBACK = "feedback"
+SETTLE_AT_ONCE = 8  # samples settled concurrently in one pass (`Collector.run_once`)
 
 
 def judge_kinds(method: Method) -> tuple[str, ...]:
@@ -114,21 +115,33 @@ class Collector:
 
     async def run_once(self, limit: int = 32) -> int:
         """One pass: finish pending samples (a restart, or explicit feedback), then open
-        samples for newly judgeable turns. Returns how many samples were settled."""
+        samples for newly judgeable turns. Returns how many samples were settled.
+
+        Samples are opened one by one (their ids keep the turns' order) and settled up to
+        SETTLE_AT_ONCE at a time: each is its own judges, teacher scores and rewrite draws, and
+        the backend batches the concurrent requests (one turn at a time left the engine decoding
+        four rows; a round's rewrites took most of a demo round)."""
         store = self.store
         pending = await store.run(store.pending_samples, limit, method=self.method, state="pending")
-        settled = 0
-        for s in pending:
-            settled += await self._settle_pending(s)
+        by_id = {s.id: s for s in pending}
+        work: list[tuple[int, StoredTurn | None]] = [(s.id, None) for s in pending]
         turns = await store.run(store.turns_awaiting_judgment, judge_kinds(self.method), limit)
         for turn in turns:
             sid, created = await store.run(store.create_sample, turn.id, self.method, state="pending")
+            if sid in by_id:  # its pending sample is already in this pass (judged half-way before)
+                continue
             if not created and (await store.run(store.get_samples, [sid]))[0].state != "pending":
                 # settled earlier from explicit feedback alone; record the judges' view only
                 await self._judge_missing(turn, set(turn.judged_kinds))
                 continue
-            settled += await self._settle(sid, turn)
-        return settled
+            work.append((sid, turn))
+        gate = asyncio.Semaphore(SETTLE_AT_ONCE)
+
+        async def one(sid: int, turn: StoredTurn | None) -> int:
+            async with gate:
+                return await (self._settle(sid, turn) if turn is not None else self._settle_pending(by_id[sid]))
+
+        return sum(await asyncio.gather(*(one(sid, turn) for sid, turn in work)))
 
     async def _settle_pending(self, s: Sample) -> int:
         turn = await self.store.run(self.store.get_turn, s.turn_id)
