@@ -105,37 +105,51 @@ def _text(word: Any) -> Any:
 
 
 class Recipe(BaseModel):
-    """How the demo trains for this scenario (each maps onto a Settings field or a demo knob)."""
+    """How the demo trains for this scenario (each maps onto a Settings field or a demo knob).
+
+    The defaults are the recipe measured best on the built-in scenarios (docs/learning.md): a
+    scenario with no `recipe` block, or one that sets a few fields, trains as `make demo` does.
+    Why each value: the comments here and docs/learning.md#the-recipe-search-what-was-tried."""
 
     model_config = ConfigDict(extra="forbid")
 
     method: Literal["binary", "opd", "combine"] = "combine"
     batch_size: int = Field(8, ge=1)
-    rounds: int = Field(6, ge=1, description="Training steps: each round is batch_size conversations.")
-    learning_rate: float = Field(2e-3, gt=0)
+    rounds: int = Field(5, ge=1, description="Training steps: each round is batch_size conversations.")
+    # lr 2e-3 cost every candidate a third or more of the general probe; below 5e-4 a step does nothing
+    learning_rate: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(0, ge=0, description="The rate ramps up over this many steps after every fresh optimizer "
                               "(Settings.warmup_steps).")
     lora_rank: int = Field(16, ge=1)
     temperature: float = Field(0.7, gt=0)
-    max_tokens: int = Field(48, ge=1)
-    eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
+    max_tokens: int = Field(40, ge=1)
+    eval_samples: int = Field(1, ge=1, description="Samples per held-out prompt at each version.")
     teach_samples: int = Field(
         2, ge=1, description="Answers per held-out prompt of v0 asked for the preference, before training "
         "(teachability: how often the teacher the hints make meets it).",
     )
-    concurrency: int = Field(8, ge=1, description="Simulated conversations at a time.")
+    concurrency: int = Field(16, ge=1, description="Simulated conversations at a time.")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
-    opd_topk: int = Field(0, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
-    opd_draws: int = Field(0, ge=0, description="Fresh answers per hinted sample distilled on-policy (Settings.opd_draws).")
+    # the way to the preference passes through worse candidates: each step's hinted samples learn
+    # the teacher's whole top-20 distribution on the trained policy's own fresh answers (on-policy
+    # whatever serves); one fresh answer learned as much as four for half the training tokens
+    opd_topk: int = Field(20, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
+    opd_draws: int = Field(1, ge=0, description="Fresh answers per hinted sample distilled on-policy (Settings.opd_draws).")
+    opd_draw_max_lift: float | None = Field(None, description="Only fresh draws the hint is against distil "
+                                            "(Settings.opd_draw_max_lift; None: all).")
     teacher: Literal["base", "policy"] = Field("base", description="The model the hint is given to: the frozen base "
                                                "or the policy being trained (Settings.teacher).")
     rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
-    w_negative: float = Field(1.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
+    # pushing the corrected answers down drifted the model into non-answers (docs/methods.md)
+    w_negative: float = Field(0.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
     gate: bool = Field(True, description="Gate every candidate before it serves.")
+    # the general probe within the demo's minutes (about 40 s per 100 answers on 2 idle cores): 16
+    # questions for every candidate, 100 in all unless those hold it back (both error rates about
+    # 10 %, bench/gate_power.py; 200 would give 4 % for twice the gate's time)
     gate_probes: int = Field(16, ge=0, le=200, description="General probe questions the gate asks every candidate.")
     gate_probes_max: int | None = Field(
-        None, ge=0, description="General probe questions the gate asks in all: the rest is asked unless the "
+        100, ge=0, description="General probe questions the gate asks in all: the rest is asked unless the "
         "first gate_probes hold the candidate back beyond doubt (None: the setting's default).",
     )
     gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")
@@ -143,7 +157,8 @@ class Recipe(BaseModel):
         4, ge=1, description="Answers per validation prompt and version: the gate's check that a candidate keeps "
         "the preference (a handful of prompts: one answer each could not tell 50 % from 10 %).",
     )
-    gate_patience: int = Field(0, ge=0, description="Held-back candidates in a row training goes on from "
+    # training goes on from up to three held-back candidates in a row while v0 serves
+    gate_patience: int = Field(3, ge=0, description="Held-back candidates in a row training goes on from "
                                "(Settings.gate_patience).")
 
 
