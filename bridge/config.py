@@ -67,6 +67,7 @@ class TrainingSettings:
     opd_topk: int
     opd_topk_coef: float
     opd_draws: int
+    opd_draw_max_lift: float | None
     teacher: Literal["base", "policy"]
     checkpoint_every: int
     gate_recent: int  # how many of a batch's prompts the gate replays pairwise
@@ -192,7 +193,7 @@ class Settings(BaseSettings):
     w_rl: float = Field(1.0, description="Weight of the reward term in combine.")
     opd_clip: float = Field(1.0, gt=0, description="Clip of teacher - student logprob gaps.")
     rewrites: int = Field(0, ge=0, le=16, description="Hint-guided rewrites: the teacher (the model with the hint) writes this many answers to a hinted turn's prompt, and one of them (rewrite_pick) is trained as a demonstration beside the turn (docs/methods.md); 0 turns it off.")
-    rewrite_pick: Literal["lift", "surest"] = Field("lift", description="Which teacher draw a rewrite trains: lift, the one the hint made likeliest relative to the policy without it (mean teacher − policy logprob per token); surest, the teacher's most confident (docs/methods.md).")
+    rewrite_pick: Literal["lift", "surest"] = Field("lift", description="Which teacher draw a rewrite trains (a draw that ends by itself before one cut at max_tokens): lift, the one the hint made likeliest relative to the same model without it (mean logprob per token with − without the hint); surest, the teacher's most confident (docs/methods.md).")
     rewrite_min_relevance: float = Field(15.0, description="A rewrite draw must be explained by the question: its teacher log-likelihood with the question at least this many nats above the same with the question blanked, summed over the draw; echoes of the hint and remarks about the answer fall below it (docs/methods.md). -1e9 turns the floor off.")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of every token of a hint-guided rewrite.")
     w_negative: float = Field(1.0, ge=0, description="Scale of the negative advantages on a turn's own answer (0: learn only from approved answers, the teacher's gains and rewrites, never push a sampled token down; docs/methods.md).")
@@ -214,6 +215,7 @@ class Settings(BaseSettings):
     opd_topk: int = Field(0, ge=0, le=1000, description="Top-k distillation: every hinted sample's tokens (its answer and its rewrite) also learn the teacher's whole next-token distribution, as KL(policy || teacher) over the teacher's top opd_topk tokens plus one bin for the rest, at every position (docs/methods.md#top-k-distillation-opd_topk). Needs a backend that runs the base model inside its loss (local); 0 turns it off.")
     opd_topk_coef: float = Field(1.0, ge=0, description="Weight of the top-k distillation term in the loss.")
     opd_draws: int = Field(0, ge=0, le=16, description="On-policy distillation on fresh draws: at every step the policy being trained answers each hinted sample's prompt this many times more, and those answers learn the teacher's top-k distribution alone (no reward of their own; they are not stored). Needs opd_topk (docs/methods.md#top-k-distillation-opd_topk); 0 turns it off.")
+    opd_draw_max_lift: float | None = Field(None, description="A fresh draw (opd_draws) learns the teacher's top-k distribution only when the hint makes it no likelier than this: its lift, the mean per token of the teacher's model's logprob with the hint minus without it (the measure a rewrite is picked by). A draw the hint favours already carries the preference, and distilling the teacher along it pulls a student that has passed its teacher back to the teacher's own rate (docs/methods.md#fresh-draws-the-hint-is-against-opd_draw_max_lift). None: every draw distils.")
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")
     lora_rank: int = Field(32, ge=1, description="LoRA rank (all linear layers).")
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")

@@ -159,6 +159,51 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         store.close()
 
 
+async def test_only_the_fresh_draws_the_hint_is_against_are_distilled(data_dir: Path):
+    """opd_draw_max_lift: a fresh draw distils only when its lift (the teacher's model with the
+    hint minus without it, mean per token, scored here independently) is at most the bound; the
+    bound set between the draws' own lifts keeps exactly those at or below it, and a bound below
+    every lift sends none."""
+    from dataclasses import replace
+
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.learning.rewrite import redraw_params
+
+    settings = settings_for(data_dir, batch_size=2, opd_topk=8, opd_draws=3)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        hinted_and_approved(store)
+        teacher = Teacher(backend, Renderer(backend.tokenizer()))
+        [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
+        turn = store.get_turn(hinted.turn_id)
+        assert turn is not None
+        params = redraw_params(turn)
+        drawn = [c for c in await backend.sample(hinted.prompt_ids, params, n=6) if c.tokens]
+        t_ids = Trainer(settings.training, backend, store, teacher=teacher)._teacher_prompt(turn, "Answer in one word.")
+
+        async def lift(tokens: list[int]) -> float:
+            with_hint = await backend.score(t_ids, tokens, model="base", temperature=params.temperature)
+            without = await backend.score(hinted.prompt_ids, tokens, model="base", temperature=params.temperature)
+            return sum(a - b for a, b in zip(with_hint, without, strict=True)) / len(tokens)
+
+        lifts = [await lift(c.tokens) for c in drawn]
+        assert len(set(lifts)) > 2, "the draws should differ in lift"
+        ordered = sorted(lifts)
+        half = len(ordered) // 2
+        bound = (ordered[half - 1] + ordered[half]) / 2  # between two draws, clear of rounding
+        trainer = Trainer(replace(settings.training, opd_draw_max_lift=bound), backend, store, teacher=teacher)
+        kept = await trainer._against(drawn, hinted.prompt_ids, t_ids, params.temperature)
+        assert kept == [c for c, x in zip(drawn, lifts, strict=True) if x <= bound]
+        assert 0 < len(kept) < len(drawn)
+        none = Trainer(replace(settings.training, opd_draw_max_lift=-1e9), backend, store, teacher=teacher)
+        assert [d.completion_ids for d in await none._datums(hinted)] == [hinted.completion_ids]
+    finally:
+        await backend.close()
+        store.close()
+
+
 def test_a_backend_whose_loss_cannot_see_the_teacher_is_refused_at_start(data_dir: Path, tokenizer):
     from clawbridge.backends.tinker import TinkerBackend
     from fakes.fake_tinker import FakeTinkerService

@@ -52,7 +52,7 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         batch_size=r.batch_size, learning_rate=r.learning_rate, warmup_steps=r.warmup_steps, lora_rank=r.lora_rank,
         lora_alpha=r.lora_rank, max_staleness=max(4, r.rounds), checkpoint_every=10_000,
         default_max_tokens=r.max_tokens, session_idle_timeout_s=600.0, kl_anchor=r.kl_anchor, opd_topk=r.opd_topk,
-        opd_draws=r.opd_draws, teacher=r.teacher,
+        opd_draws=r.opd_draws, opd_draw_max_lift=r.opd_draw_max_lift, teacher=r.teacher,
         rewrites=r.rewrites, w_rewrite=r.w_rewrite, w_negative=r.w_negative,
         gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
         gate_patience=r.gate_patience,

@@ -135,7 +135,9 @@ class Recipe(BaseModel):
     # whatever serves); one fresh answer learned as much as four for half the training tokens
     opd_topk: int = Field(20, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
     opd_draws: int = Field(1, ge=0, description="Fresh answers per hinted sample distilled on-policy (Settings.opd_draws).")
-    opd_draw_max_lift: float | None = Field(None, description="Only fresh draws the hint is against distil "
+    # a fresh draw the hint already favours is not distilled: the teacher's distribution along it
+    # pulled the student back to the teacher's own rate of the preference once it had passed it
+    opd_draw_max_lift: float | None = Field(0.0, description="Only fresh draws the hint is against distil "
                                             "(Settings.opd_draw_max_lift; None: all).")
     teacher: Literal["base", "policy"] = Field("base", description="The model the hint is given to: the frozen base "
                                                "or the policy being trained (Settings.teacher).")

@@ -28,7 +28,7 @@ from clawbridge.judges import Teacher
 from clawbridge.learning import preferences
 from clawbridge.learning.collector import turn_context
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
-from clawbridge.learning.rewrite import redraw_params
+from clawbridge.learning.rewrite import Draw, redraw_params
 from clawbridge.protocol import (
     Backend,
     BackendError,
@@ -38,7 +38,7 @@ from clawbridge.protocol import (
     TransientBackendError,
 )
 from clawbridge.store import PolicyVersionRow, Sample, Store, StoredTurn, TrainingStep
-from clawbridge.types import Datum, OptimSpec, PolicyVersion, StepMetrics
+from clawbridge.types import Completion, Datum, OptimSpec, PolicyVersion, StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -348,12 +348,33 @@ class Trainer:
         """`opd_draws` answers of the policy being trained (the newest published weights, which a
         gate may not be serving) to the sample's prompt at the turn's sampling settings, each to
         learn the teacher's top-k distribution alone: on-policy distillation whatever version
-        the user talked to. Drawn for the step and not stored: a step lost in a crash draws anew."""
-        drawn = await self.backend.sample(sample.prompt_ids, redraw_params(turn), n=self.settings.opd_draws,
-                                          version=self.backend.newest)
+        the user talked to. With `opd_draw_max_lift`, only the draws the hint is against (`against`).
+        Drawn for the step and not stored: a step lost in a crash draws anew."""
+        params = redraw_params(turn)
+        drawn = [c for c in await self.backend.sample(sample.prompt_ids, params, n=self.settings.opd_draws,
+                                                      version=self.backend.newest) if c.tokens]
+        if self.settings.opd_draw_max_lift is not None:
+            drawn = await self._against(drawn, sample.prompt_ids, teacher_prompt_ids, params.temperature)
         zeros = lambda c: (0.0,) * len(c.tokens)  # noqa: E731
         return [Datum(sample.prompt_ids, tuple(c.tokens), tuple(c.logprobs), zeros(c), sample.temperature,
-                      tuple(teacher_prompt_ids)) for c in drawn if c.tokens]
+                      tuple(teacher_prompt_ids)) for c in drawn]
+
+    async def _against(self, drawn: Sequence[Completion], prompt_ids: Sequence[int],
+                       teacher_prompt_ids: Sequence[int], temperature: float) -> list[Completion]:
+        """The draws whose lift (`rewrite.Draw.lift`: the teacher's model with the hint minus
+        without it, mean per token) is at most `opd_draw_max_lift`. A draw the hint makes likelier
+        already carries the preference: the teacher's distribution along it would pull a student
+        that meets the preference more often than its teacher back to the teacher's rate."""
+        model, bound = self.settings.teacher, self.settings.opd_draw_max_lift
+        scores = await asyncio.gather(*(
+            self.backend.score(p, c.tokens, model=model, temperature=temperature)
+            for c in drawn for p in (teacher_prompt_ids, prompt_ids)
+        ))
+        lifts = [Draw(tuple(c.tokens), tuple(scores[2 * i]), plain=tuple(scores[2 * i + 1])).lift
+                 for i, c in enumerate(drawn)]
+        log.info("fresh draws: lifts %s, %d of %d distilled (at most %+.2f)",
+                 " ".join(f"{x:+.2f}" for x in lifts), sum(x <= bound for x in lifts), len(drawn), bound)
+        return [c for c, x in zip(drawn, lifts, strict=True) if x <= bound]
 
     async def _recent(self, batch: Sequence[Sample]) -> list[Recent]:
         """The user's own recent prompts for the gate's pairwise comparison: those of the batch."""
