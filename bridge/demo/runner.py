@@ -265,9 +265,13 @@ class PreferenceRounds:
         return "more" if unsettled == 0 and waiting < self.scenario.recipe.batch_size else "wait"
 
     async def more(self) -> None:
-        order = self.scenario.training_prompts
-        await self.user.converse(order[self.asked % len(order)], self.asked)
-        self.asked += 1
+        """As many more conversations as the batch lacks, together (one at a time, each waited
+        for and judged before the next, cost a round up to half a minute)."""
+        waiting, _ = await self._pending()
+        order, n = self.scenario.training_prompts, max(1, self.scenario.recipe.batch_size - waiting)
+        await asyncio.gather(*(self.user.converse(order[(self.asked + j) % len(order)], self.asked + j)
+                               for j in range(n)))
+        self.asked += n
 
     async def _pending(self) -> tuple[int, int]:
         """(judged samples waiting for the trainer, turns still on their way to a sample)."""
