@@ -19,7 +19,10 @@ TINY = {
     "replies": {"satisfied": ["Thanks, perfect."], "unsatisfied": ["Too long. Please answer in under 3 words."]},
     "recipe": {"method": "combine", "batch_size": 2, "rounds": 2, "learning_rate": 1e-3, "lora_rank": 4,
                "temperature": 1.0, "max_tokens": 4, "eval_samples": 2, "concurrency": 4, "gate_probes": 4,
-               "gate_probes_max": 20},
+               "gate_probes_max": 20,
+               # the tiny random model's 4-token draws answer nothing, so no rewrite passes the relevance
+               # floor: its corrections train by being pushed down (the default, 0, would train nothing)
+               "w_negative": 1.0},
     "train_prompts": ["What is rain?", "Why is the sky blue?", "What is a cat?"],
     "heldout_prompts": ["What is snow?", "What is a dog?", "What is fog?"],
 }
@@ -204,6 +207,21 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert parts["held-out"] + parts["probe"] + parts["teachability"] + parts["twin probe"] <= parts["measure"] + 1
     # the arithmetic the timings were taken in: what this CPU resolves the setting to
     assert summary["dtype"] == precision.name(precision.choose(settings.engine_dtype, "cpu", precision.cpu_flags()))
+
+
+async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tmp_path: Path):
+    """Nobody is ever satisfied, and with the default w_negative 0 a correction trains only its
+    rewrite, which the tiny model never writes well enough: the round plays its batch and three
+    more, then stops with what happened and what to change, instead of talking for ever."""
+    from clawbridge.demo.rounds import NothingToTrain
+
+    never = {**TINY, "check": {"must_match": ["ZZQZZ"]},
+             "recipe": {k: v for k, v in TINY["recipe"].items() if k != "w_negative"}}  # type: ignore[attr-defined]
+    sc = scenario.Scenario.model_validate(never)
+    assert sc.recipe.w_negative == 0.0
+    settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
+    with pytest.raises(NothingToTrain, match="gave 0 trainable samples of the 2 a step needs.*w_negative: 1"):
+        await run_demo(sc, settings)
 
 
 def test_a_restored_copy_has_the_weights_it_copies():

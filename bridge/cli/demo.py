@@ -142,7 +142,7 @@ def run_tools_command(
 
 def _with_progress(console: Console, total: int, run: Callable[[ProgressFn], Coroutine[Any, Any, R]]) -> R:
     """Run a demo under the progress display of `total` phases."""
-    from clawbridge.demo.rounds import DemoStopped
+    from clawbridge.demo.rounds import DemoStopped, NothingToTrain
 
     try:
         with _progress(console, total) as progress:
@@ -150,6 +150,9 @@ def _with_progress(console: Console, total: int, run: Callable[[ProgressFn], Cor
     except DemoStopped as e:
         typer.echo(f"clawbridge demo: {e}", err=True)
         raise typer.Exit(130) from None
+    except NothingToTrain as e:
+        typer.echo(f"clawbridge demo: nothing to train: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @contextlib.contextmanager

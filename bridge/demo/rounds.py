@@ -240,6 +240,11 @@ class DemoStopped(Exception):
     """The demo was stopped from outside (a signal) before it finished."""
 
 
+class NothingToTrain(Exception):
+    """A round's conversations, and many more, gave no full training batch: the scenario's
+    feedback gives the recipe nothing to learn from (the message says why and what to change)."""
+
+
 def threads() -> int | None:
     """One torch thread when the machine is busier than it has cores. Two intra-op threads wait
     on each other at every barrier, and when other processes hold the cores each wait is a lost

@@ -30,7 +30,7 @@ from clawbridge.config import Settings
 from clawbridge.demo import report, teachability
 from clawbridge.demo.report import Series, change, difference, gate_counts
 from clawbridge.demo.results import DemoResult, VersionEval
-from clawbridge.demo.rounds import Progress, Settle, play
+from clawbridge.demo.rounds import NothingToTrain, Progress, Settle, play
 from clawbridge.demo.scenario import Scenario, Verdict, paired_interval
 from clawbridge.demo.teachability import Price, Teachability
 from clawbridge.learning.collector import judge_kinds
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from clawbridge.learning.learner import Learner
     from clawbridge.server import Running
     from openai import AsyncOpenAI
+
+
+EXTRA_CONVERSATIONS = 3  # a round plays at most this many batches more before it says nothing trains
 
 
 def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Settings:
@@ -196,6 +199,7 @@ class PreferenceRounds:
         self.user = SimulatedUser(self.client, running.proxy.model_name, scenario)
         self.note = note or (lambda line: None)
         self.asked = 0
+        self.extra = 0  # conversations played this round beyond its batch
         self.shown: dict[int, list[dict[str, Any]]] = {}  # each measured version's examples
         self.teachability: Teachability | None = None
         self.price: Price | None = None
@@ -256,13 +260,26 @@ class PreferenceRounds:
         batch = [order[(self.asked + j) % len(order)] for j in range(n)]
         await asyncio.gather(*(self.user.converse(p, self.asked + j) for j, p in enumerate(batch)))
         self.asked += len(batch)
+        self.extra = 0
 
     async def settle(self, *, stepped: bool) -> Settle:
         if stepped:
             return "done"
         waiting, unsettled = await self._pending()
-        # a reply the judge found neutral gave no sample: the user talks a bit more
-        return "more" if unsettled == 0 and waiting < self.scenario.recipe.batch_size else "wait"
+        r = self.scenario.recipe
+        if unsettled or waiting >= r.batch_size:
+            return "wait"
+        # a reply the judge found neutral, or a correction with nothing to train, gave no sample:
+        # the user talks a bit more, but not for ever
+        if self.extra >= EXTRA_CONVERSATIONS * r.batch_size:
+            raise NothingToTrain(
+                f"{r.batch_size + self.extra} conversations this round gave {waiting} trainable samples of the "
+                f"{r.batch_size} a step needs: the answers were corrected, and a correction trains only its "
+                f"rewrite when w_negative is 0 (the recipe's default), and no teacher draw answered the question "
+                f"well enough to be one. The teachability line says how often the model meets the preference "
+                f"when asked; a scenario whose corrections should push answers down sets w_negative: 1 in its recipe."
+            )
+        return "more"
 
     async def more(self) -> None:
         """As many more conversations as the batch lacks, together (one at a time, each waited
@@ -272,6 +289,7 @@ class PreferenceRounds:
         await asyncio.gather(*(self.user.converse(order[(self.asked + j) % len(order)], self.asked + j)
                                for j in range(n)))
         self.asked += n
+        self.extra += n
 
     async def _pending(self) -> tuple[int, int]:
         """(judged samples waiting for the trainer, turns still on their way to a sample)."""
