@@ -220,7 +220,7 @@ async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tm
     sc = scenario.Scenario.model_validate(never)
     assert sc.recipe.w_negative == 0.0
     settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
-    with pytest.raises(NothingToTrain, match="gave 0 trainable samples of the 2 a step needs.*w_negative: 1"):
+    with pytest.raises(NothingToTrain, match=r"gave 0 trainable samples of the 2 a step needs.*w_negative: 1"):
         await run_demo(sc, settings)
 
 
