@@ -193,8 +193,8 @@ async def test_only_the_fresh_draws_the_hint_is_against_are_distilled(data_dir: 
         ordered = sorted(lifts)
         half = len(ordered) // 2
         bound = (ordered[half - 1] + ordered[half]) / 2  # between two draws, clear of rounding
-        trainer = Trainer(replace(settings.training, opd_draw_max_lift=bound), backend, store, teacher=teacher)
-        kept = await trainer._against(drawn, hinted.prompt_ids, t_ids, params.temperature)
+        trainer = Trainer(settings.training, backend, store, teacher=teacher)
+        kept = await trainer._against(drawn, hinted.prompt_ids, t_ids, params.temperature, bound)
         assert kept == [c for c, x in zip(drawn, lifts, strict=True) if x <= bound]
         assert 0 < len(kept) < len(drawn)
         none = Trainer(replace(settings.training, opd_draw_max_lift=-1e9), backend, store, teacher=teacher)

@@ -353,19 +353,19 @@ class Trainer:
         params = redraw_params(turn)
         drawn = [c for c in await self.backend.sample(sample.prompt_ids, params, n=self.settings.opd_draws,
                                                       version=self.backend.newest) if c.tokens]
-        if self.settings.opd_draw_max_lift is not None:
-            drawn = await self._against(drawn, sample.prompt_ids, teacher_prompt_ids, params.temperature)
+        if (bound := self.settings.opd_draw_max_lift) is not None:
+            drawn = await self._against(drawn, sample.prompt_ids, teacher_prompt_ids, params.temperature, bound)
         zeros = lambda c: (0.0,) * len(c.tokens)  # noqa: E731
         return [Datum(sample.prompt_ids, tuple(c.tokens), tuple(c.logprobs), zeros(c), sample.temperature,
                       tuple(teacher_prompt_ids)) for c in drawn]
 
     async def _against(self, drawn: Sequence[Completion], prompt_ids: Sequence[int],
-                       teacher_prompt_ids: Sequence[int], temperature: float) -> list[Completion]:
+                       teacher_prompt_ids: Sequence[int], temperature: float, bound: float) -> list[Completion]:
         """The draws whose lift (`rewrite.Draw.lift`: the teacher's model with the hint minus
-        without it, mean per token) is at most `opd_draw_max_lift`. A draw the hint makes likelier
+        without it, mean per token) is at most `bound` (`opd_draw_max_lift`). A draw the hint makes likelier
         already carries the preference: the teacher's distribution along it would pull a student
         that meets the preference more often than its teacher back to the teacher's rate."""
-        model, bound = self.settings.teacher, self.settings.opd_draw_max_lift
+        model = self.settings.teacher
         scores = await asyncio.gather(*(
             self.backend.score(p, c.tokens, model=model, temperature=temperature)
             for c in drawn for p in (teacher_prompt_ids, prompt_ids)
