@@ -120,7 +120,7 @@ class Collector:
         Samples are opened one by one (their ids keep the turns' order) and settled up to
         SETTLE_AT_ONCE at a time: each is its own judges, teacher scores and rewrite draws, and
         the backend batches the concurrent requests (one turn at a time left the engine decoding
-        four rows; a round's rewrites took most of a demo round)."""
+        that turn's few rewrite draws alone)."""
         store = self.store
         pending = await store.run(store.pending_samples, limit, method=self.method, state="pending")
         by_id = {s.id: s for s in pending}
