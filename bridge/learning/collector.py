@@ -135,10 +135,10 @@ class Collector:
                 await self._judge_missing(turn, set(turn.judged_kinds))
                 continue
             work.append((sid, turn))
-        gate = asyncio.Semaphore(SETTLE_AT_ONCE)
+        at_once = asyncio.Semaphore(SETTLE_AT_ONCE)
 
         async def one(sid: int, turn: StoredTurn | None) -> int:
-            async with gate:
+            async with at_once:
                 return await (self._settle(sid, turn) if turn is not None else self._settle_pending(by_id[sid]))
 
         return sum(await asyncio.gather(*(one(sid, turn) for sid, turn in work)))
