@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from clawbridge.config import LearningSettings
 from clawbridge.judges import HintJudgment as JudgeHint
@@ -123,25 +124,24 @@ class Collector:
         that turn's few rewrite draws alone)."""
         store = self.store
         pending = await store.run(store.pending_samples, limit, method=self.method, state="pending")
-        by_id = {s.id: s for s in pending}
-        work: list[tuple[int, StoredTurn | None]] = [(s.id, None) for s in pending]
+        jobs: list[Callable[[], Awaitable[int]]] = [partial(self._settle_pending, s) for s in pending]
         turns = await store.run(store.turns_awaiting_judgment, judge_kinds(self.method), limit)
         for turn in turns:
             sid, created = await store.run(store.create_sample, turn.id, self.method, state="pending")
-            if sid in by_id:  # its pending sample is already in this pass (judged half-way before)
+            if any(s.id == sid for s in pending):  # already in this pass (judged half-way before)
                 continue
             if not created and (await store.run(store.get_samples, [sid]))[0].state != "pending":
                 # settled earlier from explicit feedback alone; record the judges' view only
                 await self._judge_missing(turn, set(turn.judged_kinds))
                 continue
-            work.append((sid, turn))
+            jobs.append(partial(self._settle, sid, turn))
         at_once = asyncio.Semaphore(SETTLE_AT_ONCE)
 
-        async def one(sid: int, turn: StoredTurn | None) -> int:
+        async def one(job: Callable[[], Awaitable[int]]) -> int:
             async with at_once:
-                return await (self._settle(sid, turn) if turn is not None else self._settle_pending(by_id[sid]))
+                return await job()
 
-        return sum(await asyncio.gather(*(one(sid, turn) for sid, turn in work)))
+        return sum(await asyncio.gather(*map(one, jobs)))
 
     async def _settle_pending(self, s: Sample) -> int:
         turn = await self.store.run(self.store.get_turn, s.turn_id)
