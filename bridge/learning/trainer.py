@@ -28,7 +28,7 @@ from clawbridge.judges import Teacher
 from clawbridge.learning import preferences
 from clawbridge.learning.collector import turn_context
 from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
-from clawbridge.learning.rewrite import Draw, redraw_params
+from clawbridge.learning.rewrite import Draw, redraw_params, scored
 from clawbridge.protocol import (
     Backend,
     BackendError,
@@ -366,12 +366,13 @@ class Trainer:
         already carries the preference: the teacher's distribution along it would pull a student
         that meets the preference more often than its teacher back to the teacher's rate."""
         model = self.settings.teacher
-        scores = await asyncio.gather(*(
-            self.backend.score(p, c.tokens, model=model, temperature=temperature)
-            for c in drawn for p in (teacher_prompt_ids, prompt_ids)
-        ))
-        lifts = [Draw(tuple(c.tokens), tuple(scores[2 * i]), plain=tuple(scores[2 * i + 1])).lift
-                 for i, c in enumerate(drawn)]
+        hinted = await asyncio.gather(*(self.backend.score(teacher_prompt_ids, c.tokens, model=model,
+                                                           temperature=temperature) for c in drawn))
+        draws = [Draw(tuple(c.tokens), tuple(lp)) for c, lp in zip(drawn, hinted, strict=True)]
+        # the same model without the hint, with `scored`'s check that every token got its score
+        draws = await scored(self.backend, draws, range(len(draws)), prompt_ids, "plain", model=model,
+                             temperature=temperature)
+        lifts = [d.lift for d in draws]
         log.info("fresh draws: lifts %s, %d of %d distilled (at most %+.2f)",
                  " ".join(f"{x:+.2f}" for x in lifts), sum(x <= bound for x in lifts), len(drawn), bound)
         return [c for c, x in zip(drawn, lifts, strict=True) if x <= bound]
