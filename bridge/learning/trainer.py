@@ -368,6 +368,8 @@ class Trainer:
         model = self.settings.teacher
         hinted = await asyncio.gather(*(self.backend.score(teacher_prompt_ids, c.tokens, model=model,
                                                            temperature=temperature) for c in drawn))
+        if any(len(lp) != len(c.tokens) for c, lp in zip(drawn, hinted, strict=True)):
+            raise ValueError("the backend scored a fresh draw with the wrong number of logprobs")
         draws = [Draw(tuple(c.tokens), tuple(lp)) for c, lp in zip(drawn, hinted, strict=True)]
         # the same model without the hint, with `scored`'s check that every token got its score
         draws = await scored(self.backend, draws, range(len(draws)), prompt_ids, "plain", model=model,
