@@ -1,6 +1,12 @@
 """Decode throughput of the engine at several concurrencies, and the cost of a publish.
 
     .venv/bin/python bench/decode.py --model smollm2-135m-instruct --tokens 64 --concurrency 1 4 8
+
+`--probes N` instead sends the first N general probe questions at once, each with its own seed
+(what the gate and the demo's measurements do), and times them on v0 and on a published adapter
+for every `--max-batch` (rows the engine decodes together):
+
+    .venv/bin/python bench/decode.py --probes 100 --tokens 40 --max-batch 16 32 64
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from clawbridge.local_gpu import models
+from clawbridge.learning.probes import general_probes
+from clawbridge.local_gpu import models, precision
 from clawbridge.local_gpu.engine import Engine
 from clawbridge.types import SamplingParams
 
@@ -36,16 +43,28 @@ async def run(engine: Engine, prompt: list[int], tokens: int, concurrency: int) 
     return sum(counts) / (time.perf_counter() - started), sum(firsts) / len(firsts)
 
 
-async def main_async(args: argparse.Namespace) -> None:
+async def probes(engine: Engine, prompts: list[list[int]], tokens: int, version: int) -> tuple[float, int]:
+    """(wall seconds, tokens) for every prompt at once, each with its own seed, on `version`."""
+    params = SamplingParams(max_tokens=tokens, temperature=1.0)
+    started = time.perf_counter()
+    outs = await asyncio.gather(*(engine.sample(p, dataclasses.replace(params, seed=i), n=1, version=version)
+                                  for i, p in enumerate(prompts)))
+    return time.perf_counter() - started, sum(len(c.tokens) for out in outs for c in out)
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    return list(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     return_dict=False))
+
+
+async def concurrency(args: argparse.Namespace) -> None:
     spec = models.resolve(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(spec, data_dir=Path(tmp), lora_rank=args.rank, lora_alpha=args.rank, threads=args.threads)
         engine.start()
         try:
-            prompt = engine.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "Tell me about the sea."}], add_generation_prompt=True, return_dict=False
-            )
-            await run(engine, list(prompt), 4, 1)  # warm-up
+            prompt = chat(engine, "Tell me about the sea.")
+            await run(engine, prompt, 4, 1)  # warm-up
             print(f"model {spec.name}, {args.tokens} tokens per request, {torch.get_num_threads()} threads")
             for version in ("base (v0)", "adapter (v1)"):
                 if version.startswith("adapter"):
@@ -53,10 +72,34 @@ async def main_async(args: argparse.Namespace) -> None:
                     await engine.publish()
                     print(f"publish (write + load rank-{args.rank} adapter): {time.perf_counter() - t:.2f} s")
                 for c in args.concurrency:
-                    tps, ttft = await run(engine, list(prompt), args.tokens, c)
+                    tps, ttft = await run(engine, prompt, args.tokens, c)
                     print(f"{version:13s} concurrency {c:2d}: {tps:7.1f} tokens/s summed, first token {ttft * 1000:6.0f} ms")
         finally:
             engine.close()
+
+
+async def rows(args: argparse.Namespace) -> None:
+    spec = models.resolve(args.model)
+    dtype = precision.resolve(args.dtype, "cpu")
+    print(f"model {spec.name} ({precision.name(dtype)}), {args.probes} probe questions at once, up to {args.tokens} tokens each")
+    reference: dict[str, float] = {}
+    for max_batch in args.max_batch:
+        with tempfile.TemporaryDirectory() as tmp:
+            engine = Engine(spec, data_dir=Path(tmp), lora_rank=args.rank, lora_alpha=args.rank, dtype=dtype,
+                            max_batch=max_batch, threads=args.threads)
+            engine.start()
+            try:
+                prompts = [chat(engine, p.question) for p in general_probes()[: args.probes]]
+                await probes(engine, prompts[:4], 4, 0)  # warm-up
+                for name, version in (("v0", 0), ("adapter", 1)):
+                    if version:
+                        await engine.publish()
+                    seconds, tokens = await probes(engine, prompts, args.tokens, version)
+                    ratio = reference.setdefault(name, seconds) / seconds
+                    print(f"max_batch {max_batch:3d} {name:8s} {seconds:6.1f} s, {tokens} tokens, "
+                          f"{tokens / seconds:6.1f} tokens/s, {ratio:.2f}x the first row count")
+            finally:
+                engine.close()
 
 
 def main() -> None:
@@ -64,9 +107,14 @@ def main() -> None:
     parser.add_argument("--model", default=models.EMBEDDED)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--probes", type=int, default=0, help="send this many probe questions at once instead")
+    parser.add_argument("--max-batch", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--dtype", default="auto", choices=[*sorted(precision.DTYPES), "auto"],
+                        help="with --probes: the engine's dtype (auto: bf16 where the CPU has it, as the demo)")
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    asyncio.run(rows(args) if args.probes else concurrency(args))
 
 
 if __name__ == "__main__":
