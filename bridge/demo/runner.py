@@ -46,10 +46,6 @@ if TYPE_CHECKING:
 
 
 EXTRA_CONVERSATIONS = 3  # a round plays at most this many batches more before it says nothing trains
-# The demo waits on throughput, not on one stream's latency: the gate and the measurements send a
-# hundred requests at once. 100 probe answers on 2 cores (bf16, 40 tokens): 16 rows 30.2 s on v0
-# and 52.9 s on an adapter, 32 rows 21.7 s and 35.7 s; 64 rows no faster (docs/learning.md).
-ENGINE_BATCH = 32
 
 
 def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Settings:
@@ -63,7 +59,7 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         rewrites=r.rewrites, w_rewrite=r.w_rewrite, w_negative=r.w_negative,
         gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
         gate_patience=r.gate_patience,
-        gate_max_tokens=r.max_tokens, gate_temperature=r.temperature, engine_max_batch=ENGINE_BATCH,
+        gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
     )
     if r.gate_probes_max is not None:
         values["gate_probes_max"] = r.gate_probes_max
