@@ -125,10 +125,11 @@ class Collector:
         store = self.store
         pending = await store.run(store.pending_samples, limit, method=self.method, state="pending")
         jobs: list[Callable[[], Awaitable[int]]] = [partial(self._settle_pending, s) for s in pending]
+        in_pass = {s.id for s in pending}
         turns = await store.run(store.turns_awaiting_judgment, judge_kinds(self.method), limit)
         for turn in turns:
             sid, created = await store.run(store.create_sample, turn.id, self.method, state="pending")
-            if any(s.id == sid for s in pending):  # already in this pass (judged half-way before)
+            if sid in in_pass:  # its pending sample is already in this pass (judged half-way before)
                 continue
             if not created and (await store.run(store.get_samples, [sid]))[0].state != "pending":
                 # settled earlier from explicit feedback alone; record the judges' view only
