@@ -319,3 +319,31 @@ async def test_a_probe_with_its_own_samples_is_answered_that_many_times_by_every
         published = await backend.publish()
         await gate.scores(published.version)  # a candidate: the gate's one answer, the probe's own three
         assert (len(seen["validation"]), len(seen["probe"])) == (6, 3)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+async def test_a_group_that_measures_the_preference_holds_back_a_fall_the_harm_rule_cannot_show(tmp_path: Path,
+                                                                                                 kept: bool):
+    """The demo's validation split measures the preference itself (`GateProbe.kept`): against the
+    serving version its mean decides. The wrecked candidate keeps five of six validation prompts
+    (−17 points, not significant on six): the harm rule serves it, a kept group holds it back, so
+    a version that keeps the preference worse than what serves does not replace it."""
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        plain = await _plain(backend, renderer, params)
+        probes = [GateProbe("validation", ({"role": "user", "content": PROMPTS[0]},),
+                            lambda text, _f: 1.0 if text == plain[0] else 0.0, kept=kept)]
+        probes += [GateProbe("validation", ({"role": "user", "content": p},), lambda _t, _f: 1.0, kept=kept)
+                   for p in PROMPTS[1:]]
+        gate = Gate(backend, renderer, probes, params=params, margin=0.05, alpha=0.1, non_inferiority=False)
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        trainer = Trainer(settings.training, backend, store, gate=gate)
+        assert await trainer.step_once() is not None
+        [decision] = trainer.decisions
+        assert decision.figures["validation_candidate"] == pytest.approx(5 / 6)
+        assert decision.figures["validation_serving"] == 1.0 and decision.figures["validation_p_vs_serving"] > 0.1
+        if kept:
+            assert decision.decision == "rejected", decision
+            assert "more than 5 pts below the serving version" in decision.reason, decision.reason
+        else:
+            assert decision.decision == "accepted", decision

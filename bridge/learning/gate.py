@@ -83,6 +83,11 @@ class GateProbe:
     # answers per version for this probe (None: the gate's `samples`, or `reference_samples` for
     # v0 and the twin): a small group (a demo's validation split) gains power from more answers
     samples: int | None = None
+    # the group measures the user's preference itself (a demo's validation split): against the
+    # serving version its mean decides (rule `within`), so a candidate that keeps the preference
+    # less well than what serves, by more than the margin, is held back even when the fall is not
+    # significant, and the best validated version serves while a lineage fades
+    kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -434,6 +439,7 @@ class Gate:
         base_rule: Rule = "proof" if self.non_inferiority else "harm"
         for g in sorted({p.group for p in probes}):
             idx = [i for i, p in enumerate(probes) if p.group == g]
+            kept = any(probes[i].kept for i in idx)
             c = [cand[i] for i in idx]
             figures[f"{g}_candidate"] = sum(c) / len(c)
             for ref_name, ref in refs.items():
@@ -451,6 +457,8 @@ class Gate:
                     margin, alpha, what = self.margin, self.alpha, ""
                 elif ref_name == "v0":
                     rule, margin, alpha, what = base_rule, self.margin, self.alpha_base, ""
+                elif kept:
+                    rule, margin, alpha, what = "within", self.margin, self.alpha, "the serving version"
                 else:
                     rule, margin, alpha, what = "harm", self.margin, self.alpha, ""
                 fig = paired_worse(c, r, margin)
