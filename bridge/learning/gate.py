@@ -13,7 +13,10 @@ truly-satisfied check on a validation split; an agent's recent prompts with a ju
 The decision is pure (`decide`): each comparison of a probe group with a reference carries its
 rule (`Comparison`). Against the serving version, a candidate is held back when the mean
 difference is below −margin AND a one-sided paired t-test says it is worse (p < alpha): evidence
-of harm (`harm`). Against v0 in the strict mode (`reference="v0"`), the burden of proof is the
+of harm (`harm`). A group that measures the preference itself (`GateProbe.kept`: the demo's
+validation split) is judged by its mean against the serving version instead (`within`): a
+candidate that keeps the preference worse than what serves, by more than the margin, is held
+back without the evidence eight prompts cannot give. Against v0 in the strict mode (`reference="v0"`), the burden of proof is the
 candidate's: it serves only when shown to lose less than the margin (non-inferiority, p <
 alpha_base; `proof`).
 
@@ -427,7 +430,8 @@ class Gate:
         """The paired comparisons per probe group on the first `tiers` tiers, each with its rule:
         the general probe against the twin (and, capped by the price, v0) when harm is judged
         against what the user asked for; every other group, and the probe in the strict mode,
-        against the serving version (harm) and v0 (`proof`, or `harm` without non_inferiority)."""
+        against the serving version (harm; a `kept` group: `within`) and v0 (`proof`, or `harm`
+        without non_inferiority)."""
         comparisons: dict[str, Comparison] = {}
         figures: dict[str, float] = {}
         probes = [p for tier in self.tiers[:tiers] for p in tier]
