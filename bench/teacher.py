@@ -153,13 +153,17 @@ async def probe_cost(sc: scenarios.Scenario, backend: LocalBackend, renderer: Re
 
 async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer: Renderer,
                         params: SamplingParams, hint: str, draws: int,
-                        floors: tuple[float, ...] = (10.0, 15.0, 20.0, 25.0)) -> dict[str, dict[str, float]]:
+                        floors: tuple[float, ...] = (10.0, 15.0, 20.0, 25.0),
+                        lifts: tuple[float, ...] = (0.2, 0.3, 0.5)) -> dict[str, dict[str, float]]:
     """Which hinted draw a rewrite should train: for each held-out and validation prompt,
     `draws` hinted draws scored as `write_rewrite` scores them (the policy without the hint, the
     teacher with the question blanked); the rates of the draw each rule picks (the product's
-    `pick`), and `none`: prompts where the rule trains no rewrite at all."""
-    rules: dict[str, tuple[Pick, float]] = {"surest": ("surest", -math.inf), "lift": ("lift", -math.inf)}
-    rules.update({f"lift, relevance >= {f:g}": ("lift", f) for f in floors})
+    `pick`), and `none`: prompts where the rule trains no rewrite at all. `lifts`: the lift
+    floors tried on top of the default relevance floor (15 nats)."""
+    rules: dict[str, tuple[Pick, float, float]] = {"surest": ("surest", -math.inf, -math.inf),
+                                                   "lift": ("lift", -math.inf, -math.inf)}
+    rules.update({f"lift, relevance >= {f:g}": ("lift", f, -math.inf) for f in floors})
+    rules.update({f"lift, relevance >= 15, lift >= {x:g}": ("lift", 15.0, x) for x in lifts})
     hits: dict[str, list[scenarios.Verdict]] = {r: [] for r in rules}
     none = dict.fromkeys(rules, 0)
 
@@ -177,8 +181,8 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
         rows = await scored(backend, rows, every, plain_ids, "plain", model="base", temperature=params.temperature)
         rows = await scored(backend, rows, every, blank_ids, "alone", model="base", temperature=params.temperature)
         verdicts = [sc.rate(prompt, t, c.finish_reason) for t, c in zip(texts, comps, strict=True)]
-        for rule, (how, floor) in rules.items():
-            i = pick(rows, rule=how, min_relevance=floor)
+        for rule, (how, floor, lift) in rules.items():
+            i = pick(rows, rule=how, min_relevance=floor, min_lift=lift)
             if i is None:
                 none[rule] += 1
             else:

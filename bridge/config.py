@@ -42,6 +42,7 @@ class LearningSettings:
     rewrites: int
     rewrite_pick: Literal["lift", "surest"]
     rewrite_min_relevance: float
+    rewrite_min_lift: float
     w_rewrite: float
     w_negative: float
     kl_anchor: float
@@ -195,6 +196,7 @@ class Settings(BaseSettings):
     rewrites: int = Field(0, ge=0, le=16, description="Hint-guided rewrites: the teacher (the model with the hint) writes this many answers to a hinted turn's prompt, and one of them (rewrite_pick) is trained as a demonstration beside the turn (docs/methods.md); 0 turns it off.")
     rewrite_pick: Literal["lift", "surest"] = Field("lift", description="Which teacher draw a rewrite trains (a draw that ends by itself before one cut at max_tokens): lift, the one the hint made likeliest relative to the same model without it (mean logprob per token with − without the hint); surest, the teacher's most confident (docs/methods.md).")
     rewrite_min_relevance: float = Field(15.0, description="A rewrite draw must be explained by the question: its teacher log-likelihood with the question at least this many nats above the same with the question blanked, summed over the draw; echoes of the hint and remarks about the answer fall below it (docs/methods.md). -1e9 turns the floor off.")
+    rewrite_min_lift: float = Field(0.3, description="A rewrite draw must be what the hint asked for: the hint must make it at least this many nats per token likelier than the same model without the hint (its lift, mean over the draw); a draw the hint barely moved is the model's own habit, and trained as a demonstration it pulls a student that has passed its teacher back to the teacher (docs/methods.md). -1e9 turns the floor off.")
     w_rewrite: float = Field(1.0, ge=0, description="Advantage of every token of a hint-guided rewrite.")
     w_negative: float = Field(1.0, ge=0, description="Scale of the negative advantages on a turn's own answer (0: learn only from approved answers, the teacher's gains and rewrites, never push a sampled token down; docs/methods.md).")
     kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model carried in the advantages: A_t -= kl_anchor * (log pi_old - log pi_base) on every token feedback trains (the answer and its rewrite), identical on every backend; 0 (the measured default) turns it off (docs/methods.md).")

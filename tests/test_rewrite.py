@@ -86,6 +86,21 @@ def test_a_draw_the_question_does_not_explain_is_never_picked_however_high_its_l
     assert Draw((1,), (-1.0,), alone=(-1.0, -2.0)).relevance == float("-inf")  # a mis-scored draw never passes
 
 
+def test_a_draw_the_hint_barely_lifted_is_never_picked_even_when_it_is_the_only_one():
+    # recorded in the concise demo: once the student met the preference more often than its
+    # teacher, half the teacher's picks of over 20 words had lifts below 0.3 nats a token (the
+    # model's own habit), against 4 % of the short ones
+    habit = Draw((1, 2, 3), (-1.0, -1.0, -1.0), (-1.1, -1.2, -1.3))  # lift 0.2
+    asked = Draw((4, 5), (-1.0, -1.0), (-1.5, -1.5))  # lift 0.5
+    assert habit.lift == pytest.approx(0.2) and asked.lift == pytest.approx(0.5)
+    assert pick([habit, asked], min_lift=0.3) == 1
+    assert pick([habit], min_lift=0.3) is None  # nothing the hint asked for: no rewrite at all
+    assert pick([habit]) == 0  # no floor: the best there is
+    assert pick([habit, asked], rule="surest", min_lift=0.3) == 1
+    assert pick([Draw((1,), (-1.0,))], min_lift=0.3) is None  # not scored without the hint: no lift to pass
+    assert pick([Draw((1,), (-1.0,))]) == 0
+
+
 def test_an_echo_of_the_question_is_never_picked():
     echo = Draw((5, 6), (-0.1, -0.1), (-3.0, -3.0), echo=True)
     other = Draw((7,), (-1.0,), (-1.2,))
@@ -134,7 +149,7 @@ def test_the_store_keeps_a_rewrite_with_its_sample(data_dir: Path):
 
 async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answer(data_dir: Path):
     # the tiny random model's 8-token draws answer nothing: the relevance floor is off here
-    settings = settings_for(data_dir, rewrites=3, w_rewrite=0.5, batch_size=2, gate="off", rewrite_min_relevance=-1e9)
+    settings = settings_for(data_dir, rewrites=3, w_rewrite=0.5, batch_size=2, gate="off", rewrite_min_relevance=-1e9, rewrite_min_lift=-1e9)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -167,7 +182,7 @@ async def test_one_pass_settles_its_turns_together_each_with_its_own_rewrite(dat
     """The collector settles a pass's samples concurrently (the engine batches their teacher
     draws): the backend sees more than one turn's draws in flight, and each corrected turn still
     gets a rewrite of its own, scored under its own prompt."""
-    settings = settings_for(data_dir, rewrites=2, batch_size=4, gate="off", rewrite_min_relevance=-1e9)
+    settings = settings_for(data_dir, rewrites=2, batch_size=4, gate="off", rewrite_min_relevance=-1e9, rewrite_min_lift=-1e9)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -204,7 +219,7 @@ async def test_one_pass_settles_its_turns_together_each_with_its_own_rewrite(dat
 async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: Path):
     """Nothing the model said is pushed down: the corrected answer's own tokens (all negative in
     combine: r = -1) weigh 0 and leave the batch, its rewrite trains; the thanked answer trains."""
-    settings = settings_for(data_dir, rewrites=2, w_negative=0.0, batch_size=2, gate="off", rewrite_min_relevance=-1e9)
+    settings = settings_for(data_dir, rewrites=2, w_negative=0.0, batch_size=2, gate="off", rewrite_min_relevance=-1e9, rewrite_min_lift=-1e9)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -250,6 +265,29 @@ async def test_the_relevance_floor_is_the_teachers_gain_from_the_question(data_d
         store.close()
 
 
+async def test_the_lift_floor_leaves_a_turn_whose_draws_the_hint_did_not_lift_without_a_rewrite(data_dir: Path):
+    """write_rewrite through the real backend: the floor applies to the lift as scored (with −
+    without the hint, by the teacher's model), whichever rule picks."""
+    settings = settings_for(data_dir, gate="off")
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        renderer = Renderer(backend.tokenizer())
+        [tid] = short_turns(store, ["Too long."])
+        turn = store.get_turn(tid)
+        assert turn is not None
+        for rule in ("lift", "surest"):
+            kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, rule=rule,
+                                       min_relevance=-1e9, min_lift=-1e9)
+            assert kept is not None
+            assert await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, rule=rule,
+                                       min_relevance=-1e9, min_lift=1e9) is None
+    finally:
+        await backend.close()
+        store.close()
+
+
 async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_dir: Path):
     """kl_anchor on the real backend: A_t -= beta * (log pi_old - log pi_base) on the turn's own
     tokens and on its rewrite's. While the policy is the base model the rewrite's anchor is
@@ -259,7 +297,7 @@ async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_d
     and only to samples that carry feedback: a neutral reply's turn is still dropped."""
     beta = 0.5
     settings = settings_for(data_dir, rewrites=2, w_rewrite=1.0, w_negative=0.0, batch_size=2, gate="off",
-                            rewrite_min_relevance=-1e9, kl_anchor=beta, learning_rate=1e-2)
+                            rewrite_min_relevance=-1e9, rewrite_min_lift=-1e9, kl_anchor=beta, learning_rate=1e-2)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()

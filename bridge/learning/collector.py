@@ -184,7 +184,7 @@ class Collector:
             rewrite = await write_rewrite(
                 self.backend, self.teacher.renderer, turn, signal.hint, samples=self.settings.rewrites,
                 weight=self.settings.w_rewrite, teacher=self.settings.teacher, rule=self.settings.rewrite_pick,
-                min_relevance=self.settings.rewrite_min_relevance,
+                min_relevance=self.settings.rewrite_min_relevance, min_lift=self.settings.rewrite_min_lift,
             )
         if rewrite is None and (advantages is None or not any(advantages)):
             reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None

@@ -11,7 +11,8 @@ positive example:
     drop the draws that do not answer the question: an echo of it, or a draw the question does
         not explain (relevance: log p(draw | question, hint) − log p(draw | no question, hint),
         summed over the draw, below `rewrite_min_relevance` nats)
-    score the rest under the turn's OWN prompt by the teacher's model (no hint)
+    score the rest under the turn's OWN prompt by the teacher's model (no hint), and drop the
+        draws the hint lifted by less than `rewrite_min_lift` nats a token
     keep a draw that ends by itself over one cut at max_tokens, and among those the one the hint
         lifted most: the highest mean log p(draw | hint) − log p(draw | no hint), one model
     score the kept draw under the turn's OWN prompt by the policy (its PPO old logprobs)
@@ -50,6 +51,12 @@ for it. Such a draw is about as likely without the question as with it; an answe
 relevance is the pointwise mutual information of the draw with the question under the teacher,
 in nats over the whole draw (a mean per token would hold long answers to a stricter bar: their
 later tokens follow from their first ones, question or not).
+
+Why the lift floor (`rewrite_min_lift`, docs/methods.md#a-rewrite-must-be-what-the-hint-asked-for-rewrite_min_lift):
+when every draw of a prompt is the model's habit (the teacher answered as it would have without
+the hint), the best of them is still trained as a demonstration of what the hint asked for. Once
+the student meets the preference more often than its teacher, those demonstrations pull it back
+to the teacher's rate, the way undirected fresh draws did (`opd_draw_max_lift`).
 """
 
 from __future__ import annotations
@@ -110,20 +117,23 @@ class Draw:
 Pick = Literal["lift", "surest"]
 
 
-def usable(draws: Sequence[Draw], own: Sequence[int] = (), min_relevance: float = float("-inf")) -> list[int]:
+def usable(draws: Sequence[Draw], own: Sequence[int] = (), min_relevance: float = float("-inf"),
+           min_lift: float = float("-inf")) -> list[int]:
     """The draws a rewrite may train: non-empty, not the turn's own answer (that one is already
-    what the policy said), not an echo of the question, and explained by the question by at
-    least `min_relevance` nats."""
+    what the policy said), not an echo of the question, explained by the question by at least
+    `min_relevance` nats, and lifted by the hint by at least `min_lift` nats per token (a draw
+    not yet scored without the hint has no lift, and passes only when there is no floor)."""
     own_ids = tuple(own)
     return [i for i, d in enumerate(draws)
-            if d.ids and d.ids != own_ids and not d.echo and d.relevance >= min_relevance]
+            if d.ids and d.ids != own_ids and not d.echo and d.relevance >= min_relevance
+            and (min_lift == float("-inf") or d.lift >= min_lift)]
 
 
 def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift",
-         min_relevance: float = float("-inf")) -> int | None:
+         min_relevance: float = float("-inf"), min_lift: float = float("-inf")) -> int | None:
     """The index of the draw to train (pure), among the usable ones: a finished draw before a
     cut one, then the highest lift, or the teacher's surest with `surest`. None if none is usable."""
-    ok = usable(draws, own, min_relevance)
+    ok = usable(draws, own, min_relevance, min_lift)
     if not ok:
         return None
     if rule == "surest":
@@ -197,12 +207,14 @@ async def write_rewrite(
     teacher: ScoreModel = "base",
     rule: Pick = "lift",
     min_relevance: float = float("-inf"),
+    min_lift: float = float("-inf"),
 ) -> Rewrite | None:
     """Draw `samples` answers from the teacher for the turn's prompt with the hint; drop the
     turn's own answer, echoes of the question and draws the question explains by less than
     `min_relevance` nats (scored by the teacher with the question blanked); score the rest
-    under the turn's own prompt by the teacher's model for the lift; pick one and score it by
-    the policy for its PPO old logprobs. None when none is usable."""
+    under the turn's own prompt by the teacher's model for the lift, and drop those the hint
+    lifted by less than `min_lift` nats per token; pick one and score it by the policy for its
+    PPO old logprobs. None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     params = redraw_params(turn)
@@ -219,8 +231,9 @@ async def write_rewrite(
         blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
         draws = await scored(backend, draws, ok, blank, "alone", model=teacher, temperature=params.temperature)
         ok = usable(draws, turn.completion_ids, min_relevance)
-    if rule == "lift":  # the surest needs no scores beyond the teacher's own
+    if rule == "lift" or min_lift > float("-inf"):  # the surest alone needs no scores beyond the teacher's own
         draws = await scored(backend, draws, ok, turn.prompt_ids, "plain", model=teacher, temperature=params.temperature)
+        ok = usable(draws, turn.completion_ids, min_relevance, min_lift)
     chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None
