@@ -126,7 +126,9 @@ class Recipe(BaseModel):
     lora_rank: int = Field(16, ge=1)
     temperature: float = Field(0.7, gt=0)
     max_tokens: int = Field(40, ge=1)
-    eval_samples: int = Field(1, ge=1, description="Samples per held-out prompt at each version.")
+    # one answer a prompt read seed 8's v3 at 65 % and its v5 at 30 % (session 17); eight a prompt
+    # read both at 35-42 %: two halve the dice's share of a version's figure for about 5 s more
+    eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
     teach_samples: int = Field(
         2, ge=1, description="Answers per held-out prompt of v0 asked for the preference, before training "
         "(teachability: how often the teacher the hints make meets it).",
