@@ -1,0 +1,130 @@
+"""Re-measure a finished demo run's versions on its held-out prompts with many answers each.
+
+The demo reads each served version from 20 held-out prompts × `eval_samples` answers: enough to
+show learning, too few to rank two versions a few points apart (one answer a prompt read seed
+8's v3 at 65 % and its v5 at 30 %; this bench, eight a prompt, read them at 42 % and 35 %). This
+loads the run's stored adapters (`DATA_DIR/adapters/vN`, the weights each version served or was
+held back with) on the served base model, and asks every held-out prompt `--answers` times at
+the scenario's temperature and max_tokens:
+
+    .venv/bin/python bench/remeasure.py --data-dir /tmp/run/data                  # every version
+    .venv/bin/python bench/remeasure.py --data-dir D1 --data-dir D2 --versions 0 last --answers 8
+
+`last`: the version the run ended serving (the last its gate accepted). Prints per version the
+share of answers that meet the preference, answer the question, and both (truly satisfied, the
+demo's headline) with its 95 % interval over prompts. Sampling is transformers' own (not the
+engine's, so answers are not those the demo saw; the distribution is the same model's), bf16 as
+the demo serves, the base with the served RoPE scaling (`models.load_model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sqlite3
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from clawbridge.chat.renderer import Renderer
+from clawbridge.demo import scenario as scenarios
+from clawbridge.local_gpu import models
+
+
+def served_last(data_dir: Path) -> int:
+    """The version the run ended serving: the last the gate accepted (v0 when none was); a run
+    without a gate served every version it trained."""
+    with sqlite3.connect(data_dir / "clawbridge.db") as db:
+        row = db.execute("select value from meta where key = 'gate.decisions'").fetchone()
+        if row is None:
+            newest = db.execute("select max(version) from policy_versions").fetchone()
+            return int(newest[0] or 0)
+    accepted = [int(d["version"]) for d in json.loads(row[0]) if d["decision"] == "accepted"]
+    return accepted[-1] if accepted else 0
+
+
+def interval(per_prompt: list[float]) -> tuple[float, float, float]:
+    """Mean of per-prompt rates and its 95 % t-interval over prompts."""
+    n = len(per_prompt)
+    mean = sum(per_prompt) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in per_prompt) / (n - 1)) if n > 1 else 0.0
+    half = scenarios.t975(n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
+    return mean, max(0.0, mean - half), min(1.0, mean + half)
+
+
+def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: int) -> dict[str, Any]:
+    import torch
+
+    r = sc.recipe
+    renderer = Renderer(tok)
+    prompts = sc.heldout_prompts
+    rows = [renderer.render(sc.messages(p)) for p in prompts]
+    width = max(len(x) for x in rows)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in rows])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in rows])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=r.temperature,
+                             top_p=1.0, top_k=0, max_new_tokens=r.max_tokens, num_return_sequences=answers,
+                             pad_token_id=pad, eos_token_id=tok.eos_token_id)
+    per: dict[str, list[float]] = {"preferred": [], "answered": [], "truly": []}
+    for i, p in enumerate(prompts):
+        verdicts = []
+        for j in range(answers):
+            seq = out[i * answers + j, width:].tolist()
+            finished = tok.eos_token_id in seq
+            text = tok.decode(seq[: seq.index(tok.eos_token_id)] if finished else seq, skip_special_tokens=True)
+            verdicts.append(sc.rate(p, text, "stop" if finished else "length"))
+        for k in per:
+            per[k].append(sum(getattr(v, k) for v in verdicts) / answers)
+    return {k: interval(v) for k, v in per.items()} | {"truly_per_prompt": per["truly"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data-dir", type=Path, action="append", required=True, help="a demo run's --data-dir")
+    ap.add_argument("--scenario", default=scenarios.DEFAULT_SCENARIO)
+    ap.add_argument("--versions", nargs="*", default=None, help="version numbers, or last (default: every stored one)")
+    ap.add_argument("--answers", type=int, default=8, help="answers per held-out prompt")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = ap.parse_args(argv)
+
+    from peft import PeftModel
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    sc = scenarios.load(args.scenario)
+    spec = models.resolve(models.EMBEDDED)
+    tok = models.load_tokenizer(spec)
+    base = models.load_model(spec, dtype=torch.bfloat16)
+    print(f"scenario {sc.name} · {len(sc.heldout_prompts)} held-out prompts × {args.answers} answers", flush=True)
+    print(f"{'run':<28} {'version':>7}  {'preferred':>9}  {'answered':>8}  {'truly satisfied (95 %)':>24}  {'s':>4}")
+    results: list[dict[str, Any]] = []
+    for d in args.data_dir:
+        stored = sorted(int(p.name[1:]) for p in (d / "adapters").glob("v*") if p.name[1:].isdigit())
+        wanted = args.versions or ["0", *map(str, stored)]
+        for v in dict.fromkeys(served_last(d) if w == "last" else int(w) for w in wanted):
+            if v != 0 and v not in stored:
+                print(f"{d!s:<28} {v:>7}  no adapter stored", file=sys.stderr)
+                continue
+            t0 = time.monotonic()
+            model = base if v == 0 else PeftModel.from_pretrained(base, str(d / "adapters" / f"v{v}"))
+            fig = measure(model, tok, sc, args.answers, args.seed)
+            if v != 0:
+                base = model.unload()
+            t, lo, hi = fig["truly"]
+            print(f"{str(d)[-28:]:<28} {v:>7}  {fig['preferred'][0]:>9.0%}  {fig['answered'][0]:>8.0%}  "
+                  f"{t:>8.0%} [{lo:.0%}, {hi:.0%}]  {time.monotonic() - t0:>4.0f}", flush=True)
+            results.append({"data_dir": str(d), "version": v, **fig})
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
