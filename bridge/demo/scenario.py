@@ -127,7 +127,8 @@ class Recipe(BaseModel):
     temperature: float = Field(0.7, gt=0)
     max_tokens: int = Field(40, ge=1)
     # one answer a prompt read seed 8's v3 at 65 % and its v5 at 30 % (session 17); eight a prompt
-    # read both at 35-42 %: two halve the dice's share of a version's figure for about 5 s more
+    # read both at 35-42 %: two narrow the dice's share of a version's figure for about 8 s more a
+    # version (84 s against 44 s of held-out measurement in a run, session 18)
     eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
     teach_samples: int = Field(
         2, ge=1, description="Answers per held-out prompt of v0 asked for the preference, before training "
