@@ -4,6 +4,8 @@ answer in one step, through the real local backend (tiny random model, rules jud
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from clawbridge.learning.advantages import anchored, sample_advantages, scale_ne
 from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
 from clawbridge.learning.trainer import Trainer, to_datums
 from clawbridge.local_gpu import models
-from clawbridge.store import Rewrite, Store, TurnRecord
+from clawbridge.store import Rewrite, Store, StoredTurn, TurnRecord
 from clawbridge.types import SamplingParams
 from test_collector import collector_for, record_turns, settings_for
 
@@ -240,19 +242,28 @@ async def test_with_w_negative_0_a_correction_trains_only_its_rewrite(data_dir: 
         store.close()
 
 
-async def test_the_relevance_floor_is_the_teachers_gain_from_the_question(data_dir: Path):
-    """write_rewrite through the real backend: a draw's relevance is its sampling logprob minus
-    the teacher's score with the question blanked, and a floor above every draw's leaves the turn
-    without a rewrite."""
+@contextlib.asynccontextmanager
+async def one_corrected_turn(data_dir: Path) -> AsyncIterator[tuple[LocalBackend, Renderer, StoredTurn]]:
+    """The real local backend (tiny model), its renderer, and one stored turn the user corrected."""
     settings = settings_for(data_dir, gate="off")
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
     try:
-        renderer = Renderer(backend.tokenizer())
         [tid] = short_turns(store, ["Too long."])
         turn = store.get_turn(tid)
         assert turn is not None
+        yield backend, Renderer(backend.tokenizer()), turn
+    finally:
+        await backend.close()
+        store.close()
+
+
+async def test_the_relevance_floor_is_the_teachers_gain_from_the_question(data_dir: Path):
+    """write_rewrite through the real backend: a draw's relevance is its sampling logprob minus
+    the teacher's score with the question blanked, and a floor above every draw's leaves the turn
+    without a rewrite."""
+    async with one_corrected_turn(data_dir) as (backend, renderer, turn):
         kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, min_relevance=-1e9)
         assert kept is not None
         assert await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, min_relevance=1e9) is None
@@ -260,32 +271,18 @@ async def test_the_relevance_floor_is_the_teachers_gain_from_the_question(data_d
         assert blank != renderer.render(teacher_messages(turn.messages, "Be brief."))
         alone = await backend.score(blank, kept.ids, model="base", temperature=1.0)
         assert len(alone) == len(kept.ids) and all(x <= 0 for x in alone)
-    finally:
-        await backend.close()
-        store.close()
 
 
 async def test_the_lift_floor_leaves_a_turn_whose_draws_the_hint_did_not_lift_without_a_rewrite(data_dir: Path):
     """write_rewrite through the real backend: the floor applies to the lift as scored (with −
     without the hint, by the teacher's model), whichever rule picks."""
-    settings = settings_for(data_dir, gate="off")
-    store = Store.open(settings.db_url)
-    backend = LocalBackend.from_settings(settings)
-    await backend.start()
-    try:
-        renderer = Renderer(backend.tokenizer())
-        [tid] = short_turns(store, ["Too long."])
-        turn = store.get_turn(tid)
-        assert turn is not None
+    async with one_corrected_turn(data_dir) as (backend, renderer, turn):
         for rule in ("lift", "surest"):
             kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, rule=rule,
                                        min_relevance=-1e9, min_lift=-1e9)
             assert kept is not None
             assert await write_rewrite(backend, renderer, turn, "Be brief.", samples=3, weight=1.0, rule=rule,
                                        min_relevance=-1e9, min_lift=1e9) is None
-    finally:
-        await backend.close()
-        store.close()
 
 
 async def test_the_anchor_pulls_every_trained_token_toward_the_base_model(data_dir: Path):
