@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -30,28 +28,26 @@ from typing import Any
 
 from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
+from clawbridge.learning.gate import GATE_KEY
 from clawbridge.local_gpu import models
+from clawbridge.store import Store
 
 
 def served_last(data_dir: Path) -> int:
     """The version the run ended serving: the last the gate accepted (v0 when none was); a run
     without a gate served every version it trained."""
-    with sqlite3.connect(data_dir / "clawbridge.db") as db:
-        row = db.execute("select value from meta where key = 'gate.decisions'").fetchone()
-        if row is None:
-            newest = db.execute("select max(version) from policy_versions").fetchone()
-            return int(newest[0] or 0)
-    accepted = [int(d["version"]) for d in json.loads(row[0]) if d["decision"] == "accepted"]
+    with Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}") as store:
+        decisions = store.get_meta(GATE_KEY)
+        if decisions is None:
+            return max((int(p.name[1:]) for p in (data_dir / "adapters").glob("v*") if p.name[1:].isdigit()), default=0)
+    accepted = [int(d["version"]) for d in decisions if d["decision"] == "accepted"]
     return accepted[-1] if accepted else 0
 
 
 def interval(per_prompt: list[float]) -> tuple[float, float, float]:
-    """Mean of per-prompt rates and its 95 % t-interval over prompts."""
-    n = len(per_prompt)
-    mean = sum(per_prompt) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in per_prompt) / (n - 1)) if n > 1 else 0.0
-    half = scenarios.t975(n - 1) * sd / math.sqrt(n) if n > 1 else math.inf
-    return mean, max(0.0, mean - half), min(1.0, mean + half)
+    """Mean of per-prompt rates and its 95 % t-interval over prompts (the demo's, against zero)."""
+    mean, lo, hi = scenarios.paired_interval([0.0] * len(per_prompt), per_prompt)
+    return mean, max(0.0, lo), hi
 
 
 def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: int) -> dict[str, Any]:
@@ -97,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from peft import PeftModel
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     sc = scenarios.load(args.scenario)
     spec = models.resolve(models.EMBEDDED)
     tok = models.load_tokenizer(spec)
