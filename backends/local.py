@@ -55,6 +55,7 @@ class LocalBackend(Routing):
         threads: int | None = None,
         static_cache: bool = False,
         prefix_cache_mb: int = 2048,
+        merge_adapters: bool = True,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -79,6 +80,7 @@ class LocalBackend(Routing):
             threads=threads,
             static_cache=static_cache,
             prefix_cache_mb=prefix_cache_mb,
+            merge_adapters=merge_adapters,
         )
 
     @classmethod
@@ -94,6 +96,7 @@ class LocalBackend(Routing):
             prefix_cache_mb=settings.prefix_cache_mb,
             engine_dtype=settings.engine_dtype,
             max_batch=settings.engine_max_batch,
+            merge_adapters=settings.engine_merge_adapters,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

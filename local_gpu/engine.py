@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 from clawbridge.local_gpu import adapters, models, precision
-from clawbridge.local_gpu.adapters import BASE, TRAIN
+from clawbridge.local_gpu.adapters import BASE, STALE, TRAIN
 from clawbridge.local_gpu.decoding import Decoding, _Job, _Seq
 from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
 from clawbridge.local_gpu.training import Training
@@ -88,8 +88,10 @@ class Engine(Decoding, VersionSlots, Training):
         static_cache: bool = False,
         cuda_graphs: bool = False,
         prefix_cache_mb: int = 2048,
+        merge_adapters: bool = True,
     ) -> None:
         self.spec = spec
+        self.merge_adapters = merge_adapters
         self.static_cache = static_cache or cuda_graphs
         self.cuda_graphs = cuda_graphs
         self.threads = threads
@@ -104,6 +106,7 @@ class Engine(Decoding, VersionSlots, Training):
         self._lora_layers: list[Any] = []
         self._trainable_active: list[Any] = []  # each layer's active adapter as PEFT set it up
         self._pointed: str | None = None  # the adapter the layers point at (None: trainable)
+        self._merged: precision.MergedAdapters | None = None  # served adapters folded into bf16 weights
         self._optimizer: torch.optim.AdamW | None = None
         self._initial: dict[str, torch.Tensor] = {}  # the trainable adapter at start (v0's)
         self._newest = 0
@@ -167,6 +170,8 @@ class Engine(Decoding, VersionSlots, Training):
 
         self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]
         self._trainable_active = [layer._active_adapter for layer in self._lora_layers]
+        if self.merge_adapters and precision.MergedAdapters.possible(self._lora_layers):
+            self._merged = precision.MergedAdapters(self._lora_layers)
         self._initial = self._trainable_state()
         # on a CPU the activations stay fp32 whatever the dtype, and the served adapters with them
         upcast = str(self.device).startswith("cpu")
@@ -290,8 +295,8 @@ class Engine(Decoding, VersionSlots, Training):
 
     async def logits(self, token_ids: Sequence[int], *, version: int | None = None) -> torch.Tensor:
         """The logits at every position of `token_ids` on a version (default: the newest),
-        computed as serving computes them: that version's adapter, unmerged, in the model's
-        dtype. float32, on the CPU. For tools that check a copy of a version (export)."""
+        computed as serving computes them: that version's adapter (merged into the bf16 weights
+        where the engine merges, `merge_adapters`), in the model's dtype. float32, on the CPU. For tools that check a copy of a version (export)."""
         return await self._call(self._logits, tuple(int(t) for t in token_ids), version)
 
     async def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -411,6 +416,9 @@ class Engine(Decoding, VersionSlots, Training):
             return self._model(**inputs)
         unique = set(names)
         if len(unique) > 1:
+            if self._merged is not None and self._merged.in_place is not None:
+                self._merged.use(None)  # the mixed batch adds each row's adapter to the base's weights
+                self._pointed = STALE
             return self._model(**inputs, adapter_names=list(names))
         self._point_at(unique.pop())
         return self._model(**inputs)
@@ -419,12 +427,23 @@ class Engine(Decoding, VersionSlots, Training):
         """Point every LoRA layer at adapter `name` (None: the trainable one as PEFT set it up),
         only when it changes: the assignment goes through nn.Module.__setattr__ on each of the
         hundreds of LoRA layers, which measured a few percent of a decode step. PEFT's own
-        set_adapter would also flip requires_grad, which must stay on the trainable adapter."""
+        set_adapter would also flip requires_grad, which must stay on the trainable adapter.
+        A served adapter runs merged into the weights where the engine merges (`_merged`): the
+        layers then point at no adapter and hold that adapter's merged weights."""
         if name == self._pointed:
             return
+        merged = self._merged is not None and name not in (None, BASE)
         for layer, trainable in zip(self._lora_layers, self._trainable_active, strict=True):
-            layer._active_adapter = trainable if name is None else [] if name == BASE else [name]
+            layer._active_adapter = trainable if name is None else [] if name == BASE or merged else [name]
+        if self._merged is not None:
+            self._merged.use(name if merged else None)
         self._pointed = name
+
+    def _forget_merged(self, name: str) -> None:
+        """Slot `name`'s weights changed or it was freed: its merged copy is stale."""
+        if self._merged is not None:
+            self._merged.forget(name)
+            self._pointed = STALE
 
     def _run_job(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():

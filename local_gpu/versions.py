@@ -45,6 +45,7 @@ class VersionSlots:
     _slots: adapters.Slots | None
     _writer: concurrent.futures.ThreadPoolExecutor
     _set_trainable: Callable[[dict[str, torch.Tensor]], None]
+    _forget_merged: Callable[[str], None]
 
     def _row(self, version: int) -> str:
         """The adapter name a row on `version` runs with (acquired: its slot is in memory)."""
@@ -103,7 +104,9 @@ class VersionSlots:
         assert self._slots is not None
         for version in sorted(self._served):
             if version != self._newest and self._refs.get(version, 0) <= 0:
-                self._slots.free(self._served.pop(version))
+                name = self._served.pop(version)
+                self._forget_merged(name)  # the slot may be refilled with another version's weights
+                self._slots.free(name)
                 self._refs.pop(version, None)
         self._restale()
         # cached prompts are keys computed through a version's weights: only its requests reuse

@@ -242,3 +242,67 @@ def test_a_gpu_bf16_model_keeps_its_serving_slots_in_bf16_and_a_cpu_in_fp32() ->
         name = slots.fill({k: v.detach() for k, v in trainable.items()})
         assert {p.dtype for p in slots.params[name].values()} == {expected}
         assert {p.dtype for p in trainable.values()} == {torch.float32}
+
+
+async def _serve_adapter(backend: LocalBackend, version: int, seed: int, root: Path) -> None:
+    """Serve random LoRA weights (large enough to move every logprob) as `version`, the way a
+    restart serves a published folder."""
+    shapes = await backend.engine.trainable_state()
+    gen = torch.Generator().manual_seed(seed)
+    weights = {k: torch.randn(v.shape, generator=gen) * 1.0 for k, v in shapes.items()}
+    if not adapters.folder(root, version).exists():
+        adapters.reserve(root, version)
+        adapters.write(root, version, weights, adapters.config_json(backend.engine._model, adapters.TRAIN))
+    await backend.engine.restore(version, str(adapters.folder(root, version)))
+
+
+async def test_a_version_served_merged_into_the_bf16_weights_scores_as_its_adapter_beside_them(
+    tmp_path: Path,
+) -> None:
+    """`merge_adapters` (bf16 on a CPU): a forward on one served version runs its adapter merged
+    into the packed weights. Its scores are those of the adapter beside the weights up to the
+    merged weights' rounding; a slot refilled with another version's weights is merged again;
+    a batch mixing versions gets the base's own weights back (its v0 row is v0's)."""
+    merged, beside = (
+        LocalBackend("tiny-random", tmp_path / name, lora_rank=8, lora_alpha=8, threads=1, engine_dtype="bf16",
+                     prefix_cache_mb=0, merge_adapters=merge)
+        for name, merge in (("merged", True), ("beside", False))
+    )
+    for b in (merged, beside):
+        b.engine.start()
+    try:
+        assert merged.engine._merged is not None and beside.engine._merged is None
+        completion = (4093, 314, 2201, 28, 690, 11)
+        base = await merged.score(PROMPT, completion, model="base")
+        scores: dict[int, list[float]] = {0: base}
+
+        def far(a: list[float], b: list[float]) -> float:
+            return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+        for version in (1, 2, 3):  # v3 refills v1's slot (freed when v2 served)
+            for b in (merged, beside):
+                await _serve_adapter(b, version, seed=version, root=tmp_path / "published")
+            got, scores[version] = [await b.score(PROMPT, completion) for b in (merged, beside)]
+            # the merged weights' rounding (0.004-0.04 measured) is well below what tells the
+            # versions apart (0.19-0.47 from v0; a stale merge would score as another version)
+            others = min(far(scores[version], scores[v]) for v in scores if v != version)
+            assert far(got, scores[version]) < min(0.06, others / 3), version
+        # a batch with rows on v0 and v3 right after a merged forward on v3: PEFT's mixed batch,
+        # which adds each row's adapter to the base's own weights
+        engine = merged.engine
+
+        def forwards() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            ids, v3 = torch.tensor([PROMPT, PROMPT]), engine._row(3)
+            with torch.inference_mode():
+                alone = engine._forward([v3], input_ids=ids[:1]).logits[0]
+                assert engine._merged is not None and engine._merged.in_place == v3
+                mixed = engine._forward([adapters.BASE, v3], input_ids=ids).logits
+                return alone, mixed, engine._forward([adapters.BASE], input_ids=ids[:1]).logits[0]
+
+        alone_v3, mixed, alone_v0 = await engine._call(forwards)
+        assert (mixed[0] - alone_v0).abs().max() < 1e-3  # v0's row is v0's, not v3's merged weights
+        # v3's row is v3's adapter beside the weights: the merged forward's up to its rounding
+        assert (mixed[1] - alone_v3).abs().mean() < 0.1 * (alone_v3 - alone_v0).abs().mean()
+    finally:
+        for b in (merged, beside):
+            b.engine.close()
