@@ -4,7 +4,8 @@
 
 `--probes N` instead sends the first N general probe questions at once, each with its own seed
 (what the gate and the demo's measurements do), and times them on v0 and on a published adapter
-for every `--max-batch` (rows the engine decodes together):
+for every `--max-batch` (rows the engine decodes together), the adapter merged into the bf16
+weights (`engine_merge_adapters`) and beside them:
 
     .venv/bin/python bench/decode.py --probes 100 --tokens 40 --max-batch 16 32 64
 """
@@ -79,27 +80,32 @@ async def concurrency(args: argparse.Namespace) -> None:
 
 
 async def rows(args: argparse.Namespace) -> None:
+    """Each row count with the served adapter merged into the bf16 weights and without
+    (`merge_adapters`; where the engine cannot merge, both rows run the adapter beside them)."""
     spec = models.resolve(args.model)
     dtype = precision.resolve(args.dtype, "cpu")
     print(f"model {spec.name} ({precision.name(dtype)}), {args.probes} probe questions at once, up to {args.tokens} tokens each")
     reference: dict[str, float] = {}
     for max_batch in args.max_batch:
-        with tempfile.TemporaryDirectory() as tmp:
-            engine = Engine(spec, data_dir=Path(tmp), lora_rank=args.rank, lora_alpha=args.rank, dtype=dtype,
-                            max_batch=max_batch, threads=args.threads)
-            engine.start()
-            try:
-                prompts = [chat(engine, p.question) for p in general_probes()[: args.probes]]
-                await probes(engine, prompts[:4], 4, 0)  # warm-up
-                for name, version in (("v0", 0), ("adapter", 1)):
-                    if version:
-                        await engine.publish()
-                    seconds, tokens = await probes(engine, prompts, args.tokens, version)
-                    ratio = reference.setdefault(name, seconds) / seconds
-                    print(f"max_batch {max_batch:3d} {name:8s} {seconds:6.1f} s, {tokens} tokens, "
-                          f"{tokens / seconds:6.1f} tokens/s, {ratio:.2f}x the first row count")
-            finally:
-                engine.close()
+        for merge in (True, False):
+            with tempfile.TemporaryDirectory() as tmp:
+                engine = Engine(spec, data_dir=Path(tmp), lora_rank=args.rank, lora_alpha=args.rank, dtype=dtype,
+                                max_batch=max_batch, threads=args.threads, merge_adapters=merge)
+                engine.start()
+                try:
+                    prompts = [chat(engine, p.question) for p in general_probes()[: args.probes]]
+                    await probes(engine, prompts[:4], 4, 0)  # warm-up
+                    versions = (("v0", 0), ("adapter", 1)) if merge else (("adapter", 1),)
+                    for name, version in versions:
+                        if version:
+                            await engine.publish()
+                            name += " merged" if merge else " beside"
+                        seconds, tokens = await probes(engine, prompts, args.tokens, version)
+                        ratio = reference.setdefault(f"{max_batch}", seconds) / seconds
+                        print(f"max_batch {max_batch:3d} {name:15s} {seconds:6.1f} s, {tokens} tokens, "
+                              f"{tokens / seconds:6.1f} tokens/s, {ratio:.2f}x v0's time")
+                finally:
+                    engine.close()
 
 
 def main() -> None:
