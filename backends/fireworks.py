@@ -425,7 +425,7 @@ def _connector(settings: Settings) -> Callable[[], Any]:
 
         from fireworks.training.sdk import FiretitanServiceClient
 
-        # base_url always given: otherwise the SDK reads TINKER_BASE_URL (FACTS.md).
+        # base_url always given: otherwise the SDK reads TINKER_BASE_URL.
         return FiretitanServiceClient(base_url=settings.fireworks_base_url, api_key=os.environ.get("FIREWORKS_API_KEY"))
 
     return connect

@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL cluster for tests.
 
-PostgreSQL 15 is installed but not running (FACTS.md). `PgCluster.start()` runs `initdb` in a
+PostgreSQL 15 is installed on the test machines but not running. `PgCluster.start()` runs `initdb` in a
 fresh temp dir and starts a server on a free loopback port with its socket in that dir; `stop()`
 kills it (`-m immediate`: the data is thrown away anyway) and removes the dir. initdb refuses to
 run as root, so as root the cluster runs as the `postgres` user.

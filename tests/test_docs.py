@@ -122,3 +122,22 @@ def test_the_code_map_names_every_file_of_every_room():
     assert set(rows) == set(tree), (sorted(set(tree) - set(rows)), sorted(set(rows) - set(tree)))
     for folder, files in tree.items():
         assert rows[folder] == files, (folder, sorted(files - rows[folder]), sorted(rows[folder] - files))
+
+
+# Files by these names are made at run time (a benchmark's output, an agent's workspace file in a
+# test), not kept in the repository.
+MADE_AT_RUN_TIME = {"NOTES.md", "AGENTS.md"}
+
+
+def test_every_notes_file_the_code_and_docs_cite_is_in_the_repository():
+    """The repository stands alone: a page name in capitals (`README.md`) cited in a source file, test or page is one of
+    its own files, never notes kept somewhere else."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    own = {Path(f).name for f in tracked}
+    cited: dict[str, str] = {}
+    for f in tracked:
+        if f.endswith((".py", ".md", ".yaml", ".toml", ".sh")) and (ROOT / f).is_file():
+            for name in re.findall(r"\b([A-Z][A-Z0-9_-]*\.md)\b", (ROOT / f).read_text(errors="replace")):
+                cited.setdefault(name, f)
+    missing = {n: f for n, f in cited.items() if n not in own and n not in MADE_AT_RUN_TIME}
+    assert not missing, f"cited but not in the repository (name: first file citing it): {missing}"

@@ -187,7 +187,7 @@ class Renderer:
         g = self._gen_suffix
         if g is not None and text.endswith(g):
             ends[n] = len(text) - len(g)
-            if n >= 2:  # agents often rebuild their last message each time (FACTS.md, OpenClaw)
+            if n >= 2:  # agents often rebuild their last message each time (OpenClaw does)
                 head = self._template_text(msgs[: n - 1 + shift], native_tools, generation=False)
                 if text.startswith(head):
                     ends[n - 1] = len(head)

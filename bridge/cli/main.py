@@ -279,7 +279,7 @@ def _server_model(url: str, api_key: str | None) -> dict:
     return dict(r.json()["data"][0])
 
 
-OPENCLAW_PROMPT_TOKENS = 14_000  # its system prompt and 12 tools (FACTS.md: 13.3-14.5 K tokens)
+OPENCLAW_PROMPT_TOKENS = 14_000  # its system prompt and 12 tools: 13.3-14.5 K tokens, measured
 
 
 def _openclaw_provider(url: str, model: str | None, api_key: str | None, context_window: int | None,

@@ -5,7 +5,7 @@ A request names its session by header, body key or URL prefix. Untagged requests
 conversation they extend: every answered request registers the structural fingerprint of its
 messages plus the reply it got; a later request whose message prefix has that fingerprint
 continues the same session. Fingerprints are structural because real agents re-serialise what
-they replay (FACTS.md, "OpenClaw as a client"): tool-call ids are rewritten, JSON arguments are
+they replay (OpenClaw does, observed against a logging server): tool-call ids are rewritten, JSON arguments are
 re-encoded, and an internal-context message is rebuilt at the end of every request and never kept
 in history — it is dropped before matching and never becomes a next state.
 
