@@ -162,3 +162,20 @@ def test_the_chosen_dtype_is_in_the_banner_the_model_card_and_the_status(tmp_pat
     finally:
         live.stop()
         torch.set_num_threads(threads)
+
+
+def test_stochastic_rounding_keeps_a_change_smaller_than_half_a_bf16_step_on_average() -> None:
+    """A merged weight is a bf16 weight plus a LoRA change; rounded to nearest, a change under half
+    a bf16 step vanishes (the merged version would be less trained than the adapter). Rounded
+    stochastically, it survives on average, and a value bf16 holds exactly stays as it is."""
+    step = 2.0**-7  # bf16's step at 1.0
+    weight = torch.full((100_000,), 1.0)
+    changed = weight + 0.3 * step
+    assert changed.to(torch.bfloat16).float().mean().item() == 1.0  # nearest: the change is gone
+    rounded = precision.round_stochastically(changed, torch.Generator().manual_seed(0)).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + step}
+    assert abs((rounded.mean().item() - 1.0) / step - 0.3) < 0.01
+    negative = precision.round_stochastically(-changed, torch.Generator().manual_seed(1)).float()
+    assert abs((negative.mean().item() + 1.0) / step + 0.3) < 0.01
+    exact = torch.tensor([0.5, -3.0, 1.0 + step, 0.0])
+    assert torch.equal(precision.round_stochastically(exact, torch.Generator()).float(), exact)
