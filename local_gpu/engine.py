@@ -48,7 +48,7 @@ from clawbridge.local_gpu import adapters, models, precision
 from clawbridge.local_gpu.adapters import BASE, STALE, TRAIN
 from clawbridge.local_gpu.decoding import Decoding, _Job, _Seq
 from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
-from clawbridge.local_gpu.training import Training
+from clawbridge.local_gpu.training import SCORE_CHUNK, SCORE_ROW, Training
 from clawbridge.local_gpu.versions import VersionSlots
 from clawbridge.protocol import BackendError, UnknownVersion
 from clawbridge.types import (
@@ -372,7 +372,8 @@ class Engine(Decoding, VersionSlots, Training):
             except queue.Empty:
                 pass
             if self._jobs:
-                self._run_job(self._jobs.popleft())
+                job = self._jobs.popleft()
+                self._run_scores([job, *self._more_scores(job)]) if self._scoring(job) else self._run_job(job)
             self._admit()
             if self._active:
                 self._decode_step()
@@ -444,6 +445,46 @@ class Engine(Decoding, VersionSlots, Training):
         if self._merged is not None:
             self._merged.forget(name)
             self._pointed = STALE
+
+    def _scoring(self, job: _Job) -> bool:
+        """`job` is a `score` that fits one packed forward (a longer one runs alone, in chunks)."""
+        if job.fn != self._score:
+            return False
+        prompt, completion = job.args[0], job.args[1]
+        return bool(prompt) and bool(completion) and len(prompt) + len(completion) <= SCORE_CHUNK
+
+    def _more_scores(self, first: _Job) -> list[_Job]:
+        """The other waiting `score` jobs on `first`'s model, taken out of the queue (in order,
+        up to SCORE_ROW tokens with `first`'s: one packed forward, decode steps still between):
+        callers ask for many at once (a turn's rewrites, a step's teacher), and each alone pays
+        a whole forward's overhead for a few dozen tokens."""
+        taken: list[_Job] = []
+        rest: deque[_Job] = deque()
+        room = SCORE_ROW - len(first.args[0]) - len(first.args[1])
+        while self._jobs:
+            job = self._jobs.popleft()
+            size = len(job.args[0]) + len(job.args[1]) if self._scoring(job) else 0
+            if size and job.args[2] == first.args[2] and size <= room:
+                taken.append(job)
+                room -= size
+            else:
+                rest.append(job)
+        self._jobs.extendleft(reversed(rest))
+        return taken
+
+    def _run_scores(self, jobs: list[_Job]) -> None:
+        """The score jobs as one `_scores` job (failing, or failed, as any job), each given its own."""
+        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        together: concurrent.futures.Future[list[list[float]]] = concurrent.futures.Future()
+        self._run_job(_Job(self._scores, ([job.args for job in live],), together))
+        error = together.exception()
+        for i, job in enumerate(live):
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(together.result()[i])
 
     def _run_job(self, job: _Job) -> None:
         if not job.future.set_running_or_notify_cancel():

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 # layer's attention stays bounded and a closing engine abandons it soon. Chunks cost time on CPU
 # (tiny model, 8 K tokens: 1.8 s whole, 2.5 s in chunks of 4 K, 3.3 s of 2 K; same logprobs).
 SCORE_CHUNK = 4096
+# Scores waiting together are packed into one row of up to this many tokens (`Engine._more_scores`):
+# one forward's overhead for all of them, short enough for decode steps to come between.
+SCORE_ROW = 1024
 
 
 class Training:
@@ -92,6 +95,21 @@ class Training:
             targets = torch.tensor(completion, device=self.device)
             lp = token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
         return [float(x) for x in lp.tolist()]
+
+    def _scores(self, asked: list[tuple[tuple[int, ...], tuple[int, ...], str, float]]) -> list[list[float]]:
+        """Several `_score`s on one model (`asked`: their arguments, SCORE_CHUNK tokens at most in
+        all) in one packed forward: one forward's overhead for all of them. Each is a solo
+        `_score`'s logprobs up to the matmuls' rounding at another shape (exact in fp32)."""
+        model = asked[0][2]
+        name = BASE if model == "base" else self._row(self._newest)
+        data = [Datum(p, c, (0.0,) * len(c), (0.0,) * len(c), t if t > 0 else 1.0) for p, c, _, t in asked]
+        with torch.inference_mode(), self._abandonable():
+            lp = self._batch_logprobs(data, name).tolist()
+        out, at = [], 0
+        for d in data:
+            out.append([float(x) for x in lp[at : at + len(d.completion_ids)]])
+            at += len(d.completion_ids)
+        return out
 
     def _logits(self, ids: tuple[int, ...], requested: int | None) -> torch.Tensor:
         if not ids:

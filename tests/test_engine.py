@@ -306,3 +306,31 @@ async def test_a_version_served_merged_into_the_bf16_weights_scores_as_its_adapt
     finally:
         for b in (merged, beside):
             b.engine.close()
+
+
+async def test_scores_asked_together_run_packed_and_equal_each_asked_alone(
+    tiny: LocalBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting `score` jobs on one model run as one packed forward (`Engine._more_scores`): the
+    same logprobs as each alone, each at its own temperature; a bad request among them fails
+    alone; base and policy scores never share a forward."""
+    engine = tiny.engine
+    asks = [((1, 520, 3121), (28, 1830, 446), "policy", 1.0), (PROMPT, (17, 905, 11, 12), "base", 1.0),
+            (PROMPT[:4], (4093, 314), "policy", 0.7), ((1, 4093), (314, 2201, 28, 690), "policy", 1.3),
+            (PROMPT, (12, 13), "base", 0.5)]
+    alone = [await tiny.score(p, c, model=m, temperature=t) for p, c, m, t in asks]  # type: ignore[arg-type]
+    packed: list[int] = []
+    scores = engine._scores
+    monkeypatch.setattr(engine, "_scores", lambda asked: packed.append(len(asked)) or scores(asked))
+    blocker = asyncio.ensure_future(engine._call(time.sleep, 0.5))  # the scores queue up behind it
+    await asyncio.sleep(0.1)
+    together = await asyncio.gather(
+        *(tiny.score(p, c, model=m, temperature=t) for p, c, m, t in asks),  # type: ignore[arg-type]
+        tiny.score(PROMPT, (), model="policy"), return_exceptions=True,
+    )
+    await blocker
+    assert sorted(packed) == [2, 3]  # the base's two and the policy's three, each one forward
+    assert isinstance(together[-1], ValueError)  # an empty completion: refused, alone
+    for a, b in zip(alone, together[:-1], strict=True):
+        assert isinstance(b, list) and len(a) == len(b)
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
