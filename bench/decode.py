@@ -8,6 +8,10 @@ for every `--max-batch` (rows the engine decodes together), the adapter merged i
 weights (`engine_merge_adapters`) and beside them:
 
     .venv/bin/python bench/decode.py --probes 100 --tokens 40 --max-batch 16 32 64
+
+`--scores N` scores N probe answers one at a time and all at once (packed by the engine):
+
+    .venv/bin/python bench/decode.py --scores 32 --tokens 40
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -108,6 +113,41 @@ async def rows(args: argparse.Namespace) -> None:
                     engine.close()
 
 
+async def scores(args: argparse.Namespace) -> None:
+    """`--scores N`: N probe answers scored one at a time (each awaited: a forward each) and
+    all at once (the engine packs waiting scores into rows, `Engine._more_scores`), alternating,
+    medians of `--repeats`."""
+    spec = models.resolve(args.model)
+    dtype = precision.resolve(args.dtype, "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine(spec, data_dir=Path(tmp), lora_rank=args.rank, lora_alpha=args.rank, dtype=dtype,
+                        threads=args.threads)
+        engine.start()
+        try:
+            prompts = [chat(engine, p.question) for p in general_probes()[: args.scores]]
+            params = SamplingParams(max_tokens=args.tokens, temperature=0.7)
+            outs = await asyncio.gather(*(engine.sample(p, dataclasses.replace(params, seed=i))
+                                          for i, p in enumerate(prompts)))
+            pairs = [(p, out[0].tokens) for p, out in zip(prompts, outs, strict=True)]
+            tokens = sum(len(p) + len(c) for p, c in pairs)
+            took: dict[str, list[float]] = {"one at a time": [], "all at once": []}
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                for p, c in pairs:
+                    await engine.score(p, c, temperature=0.7)
+                took["one at a time"].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                await asyncio.gather(*(engine.score(p, c, temperature=0.7) for p, c in pairs))
+                took["all at once"].append(time.perf_counter() - t0)
+            print(f"model {spec.name} ({precision.name(dtype)}), {len(pairs)} answers scored, {tokens} tokens")
+            med = {k: statistics.median(v) for k, v in took.items()}
+            for k, v in med.items():
+                print(f"{k:14s} {v:6.2f} s median of {args.repeats}, {tokens / v:7.1f} tokens/s")
+            print(f"all at once / one at a time: {med['one at a time'] / med['all at once']:.2f}x the rate")
+        finally:
+            engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=models.EMBEDDED)
@@ -117,10 +157,12 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--dtype", default="auto", choices=[*sorted(precision.DTYPES), "auto"],
                         help="with --probes: the engine's dtype (auto: bf16 where the CPU has it, as the demo)")
+    parser.add_argument("--scores", type=int, default=0, help="score this many probe answers one at a time and at once")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
-    asyncio.run(rows(args) if args.probes else concurrency(args))
+    asyncio.run(scores(args) if args.scores else rows(args) if args.probes else concurrency(args))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ engines alternating; medians), then:
   merging engine is what `score` returns for that version; one by the other engine is what the
   adapter beside the weights gives, as the trainer's forward computes it (mean and max |Δ| over
   the sampled tokens, against the sampled logprobs). The same for the other engine's answers.
+- *kept*: on the answers sampled beside, the slope of (merged − base) on (beside − base) logprobs:
+  the share of the adapter's effect the merged weights keep (1: all of it; rounding each merged
+  weight to the nearest bf16 value drops every change under half a step).
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ async def gaps(scorer: Engine, prompts: list[list[int]], sampled: list[Completio
     return sum(diffs) / len(diffs), max(diffs)
 
 
+async def kept(engines: dict[bool, Engine], prompts: list[list[int]], sampled: list[Completion]) -> float:
+    """How much of what the adapter moves survives the merge: the least-squares slope of the merged
+    version's logprob − the base's on the adapter's own (beside) − the base's, over every token."""
+    xy = xx = 0.0
+    for prompt, c in zip(prompts, sampled, strict=True):
+        base = await engines[False].score(prompt, c.tokens, model="base", temperature=0.7)
+        beside = await engines[False].score(prompt, c.tokens, model="policy", temperature=0.7)
+        merged = await engines[True].score(prompt, c.tokens, model="policy", temperature=0.7)
+        for b, x, y in zip(base, beside, merged, strict=True):
+            xy += (x - b) * (y - b)
+            xx += (x - b) ** 2
+    return xy / xx
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--adapter", type=Path, help="a published version's folder (adapters/vK)")
@@ -62,7 +79,11 @@ async def main() -> None:
     ap.add_argument("--probes", type=int, default=48)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--nearest", action="store_true",
+                    help="merge with round-to-nearest instead of the engine's stochastic rounding (the comparison)")
     args = ap.parse_args()
+    if args.nearest:
+        precision.round_stochastically = lambda x, gen: x.to(torch.bfloat16)  # type: ignore[assignment]
     spec = models.resolve(models.EMBEDDED)
     dtype = precision.resolve("auto", "cpu")
     if args.adapter is not None:
@@ -106,6 +127,8 @@ async def main() -> None:
                     mean, most = await gaps(engines[by], prompts, sampled[merge])
                     print(f"sampled {'merged' if merge else 'beside'}, scored {'merged' if by else 'beside'}: "
                           f"|Δ logprob| mean {mean:.4f}, max {most:.3f}")
+            print(f"the adapter's effect kept merged: {await kept(engines, prompts, sampled[False]):.3f} "
+                  "(1: all of it; below 1, the merged version is less trained than its adapter)")
         finally:
             for e in engines.values():
                 e.close()
