@@ -249,7 +249,7 @@ async def _serve_adapter(backend: LocalBackend, version: int, seed: int, root: P
     restart serves a published folder."""
     shapes = await backend.engine.trainable_state()
     gen = torch.Generator().manual_seed(seed)
-    weights = {k: torch.randn(v.shape, generator=gen) * 1.0 for k, v in shapes.items()}
+    weights = {k: torch.randn(v.shape, generator=gen) for k, v in shapes.items()}
     if not adapters.folder(root, version).exists():
         adapters.reserve(root, version)
         adapters.write(root, version, weights, adapters.config_json(backend.engine._model, adapters.TRAIN))
