@@ -457,11 +457,12 @@ class Engine(Decoding, VersionSlots, Training):
         """The other waiting `score` jobs on `first`'s model, taken out of the queue (in order,
         up to SCORE_ROW tokens with `first`'s: one packed forward, decode steps still between):
         callers ask for many at once (a turn's rewrites, a step's teacher), and each alone pays
-        a whole forward's overhead for a few dozen tokens."""
+        a whole forward's overhead for a few dozen tokens. Only scores queued before any other
+        job: a score asked after a publish is the new version's."""
         taken: list[_Job] = []
         rest: deque[_Job] = deque()
         room = SCORE_ROW - len(first.args[0]) - len(first.args[1])
-        while self._jobs:
+        while self._jobs and self._jobs[0].fn == self._score:
             job = self._jobs.popleft()
             size = len(job.args[0]) + len(job.args[1]) if self._scoring(job) else 0
             if size and job.args[2] == first.args[2] and size <= room:

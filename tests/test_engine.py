@@ -330,6 +330,17 @@ async def test_scores_asked_together_run_packed_and_equal_each_asked_alone(
     )
     await blocker
     assert sorted(packed) == [2, 3]  # the base's two and the policy's three, each one forward
+    # a publish is a barrier: the score asked after it is the new version's, never packed with one before
+    await tiny.train_step([Datum(PROMPT, (28, 1830, 446), (-1.0,) * 3, (1.0,) * 3)], LossSpec(),
+                          OptimSpec(learning_rate=1e-2))
+    p, c, _, _ = asks[0]
+    old = await tiny.score(p, c)
+    blocker = asyncio.ensure_future(engine._call(time.sleep, 0.5))
+    await asyncio.sleep(0.1)
+    before, _, after = await asyncio.gather(tiny.score(p, c), tiny.publish(), tiny.score(p, c))
+    await blocker
+    new = await tiny.score(p, c)
+    assert before == old and after == new and max(abs(x - y) for x, y in zip(old, new, strict=True)) > 1e-3
     assert isinstance(together[-1], ValueError)  # an empty completion: refused, alone
     for a, b in zip(alone, together[:-1], strict=True):
         assert isinstance(b, list) and len(a) == len(b)
