@@ -4,8 +4,8 @@ beside them: decode rate, and how far the logprobs move.
     .venv/bin/python bench/merged_adapters.py --adapter .clawbridge-demo/adapters/v5
 
 `--adapter`: a published version's folder (a finished `make demo` leaves several); without it
-the bench serves random LoRA weights of the demo's rank, which move the answers far more than
-training does. Two engines (bf16, on this CPU), one merging and one not, serve the same weights.
+the bench serves random LoRA weights of the demo's rank (entries of 0.02: not what training
+makes, so read the rate from them, the agreement from a trained adapter). Two engines (bf16, on this CPU), one merging and one not, serve the same weights.
 Each answers the first `--probes` general probe questions at once (`--rounds` times, the two
 engines alternating; medians), then:
 
@@ -24,7 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,10 +37,8 @@ from clawbridge.local_gpu import adapters, models, precision
 from clawbridge.local_gpu.engine import Engine
 from clawbridge.types import Completion, SamplingParams
 
-
-def chat(engine: Engine, text: str) -> list[int]:
-    return list(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     return_dict=False))
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import chat  # a sibling script: the chat prompt of a probe question, as decode.py sends it)
 
 
 async def answers(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, list[Completion]]:
@@ -87,8 +87,6 @@ async def main() -> None:
     spec = models.resolve(models.EMBEDDED)
     dtype = precision.resolve("auto", "cpu")
     if args.adapter is not None:
-        import json
-
         args.rank = int(json.loads((args.adapter / adapters.CONFIG).read_text())["r"])
     with tempfile.TemporaryDirectory() as tmp:
         engines = {merge: Engine(spec, data_dir=Path(tmp) / str(merge), lora_rank=args.rank, lora_alpha=args.rank,

@@ -296,7 +296,8 @@ class Engine(Decoding, VersionSlots, Training):
     async def logits(self, token_ids: Sequence[int], *, version: int | None = None) -> torch.Tensor:
         """The logits at every position of `token_ids` on a version (default: the newest),
         computed as serving computes them: that version's adapter (merged into the bf16 weights
-        where the engine merges, `merge_adapters`), in the model's dtype. float32, on the CPU. For tools that check a copy of a version (export)."""
+        where the engine merges, `merge_adapters`), in the model's dtype. float32, on the CPU.
+        For tools that check a copy of a version (export)."""
         return await self._call(self._logits, tuple(int(t) for t in token_ids), version)
 
     async def trainable_state(self) -> dict[str, torch.Tensor]:
