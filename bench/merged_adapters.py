@@ -38,7 +38,9 @@ from clawbridge.local_gpu.engine import Engine
 from clawbridge.types import Completion, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import chat  # a sibling script: the chat prompt of a probe question, as decode.py sends it)
+from decode import (
+    chat,  # a sibling script: a probe question as decode.py sends it
+)
 
 
 async def answers(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, list[Completion]]:
