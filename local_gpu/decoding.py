@@ -1,5 +1,5 @@
-"""The engine's decode half, on the scheduler thread: admitting a waiting sequence (its
-prefill, with the prefix cache), one decode step of every running row, and drawing each
+"""The engine's decode half, on the scheduler thread: admitting waiting sequences (their
+prefill together, with the prefix cache), one decode step of every running row, and drawing each
 row's next token exactly as `sampling` says (the recorded logprobs are the policy's)."""
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, PrefixCache, SlotBatch, cache_of
+from clawbridge.local_gpu.kvbatch import (
+    KVBatch,
+    PrefixCache,
+    SlotBatch,
+    cache_of,
+    prefill,
+    select_rows,
+)
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.types import (
     SamplingParams,
@@ -63,9 +70,21 @@ class Decoding:
     _acquire: Callable[[int | None], int]
     _release: Callable[[int], None]
     _row: Callable[[int], str]
+    _query_dtype: torch.dtype  # the attention's query dtype (the prefill's additive mask matches it)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._active) < self.max_batch:
+        """Admit waiting sequences into the running batch, prefilled together per served version
+        (`kvbatch.Prefill`). While rows run and more wait than fit, admission waits until a
+        chunk of rows is free (`_admit_chunk`): a forward's fixed cost (~60 ms of the embedded
+        model's on a CPU, whatever it computes) is then paid once for the chunk, not once for
+        each sequence as the rows free one by one."""
+        free = self.max_batch - len(self._active)
+        if not self._waiting or free <= 0:
+            return
+        if self._active and len(self._waiting) > free and free < self._admit_chunk:
+            return
+        seqs: list[_Seq] = []
+        while self._waiting and len(seqs) < free:
             seq = self._waiting.popleft()
             if seq.cancelled:
                 continue
@@ -74,40 +93,58 @@ class Decoding:
             except BaseException as exc:
                 seq.emit(exc)
                 continue
-            try:
-                with torch.inference_mode(), self._abandonable():
-                    out = self._prefill(seq)
-                    # kept before the first token goes out: a caller that has it sees the entry
-                    self._prefixes.store(seq.version, seq.prompt, cache_of(out))
-                    token = self._take(seq, out.logits[0, -1])
-                    if token is not None:
-                        self._batch.add(cache_of(out), len(seq.prompt), token)
-            except BaseException as exc:
+            seqs.append(seq)
+        groups: dict[str, list[_Seq]] = {}
+        for seq in seqs:
+            groups.setdefault(self._row(seq.version), []).append(seq)
+        for name, group in groups.items():
+            self._prefill(name, group)
+
+    @property
+    def _admit_chunk(self) -> int:
+        return max(1, self.max_batch // 8)
+
+    def _prefill(self, name: str, seqs: list[_Seq]) -> None:
+        """One forward over the prompts of `seqs` (all on adapter `name`; the same prompt is
+        computed once), each continuing its longest prefix cached on that version; their
+        caches kept for later prompts, each sequence's first token drawn, and the sequences
+        that go on added to the running batch."""
+        version = seqs[0].version
+        prompts: dict[tuple[int, ...], int] = {}
+        for seq in seqs:
+            prompts.setdefault(seq.prompt, len(prompts))
+        unique = list(prompts)
+        tokens: list[int | None] = []
+        try:
+            with torch.inference_mode(), self._abandonable():
+                cached = [self._prefixes.lookup(version, p) if self._prefixes.budget else None for p in unique]
+                layout = prefill(unique, cached, device=self.device, mask_dtype=self._query_dtype)
+                out = self._forward([name] * len(unique), **layout.inputs, use_cache=True, logits_to_keep=1)
+                cache = cache_of(out)
+                # kept before the first token goes out: a caller that has it sees the entry
+                for i, p in enumerate(unique):
+                    self._prefixes.store(version, p, layout.row_cache(cache, i))
+                logits = out.logits[:, -1]
+                for seq in seqs:
+                    tokens.append(self._take(seq, logits[prompts[seq.prompt]]))
+                rows = [prompts[seq.prompt] for seq, t in zip(seqs, tokens, strict=True) if t is not None]
+                if rows:
+                    index = torch.tensor(rows, device=layout.mask.device)
+                    self._batch.add_rows(
+                        select_rows(cache, rows), layout.mask.index_select(0, index),
+                        [len(unique[r]) for r in rows], [t for t in tokens if t is not None],
+                    )
+        except BaseException as exc:
+            for i, seq in enumerate(seqs):
                 self._release(seq.version)
-                seq.emit(exc)
-                continue
+                if i >= len(tokens) or tokens[i] is not None:  # a finished one has had its end
+                    seq.emit(exc)
+            return
+        for seq, token in zip(seqs, tokens, strict=True):
             if token is None:
                 self._release(seq.version)
             else:
                 self._active.append(seq)
-
-    def _prefill(self, seq: _Seq) -> Any:
-        """The forward over `seq`'s prompt, alone (no padding), with its cache; the prompt's
-        longest prefix cached on the same version is reused and only the rest is computed."""
-        cached = self._prefixes.lookup(seq.version, seq.prompt) if self._prefixes.budget else None
-        start = 0 if cached is None else cached.get_seq_length()
-        inputs: dict[str, Any] = {
-            "input_ids": torch.tensor([seq.prompt[start:]], device=self.device),
-            "use_cache": True,
-            "logits_to_keep": 1,
-        }
-        if cached is not None:
-            log.debug("prefix cache: %d of %d prompt tokens reused", start, len(seq.prompt))
-            inputs[CACHE] = cached
-            inputs["position_ids"] = torch.arange(start, len(seq.prompt), device=self.device).view(
-                1, -1
-            )
-        return self._forward([self._row(seq.version)], **inputs)
 
     def _decode_step(self) -> None:
         try:

@@ -1,11 +1,12 @@
 """The torch engine: one HF causal LM + PEFT LoRA, owned by one scheduler thread.
 
 Every verb (sample, score, train_step, publish, save/load) runs on that thread, so the model is
-never mutated mid-forward. Sampling is continuously batched: new requests are prefilled and
-merged into the running batch between decode steps (`kvbatch.KVBatch`); other jobs run one per
-iteration between decode steps. A prompt that shares a prefix with a recent one on the same
-version prefills only the rest (`kvbatch.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe futures and
-per-request queues.
+never mutated mid-forward. Sampling is continuously batched: new requests are prefilled together
+(one forward for those admitted at once, `kvbatch.Prefill`) and merged into the running batch
+between decode steps (`kvbatch.KVBatch`); other jobs run one per iteration between decode steps.
+A prompt that shares a prefix with a recent one on the same version prefills only the rest
+(`kvbatch.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe
+futures and per-request queues.
 
 Versions. The trainable adapter is PEFT's "default" and is never served. Version 0 is the base
 (PEFT's "__base__" row name); `publish()` copies the trainable weights into a serving slot (a
@@ -103,6 +104,7 @@ class Engine(Decoding, VersionSlots, Training):
         self.tokenizer = models.load_tokenizer(spec)
         self.stop_ids = self._default_stop_ids()
         self._model: Any = None
+        self._query_dtype = torch.float32
         self._lora_layers: list[Any] = []
         self._trainable_active: list[Any] = []  # each layer's active adapter as PEFT set it up
         self._pointed: str | None = None  # the adapter the layers point at (None: trainable)
@@ -166,6 +168,9 @@ class Engine(Decoding, VersionSlots, Training):
                                     category=FutureWarning)
             self._model = get_peft_model(base, config, adapter_name=TRAIN)
         self._model.eval()  # no dropout anywhere; PEFT mixed-batch rows require eval mode
+        # the residual stream's dtype, which attention's queries have: fp32 on a CPU (only the
+        # matmuls are bf16), the compute dtype where the model is cast whole
+        self._query_dtype = self._model.get_input_embeddings().weight.dtype
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         self._lora_layers = [m for m in self._model.modules() if isinstance(m, BaseTunerLayer)]

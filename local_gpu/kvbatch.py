@@ -1,10 +1,11 @@
 """The running decode batch: one left-padded KV cache shared by every active sequence.
 
-A new sequence is prefilled alone (no padding, so its prompt attends exactly), then merged: the
-shorter side is padded on the left with zeros that the attention mask hides. Rotary positions are
-applied before keys are cached, so padding never shifts a sequence's positions; each row carries
-its own position ids. Finished rows are dropped between steps and columns that have become padding
-in every row are trimmed, so the cache stays as long as the longest live sequence.
+New sequences are prefilled together (`Prefill`: one forward for the prompts admitted at once,
+each continuing its cached prefix, laid out right-aligned with left padding the mask hides), then
+merged: the shorter side is padded on the left with zeros that the attention mask hides. Rotary
+positions are applied before keys are cached, so padding never shifts a sequence's positions; each
+row carries its own position ids. Finished rows are dropped between steps and columns that have
+become padding in every row are trimmed, so the cache stays as long as the longest live sequence.
 
 One forward per step serves every row (one matmul per layer), which is where batching pays;
 docs/engine.md has the measured figures.
@@ -66,13 +67,21 @@ class KVBatch:
     def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
         """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
         device = _layers(cache)[0][0].device
-        row_mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
+        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
+        self.add_rows(cache, mask, [prompt_len], [next_token])
+
+    def add_rows(
+        self, cache: DynamicCache, mask: torch.Tensor, lengths: list[int], next_tokens: list[int]
+    ) -> None:
+        """Append prefilled sequences: `cache` [b, H, L, D] left-padded as `mask` [b, L] says
+        (1 = real), row i holding `lengths[i]` real positions."""
+        padded = not bool(mask.all())
         if self.cache is None or self.mask is None:
-            self.cache, self.mask, self.padded = cache, row_mask, False
+            self.cache, self.mask, self.padded = cache, mask, padded
         else:
-            length = max(self.length, prompt_len)
-            old_pad, new_pad = length - self.length, length - prompt_len
-            self.padded = self.padded or old_pad > 0 or new_pad > 0
+            length = max(self.length, int(mask.shape[1]))
+            old_pad, new_pad = length - self.length, length - int(mask.shape[1])
+            self.padded = self.padded or padded or old_pad > 0 or new_pad > 0
             merged = [
                 (
                     torch.cat([_pad_left(k0, old_pad), _pad_left(k1, new_pad)]),
@@ -84,11 +93,11 @@ class KVBatch:
             self.mask = torch.cat(
                 [
                     torch.nn.functional.pad(self.mask, (old_pad, 0)),
-                    torch.nn.functional.pad(row_mask, (new_pad, 0)),
+                    torch.nn.functional.pad(mask, (new_pad, 0)),
                 ]
             )
-        self.positions.append(prompt_len)
-        self.next_tokens.append(next_token)
+        self.positions.extend(lengths)
+        self.next_tokens.extend(next_tokens)
 
     def step_inputs(self) -> dict[str, torch.Tensor | DynamicCache]:
         """Model inputs for one decode step of every row (the cache grows by one column). The
@@ -214,14 +223,23 @@ class SlotBatch:
 
     def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
         """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
+        self.add_rows(cache, None, [prompt_len], [next_token])
+
+    def add_rows(
+        self, cache: DynamicCache, mask: torch.Tensor | None, lengths: list[int], next_tokens: list[int]
+    ) -> None:
+        """Append prefilled sequences: `cache` [b, H, L, D] left-padded (row i's `lengths[i]` real
+        positions are its last; `mask` is not needed), each copied into its row from column 0."""
         layers = _layers(cache)
-        self._reserve(prompt_len + 1, layers if not self.keys else None)
-        row = self.size
-        for i, (k, v) in enumerate(layers):
-            self.keys[i][row, :, :prompt_len] = k[0]
-            self.values[i][row, :, :prompt_len] = v[0]
-        self.positions.append(prompt_len)
-        self.next_tokens.append(next_token)
+        self._reserve(max(lengths) + 1, layers if not self.keys else None)
+        width = int(layers[0][0].shape[2])
+        for j, n in enumerate(lengths):
+            row = self.size
+            for i, (k, v) in enumerate(layers):
+                self.keys[i][row, :, :n] = k[j, :, width - n :]
+                self.values[i][row, :, :n] = v[j, :, width - n :]
+            self.positions.append(n)
+            self.next_tokens.append(next_tokens[j])
 
     def _rows_for_step(self) -> int:
         if not self.bucketed:
@@ -314,6 +332,101 @@ class SlotBatch:
                     v[new, :, :n] = v[old, :, :n]
         self.positions = [self.positions[i] for i in rows]
         self.next_tokens = [self.next_tokens[i] for i in rows]
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prompts prefilled in one forward, each continuing the longest prefix of it the prefix
+    cache holds. Laid out right-aligned: every prompt ends at the last column, so each row's
+    next-token logits are at the last position (`logits_to_keep=1`) and the cache comes out in
+    `KVBatch`'s left-padded form (`mask`).
+
+    The forward's new columns are the last N tokens of every prompt, N the most any prompt lacks
+    from its cache (a row whose cached prefix is longer recomputes a few of its own tokens; a
+    shorter prompt is left-padded); the columns before them are each row's cached keys, left-padded
+    with zeros. Where anything is padded the forward gets a 4-D additive mask in which a query sees
+    its own row's earlier real columns; a pad's query sees none, and what it computes (finite: the
+    mask adds the dtype's most negative number, not -inf) lands only in pad columns, which no real
+    query sees. One prompt with nothing padded is exactly the forward of that prompt alone, with
+    no mask."""
+
+    inputs: dict[str, Any]  # the forward's input_ids, position_ids, cache and (if padded) mask
+    mask: torch.Tensor  # [R, W] 1 = a real column of the row, 0 = left padding
+    lengths: list[int]  # each row's prompt length
+
+    def row_cache(self, cache: DynamicCache, row: int) -> DynamicCache:
+        """Row `row`'s own positions of the forward's `cache`, as a prefill of it alone would hold
+        them (a copy unless the forward was that prefill: a view would keep the whole batch's
+        tensors alive in the prefix cache)."""
+        layers = _layers(cache)
+        if len(self.lengths) == 1 and bool(self.mask.all()):
+            return cache
+        start = int(self.mask.shape[1]) - self.lengths[row]
+        return DynamicCache(ddp_cache_data=[
+            (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone()) for k, v in layers
+        ])
+
+
+def prefill(
+    prompts: list[tuple[int, ...]],
+    cached: list[DynamicCache | None],
+    *,
+    device: torch.device | str,
+    mask_dtype: torch.dtype,
+    pad_id: int = 0,
+) -> Prefill:
+    """The layout of `Prefill` for `prompts`, `cached[i]` holding a prefix of `prompts[i]` (shorter
+    than it) or None. `mask_dtype`: the dtype of the attention's queries (an additive mask must
+    match it)."""
+    have = [0 if c is None else c.get_seq_length() for c in cached]
+    new = max(len(p) - h for p, h in zip(prompts, have, strict=True))
+    past = [max(0, len(p) - new) for p in prompts]  # the columns each row takes from its cache
+    width_past = max(past)
+    width = width_past + new
+    ids, positions = [], []
+    for p, start in zip(prompts, past, strict=True):
+        pad = new - (len(p) - start)
+        ids.append([pad_id] * pad + list(p[start:]))
+        positions.append([0] * pad + list(range(start, len(p))))
+    lengths = [len(p) for p in prompts]
+    cols = torch.arange(width, device=device)
+    real = cols[None, :] >= torch.tensor([width - n for n in lengths], device=device)[:, None]
+    inputs: dict[str, Any] = {
+        "input_ids": torch.tensor(ids, device=device),
+        "position_ids": torch.tensor(positions, device=device),
+    }
+    if width_past:
+        template = next(_layers(c) for c in cached if c is not None)
+        layers = []
+        for i, (k_like, v_like) in enumerate(template):
+            ks, vs = [], []
+            for c, n in zip(cached, past, strict=True):
+                if n:
+                    k, v = _layers(c)[i]  # type: ignore[arg-type]
+                    ks.append(_pad_left(k[:, :, :n], width_past - n))
+                    vs.append(_pad_left(v[:, :, :n], width_past - n))
+                else:
+                    shape = (1, k_like.shape[1], width_past, k_like.shape[3])
+                    ks.append(k_like.new_zeros(shape))
+                    vs.append(v_like.new_zeros(shape))
+            layers.append((torch.cat(ks), torch.cat(vs)))
+        inputs[CACHE] = DynamicCache(ddp_cache_data=layers)
+    if not bool(real.all()):
+        query = width_past + torch.arange(new, device=device)
+        causal = cols[None, :] <= query[:, None]  # [N, W]
+        seen = causal[None] & real[:, None, :]  # [R, N, W]
+        additive = torch.zeros(seen.shape, dtype=mask_dtype, device=device)
+        inputs["attention_mask"] = additive.masked_fill_(~seen, torch.finfo(mask_dtype).min)[:, None]
+    return Prefill(inputs, real.to(torch.long), lengths)
+
+
+def select_rows(cache: DynamicCache, rows: list[int]) -> DynamicCache:
+    """The cache of rows `rows` (in order, repeats allowed) of `cache`."""
+    layers = _layers(cache)
+    if rows == list(range(int(layers[0][0].shape[0]))):
+        return cache
+    index = torch.tensor(rows, device=layers[0][0].device)
+    return DynamicCache(ddp_cache_data=[(k.index_select(0, index), v.index_select(0, index)) for k, v in layers])
 
 
 @dataclass(eq=False)
