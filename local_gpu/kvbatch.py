@@ -146,7 +146,7 @@ class SlotBatch:
     [slots, kv_heads, length, head_dim] key and value tensor, row i the i-th sequence the engine
     tracks.
 
-    A new sequence is prefilled alone (exact, no padding) and its keys copied into the next free
+    New sequences are prefilled (`Prefill`) and each one's own keys copied into the next free
     row from column 0; each decode step writes every row's new key at that row's own position
     (`update`, called by the model's attention layers) and attends through a 4-D additive mask
     that hides each row's columns past its position. Finished rows are dropped by moving the live
