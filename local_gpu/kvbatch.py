@@ -396,13 +396,14 @@ def prefill(
         "position_ids": torch.tensor(positions, device=device),
     }
     if width_past:
-        template = next(_layers(c) for c in cached if c is not None)
+        rows = [None if c is None else _layers(c) for c in cached]
+        template = next(r for r in rows if r is not None)
         layers = []
         for i, (k_like, v_like) in enumerate(template):
             ks, vs = [], []
-            for c, n in zip(cached, past, strict=True):
-                if n:
-                    k, v = _layers(c)[i]  # type: ignore[arg-type]
+            for row, n in zip(rows, past, strict=True):
+                if row is not None and n:
+                    k, v = row[i]
                     ks.append(_pad_left(k[:, :, :n], width_past - n))
                     vs.append(_pad_left(v[:, :, :n], width_past - n))
                 else:
