@@ -119,9 +119,10 @@ class Decoding:
             with torch.inference_mode(), self._abandonable():
                 cached = [self._prefixes.lookup(version, p) if self._prefixes.budget else None for p in unique]
                 layout = prefill(unique, cached, device=self.device, mask_dtype=self._query_dtype)
-                log.debug("prefill: %d prompts for %d requests, %d of %d prompt tokens cached",
-                          len(unique), len(seqs), sum(0 if c is None else c.get_seq_length() for c in cached),
-                          sum(len(p) for p in unique))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("prefill: %d prompts for %d requests, %d of %d prompt tokens cached",
+                              len(unique), len(seqs), sum(0 if c is None else c.get_seq_length() for c in cached),
+                              sum(len(p) for p in unique))
                 out = self._forward([name] * len(unique), **layout.inputs, use_cache=True, logits_to_keep=1)
                 cache = cache_of(out)
                 # kept before the first token goes out: a caller that has it sees the entry

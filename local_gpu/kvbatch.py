@@ -64,12 +64,6 @@ class KVBatch:
     def length(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[1])
 
-    def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
-        """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
-        device = _layers(cache)[0][0].device
-        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
-        self.add_rows(cache, mask, [prompt_len], [next_token])
-
     def add_rows(
         self, cache: DynamicCache, mask: torch.Tensor, lengths: list[int], next_tokens: list[int]
     ) -> None:
@@ -220,10 +214,6 @@ class SlotBatch:
             self._pos = torch.zeros(self.slots, dtype=torch.long, device=device)
             self._rows = torch.arange(self.slots, device=device)
         self.invalidate()  # captured steps read the old tensors
-
-    def add(self, cache: DynamicCache, prompt_len: int, next_token: int) -> None:
-        """Append one prefilled sequence (its cache holds exactly `prompt_len` positions)."""
-        self.add_rows(cache, None, [prompt_len], [next_token])
 
     def add_rows(
         self, cache: DynamicCache, mask: torch.Tensor | None, lengths: list[int], next_tokens: list[int]

@@ -7,6 +7,7 @@ one's answer alone, on both decode batches."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -107,9 +108,12 @@ def _engine(data_dir: Path, **kw: object) -> Engine:
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_requests_sent_at_once_answer_as_each_alone(tmp_path: Path, static: bool) -> None:
+def test_requests_sent_at_once_answer_as_each_alone(
+    tmp_path: Path, static: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """Greedy answers and their logprobs: the requests at once (prefilled together, one of them
     twice, two sharing a cached prefix) against the same requests one at a time."""
+    caplog.set_level(logging.DEBUG, logger="clawbridge.local_gpu.decoding")
     greedy = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=())
     prompts = [SHARED + _tokens(6), _tokens(5), SHARED + _tokens(11), _tokens(17)]
     prompts.append(prompts[1])
@@ -129,6 +133,9 @@ def test_requests_sent_at_once_answer_as_each_alone(tmp_path: Path, static: bool
             answers[together] = asyncio.run(run(engine, together))
             if together:
                 assert engine.prefix_cache.hits >= 2  # the two prompts on the shared prefix used it
+                together_sizes = [int(r.args[0]) for r in caplog.records  # type: ignore[index]
+                                  if r.getMessage().startswith("prefill:")]
+                assert max(together_sizes) >= 2, together_sizes  # some forward prefilled several
         finally:
             engine.close()
     for (tokens_t, lp_t), (tokens_a, lp_a) in zip(answers[True], answers[False], strict=True):

@@ -71,7 +71,7 @@ def test_a_step_writes_each_row_at_its_own_position_and_masks_the_rest(bucketed:
     batch = SlotBatch(slots=4, max_length=1024, bucketed=bucketed)
     for n in (2, 5, 3):
         k = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1) + 10 * n
-        batch.add(DynamicCache(ddp_cache_data=[(k, k.clone())]), n, next_token=n)
+        batch.add_rows(DynamicCache(ddp_cache_data=[(k, k.clone())]), None, [n], [n])
     seen: dict[str, torch.Tensor] = {}
 
     def forward(inputs: dict) -> torch.Tensor:  # one attention layer's view of the step
