@@ -19,7 +19,6 @@ from clawbridge.local_gpu.kvbatch import (
     SlotBatch,
     cache_of,
     prefill,
-    select_rows,
 )
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.types import (
@@ -133,11 +132,7 @@ class Decoding:
                     tokens.append(self._take(seq, logits[prompts[seq.prompt]]))
                 rows = [prompts[seq.prompt] for seq, t in zip(seqs, tokens, strict=True) if t is not None]
                 if rows:
-                    index = torch.tensor(rows, device=layout.mask.device)
-                    self._batch.add_rows(
-                        select_rows(cache, rows), layout.mask.index_select(0, index),
-                        [len(unique[r]) for r in rows], [t for t in tokens if t is not None],
-                    )
+                    self._batch.add_rows(*layout.take(cache, rows), [t for t in tokens if t is not None])
         except BaseException as exc:
             for i, seq in enumerate(seqs):
                 self._release(seq.version)

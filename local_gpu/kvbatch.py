@@ -348,13 +348,21 @@ class Prefill:
         """Row `row`'s own positions of the forward's `cache`, as a prefill of it alone would hold
         them (a copy unless the forward was that prefill: a view would keep the whole batch's
         tensors alive in the prefix cache)."""
-        layers = _layers(cache)
         if len(self.lengths) == 1 and bool(self.mask.all()):
             return cache
         start = int(self.mask.shape[1]) - self.lengths[row]
         return DynamicCache(ddp_cache_data=[
-            (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone()) for k, v in layers
+            (k[row : row + 1, :, start:].clone(), v[row : row + 1, :, start:].clone()) for k, v in _layers(cache)
         ])
+
+    def take(self, cache: DynamicCache, rows: list[int]) -> tuple[DynamicCache, torch.Tensor, list[int]]:
+        """Rows `rows` (in order, repeats allowed) of the forward's `cache`, with their mask and
+        prompt lengths: what a decode batch's `add_rows` takes."""
+        if rows == list(range(len(self.lengths))):
+            return cache, self.mask, self.lengths
+        index = torch.tensor(rows, device=self.mask.device)
+        layers = [(k.index_select(0, index), v.index_select(0, index)) for k, v in _layers(cache)]
+        return DynamicCache(ddp_cache_data=layers), self.mask.index_select(0, index), [self.lengths[r] for r in rows]
 
 
 def prefill(
@@ -409,15 +417,6 @@ def prefill(
         additive = torch.zeros(seen.shape, dtype=mask_dtype, device=device)
         inputs["attention_mask"] = additive.masked_fill_(~seen, torch.finfo(mask_dtype).min)[:, None]
     return Prefill(inputs, real.to(torch.long), lengths)
-
-
-def select_rows(cache: DynamicCache, rows: list[int]) -> DynamicCache:
-    """The cache of rows `rows` (in order, repeats allowed) of `cache`."""
-    layers = _layers(cache)
-    if rows == list(range(int(layers[0][0].shape[0]))):
-        return cache
-    index = torch.tensor(rows, device=layers[0][0].device)
-    return DynamicCache(ddp_cache_data=[(k.index_select(0, index), v.index_select(0, index)) for k, v in layers])
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine, collect
-from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, SlotBatch, cache_of, prefill, select_rows
+from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, SlotBatch, cache_of, prefill
 from clawbridge.types import SamplingParams
 from transformers import DynamicCache
 
@@ -85,10 +85,8 @@ def test_rows_prefilled_together_decode_on_as_each_alone(model: torch.nn.Module,
         out = model(**layout.inputs, use_cache=True, logits_to_keep=1)
         rows = [0, 1, 2, 1]
         nexts = [int(out.logits[r, -1].argmax()) for r in rows]
-        index = torch.tensor(rows)
         kv: KVBatch | SlotBatch = KVBatch() if batch == "dynamic" else SlotBatch(4, 512)
-        kv.add_rows(select_rows(cache_of(out), rows), layout.mask.index_select(0, index),
-                    [len(prompts[r]) for r in rows], nexts)
+        kv.add_rows(*layout.take(cache_of(out), rows), nexts)
         if isinstance(kv, KVBatch):
             step = model(**kv.step_inputs(), use_cache=True).logits[:, -1]
         else:
