@@ -61,8 +61,9 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         gate_patience=r.gate_patience,
         gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
         # the demo's answers come in bursts (a gate's 132, a measurement's 40) of short prompts:
-        # 64 rows a decode step answered 100 probe questions in 0.61x the time of 16 on 2 cores
-        # (bench/decode.py --probes 100 --max-batch 16 64); the setting's default stays 16, where
+        # 64 rows a decode step answered 100 probe questions in 0.72x the time of 16 on 2 cores
+        # (0.61x with each prompt prefilled alone; bench/decode.py --probes 100 --max-batch 16 64)
+        # and a run took 478 s against 736 s (seed 3); the setting's default stays 16, where
         # an agent's long prompts would hold 64 rows of KV
         engine_max_batch=64,
     )
