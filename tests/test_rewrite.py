@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,41 @@ async def test_the_lift_is_scored_by_the_teachers_model_and_only_the_kept_draw_b
     finally:
         await backend.close()
         store.close()
+
+
+async def test_draws_cut_at_max_tokens_are_scored_only_when_no_finished_draw_passes(data_dir: Path):
+    """write_rewrite through the real backend, the teacher's draws relabelled as they come back
+    (the tiny model's 8-token draws are all cut): with one finished draw among cut ones only it is
+    scored and kept, as `pick` keeps a finished draw over any cut one; when its lift is below the
+    floor the cut draws are scored, and the kept one is what `pick` chooses among them."""
+    async with one_corrected_turn(data_dir) as (backend, renderer, turn):
+        finished: set[int] = set()  # which draw of each `sample` call comes back as having ended by itself
+        real_sample, real_score = backend.sample, backend.score
+        scored_ids: list[tuple[int, ...]] = []
+
+        async def relabelled(prompt_ids, params, *, n=1, version=None):  # type: ignore[no-untyped-def]
+            got = await real_sample(prompt_ids, params, n=n, version=version)
+            return [replace(c, finish_reason="stop" if i in finished else "length") for i, c in enumerate(got)]
+
+        async def recorded(prompt_ids, completion_ids, *, model="policy", temperature=1.0):  # type: ignore[no-untyped-def]
+            if model == "base":
+                scored_ids.append(tuple(completion_ids))
+            return await real_score(prompt_ids, completion_ids, model=model, temperature=temperature)
+
+        backend.sample, backend.score = relabelled, recorded  # type: ignore[method-assign]
+        finished.add(1)
+        kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=4, weight=1.0,
+                                   min_relevance=-1e9, min_lift=-1e9)
+        assert kept is not None and len(set(scored_ids)) == 1 and kept.ids == scored_ids[0]
+        assert len(scored_ids) == 2  # its relevance and its lift, nothing else
+
+        scored_ids.clear()
+        kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=4, weight=1.0,
+                                   min_relevance=-1e9, min_lift=1e9)  # no lift passes: nothing kept ...
+        assert kept is None and len(set(scored_ids)) == 4  # ... after every draw, finished and cut, was scored
+
+        finished.clear()
+        scored_ids.clear()
+        kept = await write_rewrite(backend, renderer, turn, "Be brief.", samples=4, weight=1.0,
+                                   min_relevance=-1e9, min_lift=-1e9)
+        assert kept is not None and len(set(scored_ids)) == 4 and kept.ids in set(scored_ids)

@@ -214,7 +214,8 @@ async def write_rewrite(
     `min_relevance` nats (scored by the teacher with the question blanked); score the rest
     under the turn's own prompt by the teacher's model for the lift, and drop those the hint
     lifted by less than `min_lift` nats per token; pick one and score it by the policy for its
-    PPO old logprobs. None when none is usable."""
+    PPO old logprobs. The draws cut at max_tokens are scored only when no finished one passes
+    (`pick` would not choose them). None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     params = redraw_params(turn)
@@ -226,14 +227,24 @@ async def write_rewrite(
     draws = [Draw(tuple(c.tokens), tuple(c.logprobs), finished=c.finish_reason != "length",
                   echo=question is not None and echoes(question[1], renderer.parse(c.tokens, c.finish_reason)))
              for c in completions]
+
+    async def kept(which: list[int]) -> list[int]:
+        """`which`'s draws that pass both floors, scored as far as the floors need."""
+        nonlocal draws
+        if question is not None and min_relevance > float("-inf") and which:
+            blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
+            draws = await scored(backend, draws, which, blank, "alone", model=teacher, temperature=params.temperature)
+            which = [i for i in which if i in usable(draws, turn.completion_ids, min_relevance)]
+        if (rule == "lift" or min_lift > float("-inf")) and which:  # the surest needs no scores beyond the teacher's own
+            draws = await scored(backend, draws, which, turn.prompt_ids, "plain", model=teacher, temperature=params.temperature)
+            which = [i for i in which if i in usable(draws, turn.completion_ids, min_relevance, min_lift)]
+        return which
+
+    # `pick` takes a finished draw over any cut one, so the cut draws are scored only when no
+    # finished one is kept: the same pick, for the scores of the draws it can choose from (a cut
+    # draw is the longest, max_tokens)
     ok = usable(draws, turn.completion_ids)
-    if question is not None and min_relevance > float("-inf") and ok:
-        blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
-        draws = await scored(backend, draws, ok, blank, "alone", model=teacher, temperature=params.temperature)
-        ok = usable(draws, turn.completion_ids, min_relevance)
-    if rule == "lift" or min_lift > float("-inf"):  # the surest alone needs no scores beyond the teacher's own
-        draws = await scored(backend, draws, ok, turn.prompt_ids, "plain", model=teacher, temperature=params.temperature)
-        ok = usable(draws, turn.completion_ids, min_relevance, min_lift)
+    ok = await kept([i for i in ok if draws[i].finished]) or await kept([i for i in ok if not draws[i].finished])
     chosen = pick([draws[i] for i in ok], (), rule) if ok else None
     if chosen is None:
         return None
