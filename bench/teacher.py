@@ -166,6 +166,10 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
     rules.update({f"lift, relevance >= 15, lift >= {x:g}": ("lift", 15.0, x) for x in lifts})
     hits: dict[str, list[scenarios.Verdict]] = {r: [] for r in rules}
     none = dict.fromkeys(rules, 0)
+    # the tokens `write_rewrite` sends to `score` for the floors (each usable draw under the
+    # blanked prompt and under the plain one): every usable draw, against the finished ones
+    # first and the cut ones only when no finished one passes (what it does)
+    every_scored, finished_first = 0, 0
 
     async def one(prompt: str) -> None:
         messages = sc.messages(prompt)
@@ -181,6 +185,16 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
         rows = await scored(backend, rows, every, plain_ids, "plain", model="base", temperature=params.temperature)
         rows = await scored(backend, rows, every, blank_ids, "alone", model="base", temperature=params.temperature)
         verdicts = [sc.rate(prompt, t, c.finish_reason) for t, c in zip(texts, comps, strict=True)]
+        nonlocal every_scored, finished_first
+        def cost(which: list[int]) -> int:  # the blanked prompt for each, the plain one for those past relevance
+            return sum(len(blank_ids) + len(rows[i].ids) + (len(plain_ids) + len(rows[i].ids)) * (rows[i].relevance >= 15.0)
+                       for i in which)
+
+        ok = [i for i, d in enumerate(rows) if d.ids and not d.echo]
+        done = [i for i in ok if rows[i].finished]
+        passed = any(rows[i].relevance >= 15.0 and rows[i].lift >= 0.3 for i in done)
+        every_scored += cost(ok)
+        finished_first += cost(done if passed else ok)
         for rule, (how, floor, lift) in rules.items():
             i = pick(rows, rule=how, min_relevance=floor, min_lift=lift)
             if i is None:
@@ -193,6 +207,8 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
                   file=sys.stderr)
 
     await asyncio.gather(*(one(p) for p in [*sc.heldout_prompts, *sc.gate_prompts]))
+    print(f"tokens scored for the floors: {every_scored} scoring every usable draw, {finished_first} finished "
+          f"draws first ({finished_first / max(1, every_scored):.2f}x)", file=sys.stderr)
     rate = lambda vs, f: sum(getattr(v, f) for v in vs) / len(vs) if vs else math.nan  # noqa: E731
     return {f"pick: {r}": {"preferred": rate(h, "preferred"), "answered": rate(h, "answered"),
                            "truly": rate(h, "truly"), "n": float(len(h)), "none": float(none[r])}
