@@ -32,6 +32,7 @@ from pathlib import Path
 
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
+from clawbridge.config import Settings
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
@@ -43,6 +44,7 @@ from clawbridge.learning.rewrite import (
     pick,
     question_of,
     scored,
+    usable,
     without_question,
 )
 from clawbridge.types import SamplingParams
@@ -166,12 +168,16 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
     rules.update({f"lift, relevance >= 15, lift >= {x:g}": ("lift", 15.0, x) for x in lifts})
     hits: dict[str, list[scenarios.Verdict]] = {r: [] for r in rules}
     none = dict.fromkeys(rules, 0)
-    # the tokens `write_rewrite` sends to `score` for the floors (each usable draw under the
-    # blanked prompt and under the plain one): every usable draw, against the finished ones
-    # first and the cut ones only when no finished one passes (what it does)
+    # the tokens `write_rewrite` sends to `score` for its floors at the product's defaults (each
+    # usable draw under the blanked prompt, those past relevance under the plain one): every
+    # usable draw, against the finished ones first and the cut ones only when no finished one
+    # passes (what it does)
+    min_relevance = Settings.model_fields["rewrite_min_relevance"].default
+    min_lift = Settings.model_fields["rewrite_min_lift"].default
     every_scored, finished_first = 0, 0
 
     async def one(prompt: str) -> None:
+        nonlocal every_scored, finished_first
         messages = sc.messages(prompt)
         plain_ids = renderer.render(messages)
         at, question = question_of(messages) or (len(messages) - 1, prompt)
@@ -185,14 +191,13 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
         rows = await scored(backend, rows, every, plain_ids, "plain", model="base", temperature=params.temperature)
         rows = await scored(backend, rows, every, blank_ids, "alone", model="base", temperature=params.temperature)
         verdicts = [sc.rate(prompt, t, c.finish_reason) for t, c in zip(texts, comps, strict=True)]
-        nonlocal every_scored, finished_first
-        def cost(which: list[int]) -> int:  # the blanked prompt for each, the plain one for those past relevance
-            return sum(len(blank_ids) + len(rows[i].ids) + (len(plain_ids) + len(rows[i].ids)) * (rows[i].relevance >= 15.0)
-                       for i in which)
+        def cost(which: list[int]) -> int:
+            return sum(len(blank_ids) + len(rows[i].ids)
+                       + (len(plain_ids) + len(rows[i].ids)) * (rows[i].relevance >= min_relevance) for i in which)
 
-        ok = [i for i, d in enumerate(rows) if d.ids and not d.echo]
+        ok = usable(rows)
         done = [i for i in ok if rows[i].finished]
-        passed = any(rows[i].relevance >= 15.0 and rows[i].lift >= 0.3 for i in done)
+        passed = bool(usable([rows[i] for i in done], min_relevance=min_relevance, min_lift=min_lift))
         every_scored += cost(ok)
         finished_first += cost(done if passed else ok)
         for rule, (how, floor, lift) in rules.items():

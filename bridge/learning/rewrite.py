@@ -228,16 +228,22 @@ async def write_rewrite(
                   echo=question is not None and echoes(question[1], renderer.parse(c.tokens, c.finish_reason)))
              for c in completions]
 
+    # the question blanked, for the relevance floor (None: no floor, or no question to blank)
+    blank = (renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
+             if question is not None and min_relevance > float("-inf") else None)
+    lifted = rule == "lift" or min_lift > float("-inf")  # the surest needs no scores beyond the teacher's own
+
     async def kept(which: list[int]) -> list[int]:
-        """`which`'s draws that pass both floors, scored as far as the floors need."""
+        """`which`'s draws that pass both floors (`usable`), scored as far as the floors need."""
         nonlocal draws
-        if question is not None and min_relevance > float("-inf") and which:
-            blank = renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
+        if blank is not None and which:
             draws = await scored(backend, draws, which, blank, "alone", model=teacher, temperature=params.temperature)
-            which = [i for i in which if i in usable(draws, turn.completion_ids, min_relevance)]
-        if (rule == "lift" or min_lift > float("-inf")) and which:  # the surest needs no scores beyond the teacher's own
+            passed = set(usable(draws, turn.completion_ids, min_relevance))
+            which = [i for i in which if i in passed]
+        if lifted and which:
             draws = await scored(backend, draws, which, turn.prompt_ids, "plain", model=teacher, temperature=params.temperature)
-            which = [i for i in which if i in usable(draws, turn.completion_ids, min_relevance, min_lift)]
+            passed = set(usable(draws, turn.completion_ids, min_relevance, min_lift))
+            which = [i for i in which if i in passed]
         return which
 
     # `pick` takes a finished draw over any cut one, so the cut draws are scored only when no
