@@ -165,6 +165,9 @@ class LocalBackend(Routing):
     async def rollback(self, version: int) -> PolicyVersion:
         return await self.engine.rollback(version)
 
+    async def blend(self, version: int, alpha: float) -> PolicyVersion:
+        return await self.engine.blend(version, alpha)
+
     async def save_state(self, name: str) -> str:
         return await self.engine.save_state(name)
 

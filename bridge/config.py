@@ -73,6 +73,7 @@ class TrainingSettings:
     checkpoint_every: int
     gate_recent: int  # how many of a batch's prompts the gate replays pairwise
     gate_patience: int
+    gate_blend: tuple[float, ...]
 
     @property
     def loss(self) -> LossSpec:
@@ -238,6 +239,7 @@ class Settings(BaseSettings):
     gate_v0_test: Literal["non_inferiority", "harm"] = Field("non_inferiority", description="What the comparison with v0 asks: non_inferiority (a candidate serves only when shown to lose less than gate_margin, p < gate_alpha_base) or harm (it is held back only when shown to lose more: more candidates serve, and among many candidates the one whose answers happened to look fine).")
     gate_reference: Literal["twin", "v0"] = Field("twin", description="What the general probe is judged against. twin: the base model asked for the user's standing preferences (`clawbridge preferences`; the instruction the OPD teacher gets): paying their price is not harm, falling more than gate_margin below the twin is, and the candidate's mean on every probe asked decides. v0: strict, no worse than the base model (gate_v0_test decides), for users who would rather keep facts than preferences.")
     gate_patience: int = Field(0, ge=0, le=100, description="Held-back candidates in a row that training continues from (the served version keeps serving meanwhile) before it restarts from the served weights with a fresh optimizer; 0: every hold-back restarts from the served weights (docs/methods.md#patience-training-on-through-a-held-back-candidate-gate_patience).")
+    gate_blend: tuple[float, ...] = Field((), description="Before a held-back candidate is given up (training restarts from the served weights), the gate judges it with its LoRA delta scaled by each of these in turn (base + alpha x delta, 0 < alpha < 1: back toward the base); the first accepted serves and training goes on from it with a fresh optimizer. Empty: off. Needs a backend that blends (local) (docs/methods.md#a-blend-before-giving-up-gate_blend).")
     gate_max_price: float = Field(0.15, ge=0, le=1, description="The most general-probe answers (a rate) the preferences may cost, and the most a served version may fall below v0: above it, candidates are held back with the price as the reason. Raising it is consenting to a higher price.")
     gate_reference_samples: int = Field(2, ge=1, description="Answers per probe of v0 and the twin, asked once for every candidate (so more are cheap): the more, the fewer wrong decisions (docs/methods.md#harm-is-judged-against-what-you-asked-for).")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")
@@ -267,6 +269,13 @@ class Settings(BaseSettings):
     def _empty_key_is_none(cls, v: SecretStr | None) -> SecretStr | None:
         # `CLAWBRIDGE_API_KEY=` (a compose file leaving it blank) is no key, never a key "".
         return v if v is not None and v.get_secret_value().strip() else None
+
+    @field_validator("gate_blend", mode="after")
+    @classmethod
+    def _blend_toward_the_base(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0.0 < a < 1.0 for a in v):
+            raise ValueError(f"gate_blend's alphas scale a candidate's delta back toward the base: each in (0, 1), got {list(v)}")
+        return v
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> Settings:

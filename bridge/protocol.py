@@ -212,6 +212,20 @@ class Restorable(Protocol):
 
 
 @runtime_checkable
+class Blends(Protocol):
+    """Can publish a published version's LoRA delta scaled toward the base: base + alpha * delta,
+    exactly (a LoRA delta is B @ A, so B scaled by alpha). The gate tries such a blend of a
+    candidate it held back before giving the candidate up (`Settings.gate_blend`); a backend
+    whose platform holds the weights out of reach (Tinker, Fireworks, Modal) does not blend."""
+
+    async def blend(self, version: int, alpha: float) -> PolicyVersion:
+        """Publish `version`'s weights with their delta scaled by `alpha` (0 < alpha <= 1) as
+        version `self.version + 1`, and train on from them with a fresh optimizer. A version
+        never published, or whose weights are gone, raises BackendError and changes nothing."""
+        ...
+
+
+@runtime_checkable
 class Screens(Protocol):
     """Knows samples it can never train (a greedy turn on a temperature-1-only platform)."""
 

@@ -289,6 +289,11 @@ class Engine(Decoding, VersionSlots, Training):
         await asyncio.wrap_future(persisted)
         return published
 
+    async def blend(self, version: int, alpha: float) -> PolicyVersion:
+        published, persisted = await self._call(self._blend, version, alpha)
+        await asyncio.wrap_future(persisted)
+        return published
+
     async def save_state(self, name: str) -> str:
         return await self._call(self._save_state, name)
 

@@ -24,6 +24,13 @@ from clawbridge.types import (
 log = logging.getLogger(__name__)
 
 
+def scaled_delta(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    """LoRA weights whose delta is `alpha` times `weights`' (pure): the delta is B @ A (times
+    the adapter's constant scale), so scaling every B by `alpha` scales it exactly, and alpha
+    between 0 and 1 interpolates between the base model (0) and `weights` (1)."""
+    return {k: v * alpha if ".lora_B." in k else v.clone() for k, v in weights.items()}
+
+
 class VersionSlots:
     """Version routing and publishing, mixed into `engine.Engine` (whose `__init__` sets the
     state below)."""
@@ -179,4 +186,18 @@ class VersionSlots:
         self._set_trainable(weights)  # Adam's moments belonged to the weights rolled away from
         published, persisted = self._publish()
         log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
+        return published, persisted
+
+    def _blend(self, version: int, alpha: float) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
+        """`version`'s weights with their delta scaled by `alpha` (`scaled_delta`), trainable
+        with a fresh optimizer and published as the next version."""
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"a blend's alpha must be in (0, 1], got {alpha}")
+        require_published(version, self._newest)
+        weights = self._initial if version == 0 else self._weights_of(
+            version, lambda why: UnknownVersion(version, self._newest, why)
+        )
+        self._set_trainable(scaled_delta(weights, alpha))  # a fresh optimizer, as for a rollback
+        published, persisted = self._publish()
+        log.info("policy@v%d is policy@v%d's delta x %g", published.version, version, alpha)
         return published, persisted

@@ -4,6 +4,7 @@ the serving weights, and what serves afterwards answers as before."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe, question_seed
@@ -24,10 +26,10 @@ PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is 
 
 
 @contextlib.asynccontextmanager
-async def _wrecked(tmp_path: Path) -> AsyncIterator[tuple[Any, Store, LocalBackend, Renderer, SamplingParams]]:
+async def _wrecked(tmp_path: Path, **overrides: Any) -> AsyncIterator[tuple[Any, Store, LocalBackend, Renderer, SamplingParams]]:
     """A learning rate that wrecks the tiny model in one step (the "harmful run"), the gate on with
     only the caller's probes; a pinned local backend and seed-7 sampling. Closed on the way out."""
-    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0)
+    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0, **overrides)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
@@ -193,6 +195,96 @@ async def test_a_restart_while_training_goes_on_from_a_held_back_candidate_serve
         assert await restarted.judge_pending() == 2 and backend.held is None and backend.version == 2
         assert store.get_meta(ROLLBACKS_KEY) == {"2": 0} and await held_candidate(store) is None
         assert await _answers(backend, renderer, params, 2) == v0
+
+
+async def test_a_given_up_candidate_is_tried_blended_toward_the_base_first(tmp_path: Path):
+    """gate_blend (0.9, 1e-6): the wrecked candidate is held back and given up (patience 0); its
+    delta x 0.9 still answers differently and is held back too (never recorded as a version), its
+    delta x 1e-6 answers as v0 does and serves, with exactly the candidate's LoRA B scaled, and
+    training goes on from it."""
+    from clawbridge.cli.status import version_origin
+    from clawbridge.learning.trainer import BLENDS_KEY, held_candidate
+
+    # adapters not merged into the weights: a merge rounds W + delta stochastically in bf16, so even
+    # a 1e-6 delta would change answers at rounding level; added beside the base it rounds away
+    async with _wrecked(tmp_path, engine_merge_adapters=False) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"gate_blend": (0.9, 1e-6)})
+        v0 = await _answers(backend, renderer, params, 0)
+        gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        trainer = Trainer(settings.training, backend, store, gate=gate)
+        step = await trainer.step_once()
+        assert step is not None and step.version == 1
+        assert [(d.candidate, d.decision) for d in trainer.decisions] == [(1, "rejected"), (2, "rejected"), (3, "accepted")]
+        assert [g["version"] for g in store.get_meta(GATE_KEY)] == [1, 2, 3]
+        assert step.served == 3 and backend.version == 3 and backend.held is None and trainer.held is None
+        assert store.get_meta(BLENDS_KEY) == {"3": {"of": 1, "alpha": 1e-6}}
+        assert version_origin(None, 3, {}, store.get_meta(BLENDS_KEY)) == "v1's delta x 1e-06"
+        assert store.get_meta(ROLLBACKS_KEY) is None  # no copy of v0: the blend is what serves
+        assert [v.version for v in store.versions()] == [1, 3]  # the held-back blend v2: never a version
+        assert store.latest_version().step is None and await held_candidate(store) is None  # type: ignore[union-attr]
+        assert await _answers(backend, renderer, params, 3) == v0
+        assert trainer.fresh_steps == 0  # a fresh optimizer for the blend
+
+        # the served blend's weights: v1's with every lora_B scaled, lora_A as it was
+        blend = await backend.engine.trainable_state()
+        await backend.rollback(1)  # v4: v1's weights, to read them
+        lineage = await backend.engine.trainable_state()
+        assert {k for k in blend if ".lora_B." in k} and blend.keys() == lineage.keys()
+        for k, w in lineage.items():
+            want = w * 1e-6 if ".lora_B." in k else w
+            assert torch.allclose(blend[k], want, rtol=1e-5, atol=0), k
+
+
+async def test_blends_nobody_accepts_leave_the_copy_of_the_served_weights(tmp_path: Path):
+    from clawbridge.learning.trainer import BLENDS_KEY
+
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"gate_blend": (0.9,)})
+        v0 = await _answers(backend, renderer, params, 0)
+        gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        trainer = Trainer(settings.training, backend, store, gate=gate)
+        step = await trainer.step_once()
+        assert step is not None and [d.decision for d in trainer.decisions] == ["rejected", "rejected"]
+        assert step.served == 3 and store.get_meta(ROLLBACKS_KEY) == {"3": 0} and store.get_meta(BLENDS_KEY) is None
+        assert await _answers(backend, renderer, params, 3) == v0
+
+
+async def test_a_restart_while_a_blend_is_judged_restores_the_served_weights(tmp_path: Path):
+    """Killed while the gate judged a blend: the blend was published but never recorded, so the
+    restart finds the held-back candidate newest and trains on from the served weights; the
+    blend never serves."""
+    from clawbridge.learning.trainer import BLENDS_KEY, held_candidate
+
+    async with _wrecked(tmp_path, engine_merge_adapters=False) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"gate_blend": (1e-6,)})
+        v0 = await _answers(backend, renderer, params, 0)
+        probes = _same_as_v0(await _plain(backend, renderer, params))
+        gate = Gate(backend, renderer, probes, params=params)
+        judge = gate.evaluate
+
+        async def killed_on_the_blend(candidate: int, serving: int, **kw: Any):
+            if candidate == 2:
+                raise asyncio.CancelledError  # the kill, while the blend is judged
+            return await judge(candidate, serving, **kw)
+
+        gate.evaluate = killed_on_the_blend  # type: ignore[method-assign]
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        with pytest.raises(asyncio.CancelledError):
+            await Trainer(settings.training, backend, store, gate=gate).step_once()
+        assert backend.newest == 2 and await held_candidate(store) == (1, 0)
+    async with _wrecked(tmp_path, engine_merge_adapters=False) as (_, store, backend, renderer, params):  # a restart
+        await Trainer(settings.training, backend, store).resume()
+        backend.serve((await held_candidate(store))[1])  # type: ignore[index]
+        restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        served = await restarted.judge_pending()
+        assert served is not None and served > 2 and backend.version == served
+        assert store.get_meta(ROLLBACKS_KEY) == {str(served): 0} and store.get_meta(BLENDS_KEY) is None
+        assert await _answers(backend, renderer, params, served) == v0
 
 
 @pytest.mark.parametrize("reserve", [False, True])

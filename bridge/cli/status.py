@@ -60,13 +60,17 @@ def _gate_decisions(data_dir: str | None, db: str | None) -> list[dict]:  # type
         return list(store.get_meta(GATE_KEY) or [])
 
 
-def version_origin(step: int | None, version: int, rollbacks: dict[str, int]) -> str:
-    """What made a version: its training step, or the rollback it is (a version a step
-    published has a step, so a stale rollback note can never relabel it)."""
+def version_origin(step: int | None, version: int, rollbacks: dict[str, int],
+                   blends: dict[str, dict[str, float]] | None = None) -> str:
+    """What made a version: its training step, the rollback it is, or the blend the gate served
+    (a held-back candidate's delta scaled toward the base; a version a step published has a
+    step, so a stale note can never relabel it)."""
     if step is not None:
         return str(step)
     if str(version) in rollbacks:
         return f"rollback of v{rollbacks[str(version)]}"
+    if blends and (b := blends.get(str(version))):
+        return f"v{int(b['of'])}'s delta x {b['alpha']:g}"
     return "-"
 
 
@@ -126,17 +130,18 @@ def print_preferences(data_dir: str | None, db: str | None) -> None:
 
 def print_versions(data_dir: str | None, db: str | None) -> None:
     from clawbridge.learning.gate import GATE_KEY
-    from clawbridge.learning.trainer import ROLLBACKS_KEY
+    from clawbridge.learning.trainer import BLENDS_KEY, ROLLBACKS_KEY
 
     with _store(data_dir, db) as store:
         rows = store.versions()
         rollbacks = store.get_meta(ROLLBACKS_KEY) or {}
+        blends = store.get_meta(BLENDS_KEY) or {}
         gate = {int(g["version"]): g for g in store.get_meta(GATE_KEY) or []}
     t = Table("version", "step", "samples", "mean reward", "gate", "when (UTC)", "weights")
     t.add_row("v0", "-", "-", "-", "-", "-", "base model")
     for r in rows:
         reward = "-" if r.mean_reward is None else f"{r.mean_reward:+.2f}"
-        t.add_row(f"v{r.version}", version_origin(r.step, r.version, rollbacks), str(r.samples), reward,
+        t.add_row(f"v{r.version}", version_origin(r.step, r.version, rollbacks, blends), str(r.samples), reward,
                   gate_label(gate.get(r.version)), r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
     Console().print(t)
 

@@ -58,7 +58,7 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         opd_draws=r.opd_draws, opd_draw_max_lift=r.opd_draw_max_lift, teacher=r.teacher,
         rewrites=r.rewrites, w_rewrite=r.w_rewrite, w_negative=r.w_negative,
         gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
-        gate_patience=r.gate_patience,
+        gate_patience=r.gate_patience, gate_blend=tuple(r.gate_blend),
         gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
         # the demo's answers come in bursts (a gate's 132, a measurement's 40) of short prompts:
         # 64 rows a decode step answered 100 probe questions in 0.72x the time of 16 on 2 cores

@@ -168,6 +168,14 @@ class Recipe(BaseModel):
     # training goes on from up to three held-back candidates in a row while v0 serves
     gate_patience: int = Field(3, ge=0, description="Held-back candidates in a row training goes on from "
                                "(Settings.gate_patience).")
+    # a lineage held back to the end kept its preference in its last candidate, a few probe points
+    # too far below the twin: that candidate's delta x 0.75 stood at the twin and kept most of it
+    # (bench/blend.py on two given-up runs: truly satisfied 38 and 32 % against the 15 and 10 % the
+    # restart from v0 ended at); each alpha tried costs one more judgement of the gate
+    gate_blend: list[float] = Field(
+        default_factory=lambda: [0.75, 0.5], description="Before a held-back lineage is given up, its last candidate's delta scaled "
+        "by each of these (0 < alpha < 1) is judged by the gate; the first accepted serves (Settings.gate_blend).",
+    )
 
 
 class Scenario(BaseModel):

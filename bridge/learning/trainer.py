@@ -32,6 +32,7 @@ from clawbridge.learning.rewrite import Draw, redraw_params, scored
 from clawbridge.protocol import (
     Backend,
     BackendError,
+    Blends,
     DistillsTopK,
     Restorable,
     Screens,
@@ -43,6 +44,7 @@ from clawbridge.types import Completion, Datum, OptimSpec, PolicyVersion, StepMe
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "trainer.checkpoint"  # store meta: the latest resumable state
+BLENDS_KEY = "policy.blends"  # store meta: {"<version>": {"of": <candidate>, "alpha": <scale>}}, accepted blends
 ROLLBACKS_KEY = "policy.rollbacks"  # store meta: {"<version>": <the version it is a copy of>}
 PERMANENT_FAILURES = 3  # a batch refused this many times in a row by a permanent error is dropped
 
@@ -294,7 +296,7 @@ class Trainer:
         log.info(
             "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d%s",
             step, len(batch), metrics.loss, record["mean_reward"], policy.version,
-            "" if served == policy.version else f" (held back by the gate; v{served} serves v{before}'s weights)",
+            "" if served == policy.version else f" (held back by the gate; v{served} serves)",
         )
         if step % s.checkpoint_every == 0 and self.held is None:  # a held lineage is never a resume point
             await self.checkpoint(step, served)
@@ -409,8 +411,32 @@ class Trainer:
 
     async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: str | None = None) -> int:
         """Judge the candidate against the serving version; returns the version that serves next.
-        A rejected candidate (or a gate that failed: no evidence is no pass) is replaced by a
-        copy of the serving weights, so training continues from what was served."""
+        A rejected candidate (or a gate that failed: no evidence is no pass) is trained on from
+        while `gate_patience` allows; then it is given up: first its blends (`gate_blend`), the
+        first the gate accepts serving, else a copy of the serving weights, so training continues
+        from what was served."""
+        decision = await self._judge(candidate, serving, recent, asked)
+        if decision.decision == "accepted":
+            log.info("gate: policy@v%d accepted (%s)", candidate, decision.reason)
+            self.held, self.held_back_in_a_row = None, 0
+            return candidate
+        self.held_back_in_a_row += 1
+        if self.held_back_in_a_row <= self.settings.gate_patience:
+            self.held = serving
+            log.warning("gate: policy@v%d rejected (%s); v%d keeps serving and training goes on from v%d "
+                        "(%d of gate_patience %d held back in a row)", candidate, decision.reason, serving,
+                        candidate, self.held_back_in_a_row, self.settings.gate_patience)
+            return serving
+        log.warning("gate: policy@v%d rejected (%s)", candidate, decision.reason)
+        blended = await self._blends(candidate, serving, recent, asked)
+        if blended is not None:
+            return blended
+        restored = await self._restore_served(serving)
+        log.warning("gate: policy@v%d given up; v%d serves v%d's weights", candidate, restored, serving)
+        return restored
+
+    async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: str | None) -> GateDecision:
+        """The gate's decision on `candidate`, recorded (store meta GATE_KEY) before it acts."""
         assert self.gate is not None
         try:
             decision = await self.gate.evaluate(candidate, serving, recent=recent, asked=asked)
@@ -424,21 +450,40 @@ class Trainer:
         records = list(await store.run(store.get_meta, GATE_KEY) or [])
         records.append(decision.record())
         await store.run(store.set_meta, GATE_KEY, records[-500:])
-        if decision.decision == "accepted":
-            log.info("gate: policy@v%d accepted (%s)", candidate, decision.reason)
+        return decision
+
+    async def _blends(self, candidate: int, serving: int, recent: Sequence[Recent], asked: str | None) -> int | None:
+        """Before `candidate` is given up: its delta scaled by each `gate_blend` alpha in turn
+        (`backend.blend`, a fresh optimizer), judged like any candidate; the first accepted serves
+        and training goes on from it. Returns its version; None when none passed (or the backend
+        cannot blend). A blend is recorded as a version only once accepted: a restart in between
+        finds the held-back candidate newest and restores the served weights (`held_candidate`)."""
+        alphas = self.settings.gate_blend
+        if not alphas:
+            return None
+        if not isinstance(self.backend, Blends):
+            log.warning("gate_blend is set but the %s backend cannot blend weights: v%d is given up unblended",
+                        self.backend.name, candidate)
+            return None
+        store = self.store
+        for alpha in alphas:
+            policy = await self.backend.blend(candidate, alpha)
+            self.fresh_steps = 0
+            decision = await self._judge(policy.version, serving, recent, asked)
+            if decision.decision != "accepted":
+                log.warning("gate: policy@v%d (v%d's delta x %g) rejected (%s)", policy.version, candidate,
+                            alpha, decision.reason)
+                continue
+            blends = dict(await store.run(store.get_meta, BLENDS_KEY) or {})
+            blends[str(policy.version)] = {"of": candidate, "alpha": alpha}
+            await store.run(store.set_meta, BLENDS_KEY, blends)
+            await store.run(store.record_policy_version,
+                            PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
+            log.info("gate: policy@v%d (v%d's delta x %g) accepted (%s); training goes on from it",
+                     policy.version, candidate, alpha, decision.reason)
             self.held, self.held_back_in_a_row = None, 0
-            return candidate
-        self.held_back_in_a_row += 1
-        if self.held_back_in_a_row <= self.settings.gate_patience:
-            self.held = serving
-            log.warning("gate: policy@v%d rejected (%s); v%d keeps serving and training goes on from v%d "
-                        "(%d of gate_patience %d held back in a row)", candidate, decision.reason, serving,
-                        candidate, self.held_back_in_a_row, self.settings.gate_patience)
-            return serving
-        restored = await self._restore_served(serving)
-        log.warning("gate: policy@v%d rejected (%s); v%d serves v%d's weights", candidate, decision.reason,
-                    restored, serving)
-        return restored
+            return policy.version
+        return None
 
     async def _restore_served(self, serving: int) -> int:
         """Publish the served version's weights as a new version (a copy, with a fresh optimizer)
