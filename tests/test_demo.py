@@ -396,3 +396,23 @@ def test_the_gate_asks_each_validation_prompt_validation_samples_times():
     assert [p.messages for p in probes] == [tuple(sc.messages(q)) for q in sc.gate_prompts]
     assert {p.group for p in probes} == {"validation"} and {p.samples for p in probes} == {sc.recipe.validation_samples}
     assert all(p.kept for p in probes)
+
+
+async def test_the_demo_names_a_blend_the_gate_served(tmp_path: Path):
+    """The progress line's source: a version recorded in `policy.blends` is named with its
+    candidate and alpha; any other version is not a blend."""
+    from types import SimpleNamespace
+
+    from clawbridge.demo.rounds import _blend_of
+    from clawbridge.learning.trainer import BLENDS_KEY
+    from clawbridge.store import Store
+
+    store = Store.open(f"sqlite:///{tmp_path / 'c.db'}")
+    try:
+        running = SimpleNamespace(store=store)
+        assert await _blend_of(running, 7) is None  # type: ignore[arg-type]
+        store.set_meta(BLENDS_KEY, {"7": {"of": 4, "alpha": 0.75}})
+        assert await _blend_of(running, 7) == (4, 0.75)  # type: ignore[arg-type]
+        assert await _blend_of(running, 6) is None  # type: ignore[arg-type]
+    finally:
+        store.close()

@@ -153,6 +153,9 @@ async def _rounds(player: Player[E], learner: Learner, running: Running, rounds:
         last = rnd == rounds - 1
         decisions = learner.trainer.decisions if learner.trainer is not None else []
         held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
+        if not held_back and decisions and (blend := await _blend_of(running, served.version)) is not None:
+            report(f"the gate held v{blend[0]}'s lineage back; v{blend[0]}'s delta x {blend[1]:g} passed and "
+                   f"serves as policy@v{served.version}", 2 * rnd + 2, total)
         if player.wants_measure(served.version, versions[-1], held_back=held_back, last=last):
             report(f"measuring policy@v{served.version}", 2 * rnd + 2, total)
             async with clock.part("measure"), learner.lock:  # no step may publish while a version is measured
@@ -165,6 +168,15 @@ async def _rounds(player: Player[E], learner: Learner, running: Running, rounds:
         else:
             report(f"round {rnd + 1}/{rounds}: policy@v{served.version} serving", 2 * rnd + 3, total)
     return versions, examples
+
+
+async def _blend_of(running: Running, version: int) -> tuple[int, float] | None:
+    """(the candidate, alpha) when `version` is a blend the gate accepted (`gate_blend`)."""
+    from clawbridge.learning.trainer import BLENDS_KEY
+
+    store = running.store
+    blend = (await store.run(store.get_meta, BLENDS_KEY) or {}).get(str(version))
+    return None if blend is None else (int(blend["of"]), float(blend["alpha"]))
 
 
 async def _await_step(player: Player[Any], learner: Learner, before: int, step_timeout_s: float) -> None:
