@@ -197,6 +197,19 @@ async def test_a_restart_while_training_goes_on_from_a_held_back_candidate_serve
         assert await _answers(backend, renderer, params, 2) == v0
 
 
+async def _one_step_blending(settings: Any, store: Store, backend: LocalBackend, renderer: Renderer,
+                             params: SamplingParams, alphas: tuple[float, ...]) -> tuple[Trainer, list[str], Any]:
+    """One wrecking step with `gate_blend` alphas and probes that count any change from v0 as
+    worse: the trainer, v0's answers and the step's result."""
+    settings = settings.model_copy(update={"gate_blend": alphas})
+    v0 = await _answers(backend, renderer, params, 0)
+    gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
+    record_turns(store, 2)
+    await collector_for(settings, backend, store).run_once()
+    trainer = Trainer(settings.training, backend, store, gate=gate)
+    return trainer, v0, await trainer.step_once()
+
+
 async def test_a_given_up_candidate_is_tried_blended_toward_the_base_first(tmp_path: Path):
     """gate_blend (0.9, 1e-6): the wrecked candidate is held back and given up (patience 0); its
     delta x 0.9 still answers differently and is held back too (never recorded as a version), its
@@ -208,13 +221,7 @@ async def test_a_given_up_candidate_is_tried_blended_toward_the_base_first(tmp_p
     # adapters not merged into the weights: a merge rounds W + delta stochastically in bf16, so even
     # a 1e-6 delta would change answers at rounding level; added beside the base it rounds away
     async with _wrecked(tmp_path, engine_merge_adapters=False) as (settings, store, backend, renderer, params):
-        settings = settings.model_copy(update={"gate_blend": (0.9, 1e-6)})
-        v0 = await _answers(backend, renderer, params, 0)
-        gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
-        record_turns(store, 2)
-        await collector_for(settings, backend, store).run_once()
-        trainer = Trainer(settings.training, backend, store, gate=gate)
-        step = await trainer.step_once()
+        trainer, v0, step = await _one_step_blending(settings, store, backend, renderer, params, (0.9, 1e-6))
         assert step is not None and step.version == 1
         assert [(d.candidate, d.decision) for d in trainer.decisions] == [(1, "rejected"), (2, "rejected"), (3, "accepted")]
         assert [g["version"] for g in store.get_meta(GATE_KEY)] == [1, 2, 3]
@@ -241,13 +248,7 @@ async def test_blends_nobody_accepts_leave_the_copy_of_the_served_weights(tmp_pa
     from clawbridge.learning.trainer import BLENDS_KEY
 
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
-        settings = settings.model_copy(update={"gate_blend": (0.9,)})
-        v0 = await _answers(backend, renderer, params, 0)
-        gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
-        record_turns(store, 2)
-        await collector_for(settings, backend, store).run_once()
-        trainer = Trainer(settings.training, backend, store, gate=gate)
-        step = await trainer.step_once()
+        trainer, v0, step = await _one_step_blending(settings, store, backend, renderer, params, (0.9,))
         assert step is not None and [d.decision for d in trainer.decisions] == ["rejected", "rejected"]
         assert step.served == 3 and store.get_meta(ROLLBACKS_KEY) == {"3": 0} and store.get_meta(BLENDS_KEY) is None
         assert await _answers(backend, renderer, params, 3) == v0
