@@ -215,8 +215,9 @@ class Restorable(Protocol):
 class Blends(Protocol):
     """Can publish a published version's LoRA delta scaled toward the base: base + alpha * delta,
     exactly (a LoRA delta is B @ A, so B scaled by alpha). The gate tries such a blend of a
-    candidate it held back before giving the candidate up (`Settings.gate_blend`); a backend
-    whose platform holds the weights out of reach (Tinker, Fireworks, Modal) does not blend."""
+    candidate it held back before giving the candidate up (`Settings.gate_blend`). The embedded
+    engine blends; Tinker and Fireworks hold the weights out of reach, and Modal and the GPU stack
+    do not implement it yet."""
 
     async def blend(self, version: int, alpha: float) -> PolicyVersion:
         """Publish `version`'s weights with their delta scaled by `alpha` (0 < alpha <= 1) as

@@ -28,7 +28,7 @@ def scaled_delta(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, to
     """LoRA weights whose delta is `alpha` times `weights`' (pure): the delta is B @ A (times
     the adapter's constant scale), so scaling every B by `alpha` scales it exactly, and alpha
     between 0 and 1 interpolates between the base model (0) and `weights` (1)."""
-    return {k: v * alpha if ".lora_B." in k else v.clone() for k, v in weights.items()}
+    return {k: v * alpha if ".lora_B." in k else v for k, v in weights.items()}  # loading copies them
 
 
 class VersionSlots:
@@ -175,15 +175,16 @@ class VersionSlots:
         assert self._slots is not None
         return self._slots.trainable_params()
 
-    def _rollback(self, version: int) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
+    def _published_weights(self, version: int) -> dict[str, torch.Tensor]:
+        """A published version's weights (v0: the initial adapter); UnknownVersion when it was
+        never published or its weights are gone."""
         require_published(version, self._newest)
         if version == 0:
-            weights = self._initial
-        else:
-            weights = self._weights_of(
-                version, lambda why: UnknownVersion(version, self._newest, why)
-            )
-        self._set_trainable(weights)  # Adam's moments belonged to the weights rolled away from
+            return self._initial
+        return self._weights_of(version, lambda why: UnknownVersion(version, self._newest, why))
+
+    def _rollback(self, version: int) -> tuple[PolicyVersion, concurrent.futures.Future[None]]:
+        self._set_trainable(self._published_weights(version))  # Adam's moments belonged to the weights rolled away from
         published, persisted = self._publish()
         log.info("policy@v%d is a rollback to policy@v%d", published.version, version)
         return published, persisted
@@ -193,11 +194,7 @@ class VersionSlots:
         with a fresh optimizer and published as the next version."""
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"a blend's alpha must be in (0, 1], got {alpha}")
-        require_published(version, self._newest)
-        weights = self._initial if version == 0 else self._weights_of(
-            version, lambda why: UnknownVersion(version, self._newest, why)
-        )
-        self._set_trainable(scaled_delta(weights, alpha))  # a fresh optimizer, as for a rollback
+        self._set_trainable(scaled_delta(self._published_weights(version), alpha))  # a fresh optimizer, as for a rollback
         published, persisted = self._publish()
         log.info("policy@v%d is policy@v%d's delta x %g", published.version, version, alpha)
         return published, persisted
