@@ -12,7 +12,8 @@ the scenario's temperature and max_tokens:
 
 `last`: the version the run ended serving (the last its gate accepted). Prints per version the
 share of answers that meet the preference, answer the question, and both (truly satisfied, the
-demo's headline) with its 95 % interval over prompts. Sampling is transformers' own (not the
+demo's headline) with its 95 % interval over prompts. `--prompts validation` asks the gate's
+validation split instead (what the gate judged each candidate's preference on). Sampling is transformers' own (not the
 engine's, so answers are not those the demo saw; the distribution is the same model's), bf16 as
 the demo serves, the base with the served RoPE scaling (`models.load_model`).
 """
@@ -50,12 +51,13 @@ def interval(per_prompt: list[float]) -> tuple[float, float, float]:
     return mean, max(0.0, lo), hi
 
 
-def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: int) -> dict[str, Any]:
+def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: int,
+            prompts: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     r = sc.recipe
     renderer = Renderer(tok)
-    prompts = sc.heldout_prompts
+    prompts = sc.heldout_prompts if prompts is None else prompts
     rows = [renderer.render(sc.messages(p)) for p in prompts]
     width = max(len(x) for x in rows)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, action="append", required=True, help="a demo run's --data-dir")
     ap.add_argument("--scenario", default=scenarios.DEFAULT_SCENARIO)
     ap.add_argument("--versions", nargs="*", default=None, help="version numbers, or last (default: every stored one)")
-    ap.add_argument("--answers", type=int, default=8, help="answers per held-out prompt")
+    ap.add_argument("--answers", type=int, default=8, help="answers per prompt")
+    ap.add_argument("--prompts", choices=("heldout", "validation"), default="heldout",
+                    help="the held-out prompts (the demo's headline) or the gate's validation split")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = models.resolve(models.EMBEDDED)
     tok = models.load_tokenizer(spec)
     base = models.load_model(spec, dtype=torch.bfloat16)
-    print(f"scenario {sc.name} · {len(sc.heldout_prompts)} held-out prompts × {args.answers} answers", flush=True)
+    prompts = sc.heldout_prompts if args.prompts == "heldout" else sc.gate_prompts
+    print(f"scenario {sc.name} · {len(prompts)} {args.prompts} prompts × {args.answers} answers", flush=True)
     print(f"{'run':<28} {'version':>7}  {'preferred':>9}  {'answered':>8}  {'truly satisfied (95 %)':>24}  {'s':>4}")
     results: list[dict[str, Any]] = []
     for d in args.data_dir:
@@ -109,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             model = base if v == 0 else PeftModel.from_pretrained(base, str(d / "adapters" / f"v{v}"))
-            fig = measure(model, tok, sc, args.answers, args.seed)
+            fig = measure(model, tok, sc, args.answers, args.seed, prompts)
             if v != 0:
                 base = model.unload()
             t, lo, hi = fig["truly"]
             print(f"{str(d)[-28:]:<28} {v:>7}  {fig['preferred'][0]:>9.0%}  {fig['answered'][0]:>8.0%}  "
                   f"{t:>8.0%} [{lo:.0%}, {hi:.0%}]  {time.monotonic() - t0:>4.0f}", flush=True)
-            results.append({"data_dir": str(d), "version": v, **fig})
+            results.append({"data_dir": str(d), "version": v, "prompts": args.prompts, **fig})
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
