@@ -67,6 +67,7 @@ class TrainingSettings:
     kl_coef: float
     opd_topk: int
     opd_topk_coef: float
+    opd_topk_rewrite: bool
     opd_draws: int
     opd_draw_max_lift: float | None
     teacher: Literal["base", "policy"]
@@ -217,6 +218,7 @@ class Settings(BaseSettings):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base model (adapter disabled); 0 turns it off.")
     opd_topk: int = Field(0, ge=0, le=1000, description="Top-k distillation: every hinted sample's tokens (its answer and its rewrite) also learn the teacher's whole next-token distribution, as KL(policy || teacher) over the teacher's top opd_topk tokens plus one bin for the rest, at every position (docs/methods.md#top-k-distillation-opd_topk). Needs a backend that runs the base model inside its loss (local); 0 turns it off.")
     opd_topk_coef: float = Field(1.0, ge=0, description="Weight of the top-k distillation term in the loss.")
+    opd_topk_rewrite: bool = Field(True, description="A hint-guided rewrite also learns the teacher's top-k distribution along its tokens (opd_topk). A rewrite is a draw the hint favours (rewrite_min_lift): distilling the teacher along it pulls a student that has passed its teacher back to the teacher's own rate, as for fresh draws (opd_draw_max_lift; docs/methods.md#top-k-distillation-opd_topk). False: the rewrite trains by its advantage alone.")
     opd_draws: int = Field(0, ge=0, le=16, description="On-policy distillation on fresh draws: at every step the policy being trained answers each hinted sample's prompt this many times more, and those answers learn the teacher's top-k distribution alone (no reward of their own; they are not stored). Needs opd_topk (docs/methods.md#top-k-distillation-opd_topk); 0 turns it off.")
     opd_draw_max_lift: float | None = Field(None, description="A fresh draw (opd_draws) learns the teacher's top-k distribution only when the hint makes it no likelier than this: its lift, the mean per token of the teacher's model's logprob with the hint minus without it (the measure a rewrite is picked by). A draw the hint favours already carries the preference, and distilling the teacher along it pulls a student that has passed its teacher back to the teacher's own rate (docs/methods.md#fresh-draws-the-hint-is-against-opd_draw_max_lift). None: every draw distils.")
     checkpoint_every: int = Field(10, ge=1, description="Save resumable state every N steps.")

@@ -148,6 +148,13 @@ def test_the_store_keeps_a_rewrite_with_its_sample(data_dir: Path):
         assert own.completion_ids == s.completion_ids and own.advantages == (0.5,) * n
         assert (demo.prompt_ids, demo.completion_ids, demo.logprobs) == (s.prompt_ids, rw.ids, rw.logprobs)
         assert len(to_datums(t)) == 1
+        # top-k distillation: the answer learns the teacher's distribution, and the rewrite too
+        # unless opd_topk_rewrite is off (a draw the hint favours is not distilled)
+        taught = to_datums(s, (9, 9))
+        assert [d.teacher_prompt_ids for d in taught] == [(9, 9), (9, 9)]
+        own_only = to_datums(s, (9, 9), distil_rewrite=False)
+        assert [d.teacher_prompt_ids for d in own_only] == [(9, 9), None]
+        assert [replace(d, teacher_prompt_ids=None) for d in own_only] == [replace(d, teacher_prompt_ids=None) for d in taught]
 
 
 async def test_a_corrected_turn_trains_the_teachers_rewrite_beside_its_own_answer(data_dir: Path):

@@ -3,6 +3,7 @@ teacher's distribution from it on a real model; backends whose loss cannot see t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,36 @@ async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_pr
         result = await trainer.step_once()
         assert result is not None and result.metrics["topk_kl"] > 0
         assert result.metrics["samples"] == 2  # the hinted answer (distilled) and the approved one
+    finally:
+        await backend.close()
+        store.close()
+
+
+async def test_a_rewrite_learns_the_teachers_distribution_only_with_opd_topk_rewrite(data_dir: Path):
+    """The trainer's setting reaches the datums: the hinted answer is distilled either way, its
+    rewrite (a draw the hint favours) only with opd_topk_rewrite on, the default."""
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.store import Rewrite
+    from test_collector import record_turns
+
+    settings = settings_for(data_dir, batch_size=2, opd_topk=8)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        [tid] = record_turns(store, 1)
+        n = len(store.get_turn(tid).completion_ids)  # type: ignore[union-attr]
+        sid, _ = store.create_sample(tid, "combine", state="pending")
+        store.set_sample_advantages(sid, (0.0,) * n, reward=-1.0, hint="Answer in one word.",
+                                    rewrite=Rewrite((5, 6), (-1.0, -2.0), (1.0, 1.0)))
+        [sample] = store.pending_samples(1, method="combine")
+        teacher = Teacher(backend, Renderer(backend.tokenizer()))
+        taught = {}
+        for on in (True, False):
+            trainer = Trainer(replace(settings.training, opd_topk_rewrite=on), backend, store, teacher=teacher)
+            taught[on] = [d.teacher_prompt_ids for d in await trainer._datums(sample)]
+        want = tuple(trainer._teacher_prompt(store.get_turn(tid), "Answer in one word."))  # type: ignore[arg-type]
+        assert taught == {True: [want, want], False: [want, None]}
     finally:
         await backend.close()
         store.close()

@@ -76,11 +76,13 @@ def to_datum(s: Sample) -> Datum:
     )
 
 
-def to_datums(s: Sample, teacher_prompt_ids: Sequence[int] | None = None) -> list[Datum]:
+def to_datums(s: Sample, teacher_prompt_ids: Sequence[int] | None = None, *,
+              distil_rewrite: bool = True) -> list[Datum]:
     """What one sample trains: the turn's answer, and its hint-guided rewrite when it has one
     (the teacher's answer under the turn's own prompt, docs/methods.md). Both in the same step,
     so a sample is trained exactly once whatever it carries. `teacher_prompt_ids` (top-k
-    distillation): both also learn the teacher's distribution at every position."""
+    distillation): the answer also learns the teacher's distribution at every position, and the
+    rewrite too unless `distil_rewrite` is False (`Settings.opd_topk_rewrite`)."""
     teacher = None if teacher_prompt_ids is None else tuple(teacher_prompt_ids)
     own = replace(to_datum(s), teacher_prompt_ids=teacher)
     if s.rewrite is None:
@@ -90,7 +92,8 @@ def to_datums(s: Sample, teacher_prompt_ids: Sequence[int] | None = None) -> lis
     out = [own] if any(s.advantages or ()) or teacher is not None else []
     out.append(Datum(
         prompt_ids=s.prompt_ids, completion_ids=s.rewrite.ids, logprobs=s.rewrite.logprobs,
-        advantages=s.rewrite.advantages, temperature=s.temperature, teacher_prompt_ids=teacher,
+        advantages=s.rewrite.advantages, temperature=s.temperature,
+        teacher_prompt_ids=teacher if distil_rewrite else None,
     ))
     return out
 
@@ -338,7 +341,7 @@ class Trainer:
             return to_datums(sample)
         teacher = self._teacher_prompt(turn, sample.hint)
         drawn = await self._fresh_draws(sample, turn, teacher) if self.settings.opd_draws > 0 else []
-        return to_datums(sample, teacher) + drawn
+        return to_datums(sample, teacher, distil_rewrite=self.settings.opd_topk_rewrite) + drawn
 
     def _teacher_prompt(self, turn: StoredTurn, hint: str) -> list[int]:
         """The teacher's prompt: the turn's prompt with the hint, exactly as the collector scored it."""
