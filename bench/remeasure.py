@@ -13,9 +13,10 @@ the scenario's temperature and max_tokens:
 `last`: the version the run ended serving (the last its gate accepted). Prints per version the
 share of answers that meet the preference, answer the question, and both (truly satisfied, the
 demo's headline) with its 95 % interval over prompts. `--prompts validation` asks the gate's
-validation split instead (what the gate judged each candidate's preference on). Sampling is transformers' own (not the
-engine's, so answers are not those the demo saw; the distribution is the same model's), bf16 as
-the demo serves, the base with the served RoPE scaling (`models.load_model`).
+validation split instead (what the gate judged each candidate's preference on). Sampling is
+transformers' own (not the engine's, so answers are not those the demo saw; the distribution is
+the same model's), bf16 as the demo serves, the base with the served RoPE scaling
+(`models.load_model`).
 """
 
 from __future__ import annotations
