@@ -70,7 +70,9 @@ def version_origin(step: int | None, version: int, rollbacks: dict[str, int],
     if str(version) in rollbacks:
         return f"rollback of v{rollbacks[str(version)]}"
     if blends and (b := blends.get(str(version))):
-        return f"v{int(b['of'])}'s delta x {b['alpha']:g}"
+        from clawbridge.learning.trainer import blend_name
+
+        return blend_name(int(b["of"]), float(b["alpha"]))
     return "-"
 
 

@@ -154,7 +154,9 @@ async def _rounds(player: Player[E], learner: Learner, running: Running, rounds:
         decisions = learner.trainer.decisions if learner.trainer is not None else []
         held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
         if not held_back and decisions and (blend := await _blend_of(running, served.version)) is not None:
-            report(f"the gate held v{blend[0]}'s lineage back; v{blend[0]}'s delta x {blend[1]:g} passed and "
+            from clawbridge.learning.trainer import blend_name
+
+            report(f"the gate held v{blend[0]}'s lineage back; {blend_name(*blend)} passed and "
                    f"serves as policy@v{served.version}", 2 * rnd + 2, total)
         if player.wants_measure(served.version, versions[-1], held_back=held_back, last=last):
             report(f"measuring policy@v{served.version}", 2 * rnd + 2, total)

@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "trainer.checkpoint"  # store meta: the latest resumable state
 BLENDS_KEY = "policy.blends"  # store meta: {"<version>": {"of": <candidate>, "alpha": <scale>}}, accepted blends
+def blend_name(of: int, alpha: float) -> str:
+    """How a blend the gate served is named to the user (`clawbridge versions`, the demo)."""
+    return f"v{of}'s delta x {alpha:g}"
+
+
 ROLLBACKS_KEY = "policy.rollbacks"  # store meta: {"<version>": <the version it is a copy of>}
 PERMANENT_FAILURES = 3  # a batch refused this many times in a row by a permanent error is dropped
 
