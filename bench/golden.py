@@ -1,17 +1,26 @@
-"""Golden traces: what a seeded demo run asks of its backend and its gate, recorded exactly, so a
-change that must not change behaviour (a refactor) can be proved bit-identical.
+"""Golden traces: what the learner asks of its backend and its gate, recorded exactly, so a change
+that must not change behaviour (a refactor) can be proved bit-identical.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/golden.py record --model tiny-random --rounds 3 --out A.json
+    .venv/bin/clawbridge demo --model tiny-random --rounds 3 --data-dir RUN/data      # once: turns to learn from
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/golden.py replay RUN/data --model tiny-random --steps 3 --out A.json
     ... change the code ...
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/golden.py record --model tiny-random --rounds 3 --out B.json
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/golden.py replay RUN/data --model tiny-random --steps 3 --out B.json
     .venv/bin/python bench/golden.py compare A.json B.json
 
-The run is `clawbridge demo` itself (in-process, fp32 engine, seeded), with recorders on the local
-backend's verbs and on the gate's decisions: every `train_step` (its datums: prompt, completion,
-logprobs, advantages, teacher prompt; the loss and optimizer specs; the metrics it returned),
-every publish, blend, rollback, restore and serve pin, and every gate decision (its record). Floats
-are written with `repr`, so equal files mean equal bits. Compare traces made on the same host: the
-same code on another CPU may round differently.
+`replay` copies a run's data directory, forgets everything learned from it (samples, judgments,
+steps, versions after v0, the gate's and the trainer's records, adapters) and keeps what was
+captured (sessions, turns, next states); then it builds the learner's parts on the local backend
+(fp32, the demo's settings for the scenario) and drives them one after another, with no server and
+no clock: the collector judges every turn, then the trainer takes `steps` steps, each judged by the
+gate. Sampling a request leaves unseeded (a rewrite's teacher draws, fresh draws) is seeded from
+its prompt and how often that prompt was asked, so concurrency cannot reorder the dice.
+
+Recorded: every `train_step` (its datums: prompt, completion, logprobs, advantages, teacher
+prompt; the loss and optimizer specs; the metrics it returned), every publish, blend, rollback,
+restore and serve pin, and every gate decision (its record). Floats are written with `repr`, so
+equal files mean equal bits. Compare traces made on the same host: the same code on another CPU
+may round differently. (`record` runs `clawbridge demo` itself under the same recorders: its
+conversations run concurrently, so two runs differ; it is for reading, not comparing.)
 """
 
 from __future__ import annotations
@@ -74,6 +83,102 @@ def install(trace: Trace) -> None:
     _record(trace, Gate, "evaluate", lambda a, r: {"decision": _plain(r.record())})
 
 
+def seed_unseeded(cls: type) -> None:
+    """Give every sampling request without a seed one derived from its prompt and how often that
+    prompt was sampled before, so the order concurrent requests reach the engine does not matter."""
+    import hashlib
+
+    original = cls.sample
+    asked: dict[tuple[int, ...], int] = {}
+
+    async def sample(self: Any, prompt_ids: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        if params.seed is None:
+            key = tuple(int(t) for t in prompt_ids)
+            k = asked[key] = asked.get(key, -1) + 1
+            digest = hashlib.sha256(repr((key, k)).encode()).digest()
+            params = dataclasses.replace(params, seed=int.from_bytes(digest[:7], "big"))
+        return await original(self, prompt_ids, params, *args, **kwargs)
+
+    cls.sample = sample
+
+
+LEARNED = ("judgments", "samples", "training_steps", "groups", "episodes", "leases")
+CAPTURED = {"sessions", "turns", "next_states", "alembic_version", "meta", "policy_versions"}
+
+
+def forget_learning(data_dir: Path) -> None:
+    """Keep what was captured, forget what was learned: every table but the captured ones is
+    emptied (new tables too), versions after v0 and the learner's meta records go, adapters go."""
+    import shutil
+    import sqlite3
+
+    for child in data_dir.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child)
+    db = sqlite3.connect(data_dir / "clawbridge.db")
+    with db:
+        tables = [r[0] for r in db.execute("select name from sqlite_master where type = 'table'")]
+        for t in tables:
+            if t not in CAPTURED and not t.startswith("sqlite_"):
+                db.execute(f'delete from "{t}"')
+        db.execute("delete from policy_versions where version > 0")
+        db.execute("delete from meta where key not like 'capture.%' and key not like 'store.%'")
+    db.close()
+
+
+async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, seed: int) -> None:
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.demo import scenario as scenarios
+    from clawbridge.demo.rounds import threads
+    from clawbridge.demo.runner import demo_settings, gate_probes
+    from clawbridge.learning.learner import Learner
+    from clawbridge.server import bind_learner
+    from clawbridge.store import Store
+
+    sc = scenarios.load(scenario_name)
+    settings = demo_settings(sc, data_dir, model=model, seed=seed)
+    backend = LocalBackend.from_settings(settings, threads=threads())
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        learner = Learner(settings, probes=gate_probes(sc))
+        bind_learner(learner, backend, store)
+        assert learner.parts is not None
+        settled = 0
+        while (n := await learner.parts.collector.run_once()) > 0:
+            settled += n
+        print(f"collector: {settled} samples settled", file=sys.stderr)
+        for k in range(steps):
+            result = await learner.parts.trainer.step_once()
+            print(f"step {k + 1}: {result}", file=sys.stderr)
+            if result is None:
+                break
+    finally:
+        store.close()
+        await backend.close()
+
+
+def replay(run_dir: Path, model: str, scenario: str, steps: int, seed: int, out: Path) -> None:
+    import shutil
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["CLAWBRIDGE_ENGINE_DTYPE"] = "fp32"
+    trace: Trace = []
+    install(trace)
+    from clawbridge.backends.local import LocalBackend
+
+    seed_unseeded(LocalBackend)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data"
+        shutil.copytree(run_dir, data)
+        forget_learning(data)
+        asyncio.run(_replay(data, model, scenario, steps, seed))
+    out.write_text(json.dumps(trace, indent=1) + "\n")
+    n = sum(1 for t in trace if t["call"] == "train_step")
+    decisions = [t["decision"]["decision"] for t in trace if t["call"] == "evaluate"]
+    print(f"{out}: {len(trace)} calls, {n} train steps, gate {decisions}", file=sys.stderr)
+
+
 def record(model: str, rounds: int, seed: int, scenario: str, out: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["CLAWBRIDGE_ENGINE_DTYPE"] = "fp32"  # exact arithmetic on every host
@@ -118,12 +223,22 @@ def main() -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--scenario", default="concise")
     r.add_argument("--out", type=Path, required=True)
+    rp = sub.add_parser("replay")
+    rp.add_argument("run_dir", type=Path, help="A demo run's data directory (--data-dir).")
+    rp.add_argument("--model", default="tiny-random")
+    rp.add_argument("--steps", type=int, default=3)
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--scenario", default="concise")
+    rp.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
     args = p.parse_args()
     if args.cmd == "record":
         record(args.model, args.rounds, args.seed, args.scenario, args.out)
+        return 0
+    if args.cmd == "replay":
+        replay(args.run_dir, args.model, args.scenario, args.steps, args.seed, args.out)
         return 0
     return compare(args.a, args.b)
 
