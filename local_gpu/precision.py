@@ -1,7 +1,7 @@
 """The engine's compute dtype: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere.
 
 A CPU with AVX512-BF16 (or AMX) multiplies bf16 matrices faster than fp32 (bench/cpu_dtype.py
-measures both; docs/engine.md has the rates); one without it would emulate bf16 and gain
+measures both; docs/measurements.md has the rates); one without it would emulate bf16 and gain
 nothing, so `auto` keeps fp32 there. The choice is a pure function
 of the CPU's flags so that both answers are testable on any machine.
 
