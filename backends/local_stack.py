@@ -5,7 +5,7 @@
 - GPUs and SGLang: the plan's processes (`layout.plan`) — SGLang servers under the `Supervisor`,
   the FSDP2 trainer under torchrun — behind `SGLangBackend` (`SGLangStack` below).
 
-The start-up line says which one runs and why (issue 6, point 5).
+The start-up line says which one runs and why.
 """
 
 from __future__ import annotations

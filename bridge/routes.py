@@ -98,7 +98,7 @@ def rollback_route(learner: Learner) -> Route:
     return Route("/v1/admin/rollback", rollback, methods=["POST"])
 
 
-# --- groups and episodes (issue 15; learning.episodes trains them) ------------------------------
+# --- groups and episodes (learning.episodes trains them) ----------------------------------------
 class GroupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -302,8 +302,8 @@ async def serve(
     cancelled once the last in-flight request is answered. `freeze_gc`: exempt everything built
     so far from garbage collection (for a process that serves until it exits; `run` sets it)."""
     # The store's writer thread and the engine thread run Python too; with the default 5 ms
-    # GIL switch interval the event loop waits up to 5 ms each time one of them holds the GIL
-    # (measured: ~6 ms per request at one client). A short interval keeps the loop responsive.
+    # GIL switch interval the event loop waits up to 5 ms each time one of them holds the GIL,
+    # several times a request. A short interval keeps the loop responsive.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     backend = backend or build_backend(settings)
     await backend.start()

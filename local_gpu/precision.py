@@ -1,8 +1,8 @@
 """The engine's compute dtype: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere.
 
-A CPU with AVX512-BF16 (or AMX) multiplies bf16 matrices at 2.0-2.4x its fp32 rate
-(bench/cpu_dtype.py measures both); one without it would emulate bf16 and gain nothing, so
-`auto` keeps fp32 there and the engine behaves exactly as before. The choice is a pure function
+A CPU with AVX512-BF16 (or AMX) multiplies bf16 matrices faster than fp32 (bench/cpu_dtype.py
+measures both; docs/measurements.md has the rates); one without it would emulate bf16 and gain
+nothing, so `auto` keeps fp32 there. The choice is a pure function
 of the CPU's flags so that both answers are testable on any machine.
 
 On a CPU, bf16 means **bf16 matmuls in an fp32 model** (`bf16_matmuls`): the decoder's linear
@@ -153,9 +153,8 @@ class MergedAdapters:
     """Served adapters folded into the packed bf16 weights of the layers they adapt.
 
     A forward whose rows all run on one served adapter would otherwise pay, in every adapted
-    layer, two small fp32 products and PEFT's bookkeeping beside the packed product: on 2 CPU
-    cores the embedded model decoded 100 probe answers in 1.46x the time on an adapter beside the
-    weights as merged (docs/engine.md). Here that adapter's weights are merged once, `W + scale·B·A` rounded to bf16
+    layer, two small fp32 products and PEFT's bookkeeping beside the packed product, a cost
+    docs/engine.md measures. Here that adapter's weights are merged once, `W + scale·B·A` rounded to bf16
     and packed, and the layers' packed weights are swapped for them while the LoRA layers point at
     no adapter. Rows on several adapters (PEFT's mixed batch), the trainable adapter and anything
     with a grad use the base's own packed weights and the adapters beside them, as before. The

@@ -162,8 +162,8 @@ class StreamCursor:
 
 class SGLangClient:
     """One SGLang server's native API. aiohttp, not httpx: this is the per-token hot path
-    of the proxy: httpx as an upstream client costs about 1 ms of CPU a request and degrades with
-    its pool size; aiohttp's client costs far less (measured on 2 cores)."""
+    of the proxy: httpx as an upstream client costs far more CPU a request and degrades with its
+    pool size."""
 
     def __init__(self, base_url: str, timeouts: Timeouts = Timeouts()) -> None:
         self.base_url = base_url.rstrip("/")

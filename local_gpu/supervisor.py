@@ -295,7 +295,7 @@ def plan_specs(
 
 
 def serving_mode(visible_gpus: int, sglang_installed: bool | None = None) -> tuple[str, str]:
-    """How the `local` backend serves here, and the start-up line that says so (issue 6, point 5):
+    """How the `local` backend serves here, and the start-up line that says so:
     SGLang where it is installed and a GPU is visible, else the torch engine on CUDA, else CPU."""
     installed = sglang_available() if sglang_installed is None else sglang_installed
     if visible_gpus <= 0:

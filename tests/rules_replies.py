@@ -104,7 +104,7 @@ NEUTRAL = [
 ]
 
 # Written after the rules above were settled, and measured without changing them (the honest
-# figure for phrasings the judge was not shaped on; see docs/learning.md).
+# figure for phrasings the judge was not shaped on; see docs/measurements.md).
 HELDOUT_THANKS = [
     "Ah great, cheers for that!",
     "Awesome stuff, thank you.",

@@ -184,7 +184,7 @@ async def test_the_tools_demo_runs_end_to_end_on_the_tiny_model(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # the full demo: about 10-12 min on 2 busy cores (docs/learning.md)
+@pytest.mark.timeout(3600)  # the full demo: about 10-12 min on 2 busy cores (docs/measurements.md)
 async def test_the_embedded_model_learns_to_use_the_tool(tmp_path: Path):
     sc = ToolsScenario()
     result = await tools.run_tools_demo(sc, tools.tools_settings(sc, tmp_path / "data"))

@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 USER_DOCS = ["index", "quickstart", "how-it-works", "configuration", "privacy", "operating",
-             "troubleshooting", "terraform", "openclaw", "design", "methods"]
+             "troubleshooting", "terraform", "openclaw", "design", "methods", "learning", "agents",
+             "measurements"]
 # Pages other engineers own, linked from the index; checked once they exist.
 OTHERS = {"backends.md", "local-gpu.md", "learning.md"}
 
@@ -27,6 +28,15 @@ def test_configuration_reference_is_generated_from_settings():
     text = (DOCS / "configuration.md").read_text()
     for name in Settings.model_fields:
         assert f"`CLAWBRIDGE_{name.upper()}`" in text, name
+
+
+def test_the_readme_starts_with_the_product():
+    """A newcomer reads what clawbridge is in the first 5 lines, and the two set-up commands in
+    the first 15."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert any("clawbridge makes" in line for line in lines[:5])
+    top = "\n".join(lines[:15])
+    assert "make demo" in top and "make test" in top
 
 
 def _slug(heading: str) -> str:  # GitHub's anchor for a heading

@@ -2,7 +2,7 @@
 three user turns, one of them with a tool call, a heartbeat and a compaction, then the export.
 
 Slow: every request carries OpenClaw's ~13 K-token prompt, and on a CPU each is prefilled whole
-(minutes a request on two busy cores; docs/openclaw.md has the measured times). Skipped when Node
+(minutes a request on two busy cores; docs/measurements.md has the measured times). Skipped when Node
 24 and OpenClaw are not in `~/.cache/clawbridge/openclaw-node` and npm cannot install them.
 `CLAWBRIDGE_OPENCLAW_MODEL=tiny-random` runs the same plumbing in a few minutes.
 

@@ -253,7 +253,7 @@ def run_scale_out(tmp: Path, db: str, n_convs: int, turns: int, kill_trainer: bo
             store.close()
         logs = {p.name: (tmp / f"{p.name}.log").read_text() for p in ps}
         assert sum("holds the trainer lease" in text for text in logs.values()) == (2 if kill_trainer else 1), logs
-        print(json.dumps(timings))  # shown with -s: the figures of docs/scale-out.md
+        print(json.dumps(timings))  # shown with -s: the figures of docs/measurements.md
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ One renderer serves every backend, so what is trained is exactly what was sample
 - `Renderer.stream()` → `decode.StreamDecoder`, the same parser fed chunk by chunk; `parse` is that
   decoder fed once, so streamed deltas concatenate to exactly the parsed message.
 
-docs/renderer.md documents the fallback format and the measured figures.
+docs/renderer.md documents the fallback format; docs/measurements.md has its timings.
 """
 
 from __future__ import annotations

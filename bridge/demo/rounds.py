@@ -262,8 +262,7 @@ class NothingToTrain(Exception):
 def threads() -> int | None:
     """One torch thread when the machine is busier than it has cores. Two intra-op threads wait
     on each other at every barrier, and when other processes hold the cores each wait is a lost
-    time slice: measured here at load average 9 on 2 cores, the demo recorded 20 turns in 20
-    minutes with two threads and 70 in 2.5 minutes with one."""
+    time slice (docs/measurements.md)."""
     cores = os.cpu_count() or 1
     return 1 if os.getloadavg()[0] >= cores else None
 

@@ -61,11 +61,9 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
         gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
         gate_patience=r.gate_patience, gate_blend=tuple(r.gate_blend),
         gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
-        # the demo's answers come in bursts (a gate's 132, a measurement's 40) of short prompts:
-        # 64 rows a decode step answered 100 probe questions in 0.72x the time of 16 on 2 cores
-        # (0.61x with each prompt prefilled alone; bench/decode.py --probes 100 --max-batch 16 64)
-        # and a run took 478 s against 736 s (seed 3); the setting's default stays 16, where
-        # an agent's long prompts would hold 64 rows of KV
+        # the demo's answers come in bursts (a gate's 132, a measurement's 40) of short prompts,
+        # which 64 rows a decode step answer faster (docs/measurements.md); the setting's default
+        # stays 16, where an agent's long prompts would hold 64 rows of KV
         engine_max_batch=64,
     )
     if r.gate_probes_max is not None:
@@ -344,7 +342,7 @@ async def run_demo(
     progress: Progress | None = None,
     plot_path: Path | None = None,
     # a safety net, not a budget: a round's step and gate (100 probe questions of the candidate,
-    # and of v0 and the twin the first time) took over 750 s on 2 cores loaded ten deep
+    # and of v0 and the twin the first time) can take many minutes on a busy 2-core machine
     step_timeout_s: float = 1800.0,
     note: Note | None = None,
 ) -> DemoResult:

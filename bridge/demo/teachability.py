@@ -8,11 +8,11 @@ ten-minute run what it can show:
 - **teachability**: how often the base model asked for the preference meets it and answers the
   question (truly satisfied) on the held-out prompts, next to plain v0. A preference it rarely
   meets even when asked has nothing to learn from: the rewrites have nothing right to imitate
-  and OPD nothing to pull towards (docs/learning.md#can-the-hint-teach-your-preference).
+  and OPD nothing to pull towards (docs/learning.md#before-training-teachability-and-the-price).
 - **the price**: the general probe's rate of plain v0 − that of the **prompted twin** (the base
   model asked for the preferences), paired by question and seed. It is what the preference costs
   by itself; the gate judges a candidate against the twin, so paying it is not harm
-  (docs/methods.md#the-price-of-a-preference).
+  (docs/methods.md#harm-is-judged-against-what-you-asked-for).
 
 The instruction is the standing preferences the trainer derives from the scenario's corrections
 (`learning.preferences`), the same function, so the demo's twin and the gate's cannot drift.

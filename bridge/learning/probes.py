@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-ORIGINAL = 50  # the first questions of probes.yaml: the set before 2026-11-25 (the tools demo's)
+ORIGINAL = 50  # the first questions of probes.yaml: the tools demo's set
 _WORD = re.compile(r"[a-z0-9][a-z0-9'\u2019²^,.-]*", re.IGNORECASE)
 DEFAULT_MIN_WORDS = 4
 

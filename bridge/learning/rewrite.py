@@ -1,62 +1,16 @@
-"""Hint-guided rewrites: the answer the hint asks for, trained as a demonstration (docs/methods.md).
+"""Hint-guided rewrites: the answer the hint asks for, trained as a demonstration.
 
 On-policy distillation moves only the tokens the student sampled, so a behaviour the model never
-shows (a sign-off it never writes, brevity it never chooses) gets no positive example, and a
-batch of corrected answers is mostly "less of this": pushing sampled tokens down spreads their
-probability over everything else, and a small model drifts into non-answers. A rewrite adds the
-positive example:
-
-    teacher = the same model with the hint in its prompt (judges.hints.teacher_messages)
-    draw k answers from the teacher at the turn's own sampling settings
-    drop the draws that do not answer the question: an echo of it, or a draw the question does
-        not explain (relevance: log p(draw | question, hint) − log p(draw | no question, hint),
-        summed over the draw, below `rewrite_min_relevance` nats)
-    score the rest under the turn's OWN prompt by the teacher's model (no hint), and drop the
-        draws the hint lifted by less than `rewrite_min_lift` nats a token
-    keep a draw that ends by itself over one cut at max_tokens, and among those the one the hint
-        lifted most: the highest mean log p(draw | hint) − log p(draw | no hint), one model
-    score the kept draw under the turn's OWN prompt by the policy (its PPO old logprobs)
-    train it under the turn's OWN prompt with advantage +w on every token
-
-Its log pi_old is the policy's logprob of those tokens under the turn's prompt, scored when the
-sample is judged, so the PPO ratio starts at 1 and the clip bounds how far one step moves it, as
-for any sample. Everything here goes through `Backend.sample` and `Backend.score`, which every
-backend has, so rewrites are identical on every platform.
-
-Why the lift picks (`rewrite_pick`, docs/methods.md#which-draw-a-rewrite-trains): the hinted
-teacher of a small model follows the hint in some draws and answers as it would have anyway in
-others. The draw the hint made most likely, relative to the same model without it, is the one
-that carries what the hint asked for: the pointwise mutual information of the draw and the hint,
-per token. It needs no judge of the preference. The teacher's own confidence (`surest`) was the
-first rule; on a preference the model rarely shows it keeps picking the ordinary answer
-(`bench/teacher.py --picks`: a list in 21 % of the picks by lift against 7 % by confidence,
-`bullets`).
-
-Why one model on both sides of the lift: it was once measured against the policy, which is the
-same model while training has not moved it. Once the policy meets the preference more often
-than its frozen teacher, the draws the teacher likes and the policy does not are the ones
-*without* the preference (a second sentence the policy has learned to leave out), and the lift
-picked them: late in a run most rewrites were long answers cut at max_tokens, and the learned
-preference faded step after step (docs/learning.md).
-
-Why a finished draw first: a draw cut at max_tokens is a fragment, not an answer, and as a
-demonstration it teaches the length the hint asked against when the hint asks for less; a cut
-draw is kept only when every usable draw was cut.
-
-Why the relevance floor (`rewrite_min_relevance`, docs/methods.md#a-rewrite-must-answer-the-question-rewrite_min_relevance):
-the lift alone prefers the draws that repeat the hint or comment on the answer ("Make it more
-concise and impactful.", "A good answer.", "Your answer is too long."): the hint explains them
-best of all. Trained as demonstrations they teach the model to dodge, and the general probe paid
-for it. Such a draw is about as likely without the question as with it; an answer is not. The
-relevance is the pointwise mutual information of the draw with the question under the teacher,
-in nats over the whole draw (a mean per token would hold long answers to a stricter bar: their
-later tokens follow from their first ones, question or not).
-
-Why the lift floor (`rewrite_min_lift`, docs/methods.md#a-rewrite-must-be-what-the-hint-asked-for-rewrite_min_lift):
-when every draw of a prompt is the model's habit (the teacher answered as it would have without
-the hint), the best of them is still trained as a demonstration of what the hint asked for. Once
-the student meets the preference more often than its teacher, those demonstrations pull it back
-to the teacher's rate, the way undirected fresh draws did (`opd_draw_max_lift`).
+shows gets no positive example; a rewrite is that example. The teacher (the same model with the
+hint) draws k answers at the turn's own sampling settings; a draw must answer the question
+(`rewrite_min_relevance`: its pointwise mutual information with the question, in nats) and be
+what the hint asked for (`rewrite_min_lift`: nats a token the hint lifted it, both sides scored by
+the teacher's model); a finished draw is kept before one cut at max_tokens, and among those the
+one the hint lifted most (`rewrite_pick`). The kept draw is scored by the policy under the turn's
+own prompt (its PPO old logprobs, so the ratio starts at 1) and trained there with advantage +w
+on every token. Only `Backend.sample` and `Backend.score` are used, so rewrites are identical on
+every backend. Why each rule: docs/methods.md#hint-guided-rewrites-rewrites-w_rewrite and the
+sections after it.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ class Reactions:
     A sample's reward is final once it leaves `pending` (only `set_sample_advantages` writes it
     later, and only from pending), so the sums over every sample below the oldest pending one
     are kept, and each call adds only the samples past the mark: a primary-key range, not the
-    whole table (40-75 ms on 100 000 turns when summed afresh, bench/ui_queries.py)."""
+    whole table (docs/ui.md has the cost of summing afresh)."""
 
     def __init__(self) -> None:
         self.mark = 0  # every sample with id <= mark is in `sums`

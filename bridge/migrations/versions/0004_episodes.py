@@ -1,4 +1,4 @@
-"""groups and episodes: outcome rewards for general agents (issue 15)
+"""groups and episodes: outcome rewards for general agents
 
 A group is n attempts at one task; an episode is one attempt (a session's main turns, or one
 choice of an `n > 1` request) and its outcome. New tables only: no existing row changes.
