@@ -387,15 +387,15 @@ def test_one_sentence_counts_one_finished_sentence_of_any_length_and_nothing_els
 
 
 def test_the_gate_asks_each_validation_prompt_validation_samples_times():
-    """...and judges the validation split as the preference itself (`kept`: its mean against the
-    serving version decides)."""
+    """...and judges the validation split as the preference itself (`measures_preference`: its
+    mean against the serving version decides)."""
     from clawbridge.demo.runner import gate_probes
 
     sc = scenario.load("concise")
     probes = gate_probes(sc)
     assert [p.messages for p in probes] == [tuple(sc.messages(q)) for q in sc.gate_prompts]
     assert {p.group for p in probes} == {"validation"} and {p.samples for p in probes} == {sc.recipe.validation_samples}
-    assert all(p.kept for p in probes)
+    assert all(p.measures_preference for p in probes)
 
 
 async def test_the_demo_names_a_blend_the_gate_served(tmp_path: Path):
