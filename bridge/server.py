@@ -164,7 +164,7 @@ def build_gate(
     rest = [p for p in pool if p not in chosen][: max(0, min(s.gate_probes_max, len(pool)) - k)]
 
     def ask(qs: list[Probe]) -> list[GateProbe]:
-        return [GateProbe(GENERAL, ({"role": "user", "content": p.question},), probe_scorer(p.check.answered))
+        return [GateProbe(GENERAL, ({"role": "user", "content": p.question},), probe_scorer(p.key.answered))
                 for p in qs]
 
     probes = ask(chosen) + list(extra)

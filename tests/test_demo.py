@@ -49,7 +49,7 @@ def test_the_rules_judge_reads_the_scenario_replies_as_intended():
 
 
 def test_the_check_applies_every_condition():
-    check = scenario.Check(max_words=5, must_match=[r"^- "], must_not_match=["sorry"])
+    check = scenario.HiddenPreference(max_words=5, must_match=[r"^- "], must_not_match=["sorry"])
     assert check.satisfied("- one two", "stop")
     assert not check.satisfied("- one two", "length")  # cut at max_tokens
     assert not check.satisfied("- one two three four five six", "stop")
@@ -80,7 +80,7 @@ def test_numbers_in_a_keyword_list_are_keywords(tmp_path: Path):
     sc = scenario.load(path)
     assert sc.answers.keywords == {"At what temperature does water boil?": ["100", "celsius"],
                                    "What is pi?": ["3.14"]}
-    check = sc.answer_check("At what temperature does water boil?")
+    check = sc.answer_key("At what temperature does water boil?")
     assert check.answered("Water boils at 100 degrees at sea level.")
     assert not check.answered("Water boils when it gets very hot indeed.")
 
