@@ -172,3 +172,14 @@ def test_five_candidates_twelve_points_worse_rarely_serve_a_harmful_one():
     burden = sum(_serves(True, 0.12, rng) for _ in range(runs)) / runs
     better = sum(_serves(True, -0.10, rng, candidates=1) for _ in range(runs)) / runs
     assert harm_only > 0.5 and burden < 0.25 and better > 0.7, (harm_only, burden, better)
+
+
+def test_an_accepted_candidate_is_said_within_the_twin_only_when_the_twin_was_asked():
+    fine = GroupFigures(0.9, 0.9, 0.0, 1.0, 0.0)
+    kept = Comparison(GroupRule("validation", "serving", "within", 0.05, 0.1, "the serving version"), fine)
+    shown = Comparison(GroupRule("validation", "v0", "proof", 0.05, 0.2), fine)
+    assert decide({"validation vs serving": kept, "validation vs v0": shown}) == (
+        "accepted", "no probe group is worse beyond the margin, and each is within it of v0")
+    twin = Comparison(GroupRule("probe", "twin", "within", 0.05, 0.1, "the prompted twin"), fine)
+    assert decide({"validation vs serving": kept, "probe vs twin": twin})[1].endswith("of the prompted twin")
+

@@ -152,7 +152,7 @@ def decide(comparisons: Mapping[str, Comparison], *, share: float = 1.0) -> tupl
             return "rejected", (f"{name}: {g.candidate:.0%} vs {g.reference:.0%} "
                                 f"({100 * g.delta:+.0f} pts), not shown within {100 * r.margin:.0f} pts "
                                 f"(p={g.p_inferior:.3f})")
-    if any(c.row.rule == "within" for c in comparisons.values()):
+    if any(c.row.against == "twin" for c in comparisons.values()):
         return "accepted", "no probe group is worse beyond the margin; the probe is within it of the prompted twin"
     if any(c.row.rule == "proof" for c in comparisons.values()):
         return "accepted", "no probe group is worse beyond the margin, and each is within it of v0"
