@@ -5,14 +5,14 @@
     .venv/bin/python bench/gate_power.py --validation            # the demo's validation split
 
 For each design (probes asked, answers per probe of the twin) it prints how often the gate's rule
-(`clawbridge.learning.gate.decide`, the general probe judged `within` the margin of the twin)
+(`clawbridge.learning.gate_rules.decide`, the general probe judged `within` the margin of the twin)
 
 - holds back a candidate **as good as the twin** (a fresh draw of the twin itself), and
 - serves a candidate **10 points worse** than the twin (the same draw with a tenth of the
   probes' answers turned wrong: answers it had right, so the loss is exactly 10 points when the
   twin answers at least that share).
 
-`--validation`: the demo's validation split (`GateProbe.kept`: the preference itself, its mean
+`--validation`: the demo's validation split (`GateProbe.measures_preference`: the preference itself, its mean
 judged `within` the margin of the serving version) against the harm rule it had before (held back
 only when shown worse beyond the margin, p < 0.1): how often each holds back a candidate that
 keeps the preference as well as the serving version, and serves one 10 or 20 points worse. Each
@@ -34,7 +34,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from clawbridge.learning.gate import Comparison, decide, paired_worse
+from clawbridge.learning.gate_rules import Comparison, GroupRule, decide
+from clawbridge.learning.stats import paired_worse
 
 MARGIN = 0.05
 
@@ -42,7 +43,7 @@ MARGIN = 0.05
 def held_back(candidate: Sequence[float], twin: Sequence[float], margin: float = MARGIN) -> bool:
     """The gate's final decision on the general probe alone, against the twin."""
     fig = paired_worse(candidate, twin, margin)
-    return decide({"probe vs twin": Comparison(fig, "within", margin, 0.1)})[0] == "rejected"
+    return decide({"probe vs twin": Comparison(GroupRule("probe", "twin", "within", margin, 0.1), fig)})[0] == "rejected"
 
 
 def worsen(answers: Sequence[float], points: float, rng: random.Random) -> list[float]:
@@ -92,19 +93,19 @@ def replay(draws: list[list[float]], probes: int, ref_draws: int, runs: int, see
 
 def validation(prompts: int, answers: int, loss: float, runs: int, seed: int, rate: float = 0.35,
                spread: float = 3.0) -> tuple[float, float]:
-    """How often the kept rule and the harm rule hold back a candidate `loss` below the serving
+    """How often the preference rule (`within`) and the harm rule hold back a candidate `loss` below the serving
     version on the validation split (`loss` 0: as good as it)."""
     rng = random.Random(seed)
-    kept = harm = 0
+    within = harm = 0
     for _ in range(runs):
         rates = [rng.betavariate(rate * spread, (1 - rate) * spread) for _ in range(prompts)]
         worse = [max(0.0, r * (1 - loss / rate)) for r in rates]
         serving = [sum(rng.random() < r for _ in range(answers)) / answers for r in rates]
         cand = [sum(rng.random() < r for _ in range(answers)) / answers for r in worse]
         fig = paired_worse(cand, serving, MARGIN)
-        kept += decide({"validation vs serving": Comparison(fig, "within", MARGIN, 0.1)})[0] == "rejected"
-        harm += decide({"validation vs serving": Comparison(fig, "harm", MARGIN, 0.1)})[0] == "rejected"
-    return kept / runs, harm / runs
+        within += decide({"validation vs serving": Comparison(GroupRule("validation", "serving", "within", MARGIN, 0.1), fig)})[0] == "rejected"
+        harm += decide({"validation vs serving": Comparison(GroupRule("validation", "serving", "harm", MARGIN, 0.1), fig)})[0] == "rejected"
+    return within / runs, harm / runs
 
 
 def main() -> None:
@@ -112,14 +113,14 @@ def main() -> None:
     ap.add_argument("--replay", type=Path, help="JSON {'asked': [[score per answer] per probe], ...}")
     ap.add_argument("--runs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--validation", action="store_true", help="the demo's validation split: kept vs harm rule")
+    ap.add_argument("--validation", action="store_true", help="the demo's validation split: within vs harm rule")
     args = ap.parse_args()
     if args.validation:
         print(f"{'prompts':>7} {'answers':>7} {'rule':>5} {'held back when as good':>23} "
               f"{'served when 10 worse':>21} {'served when 20 worse':>21}")
         for prompts, answers in ((8, 4), (8, 8), (16, 4)):
             got = [validation(prompts, answers, loss, args.runs, args.seed) for loss in (0.0, 0.10, 0.20)]
-            for i, rule in enumerate(("kept", "harm")):
+            for i, rule in enumerate(("within", "harm")):
                 print(f"{prompts:>7} {answers:>7} {rule:>5} {got[0][i]:>23.1%} {1 - got[1][i]:>21.1%} "
                       f"{1 - got[2][i]:>21.1%}")
         return

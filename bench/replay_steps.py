@@ -154,7 +154,7 @@ async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scena
 
     got = await answers(backend, renderer, [(wrap([{"role": "user", "content": p.question}]), p) for p in probes],
                         params, draws)
-    probe = [probes[i // draws].check.answered(t) for i, (t, _) in enumerate(got)]
+    probe = [probes[i // draws].key.answered(t) for i, (t, _) in enumerate(got)]
     held = await answers(backend, renderer, [(wrap(sc.messages(p)), p) for p in sc.heldout_prompts], params, draws)
     verdicts = [sc.rate(sc.heldout_prompts[i // draws], t, f) for i, (t, f) in enumerate(held)]
     for i, (t, _) in enumerate(got[: show * draws : draws]):

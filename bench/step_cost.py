@@ -120,7 +120,7 @@ async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scena
                                            for i, p in enumerate(probes)))
     held = await asyncio.gather(*(answer(sc.messages(p), p, i % repeats) for i, p in enumerate(held_prompts)))
     verdicts = [sc.rate(p, t, f) for p, (t, f) in zip(held_prompts, held, strict=True)]
-    probe_ok = [p.check.answered(t) for p, (t, _) in zip(probes, probe_answers, strict=True)]
+    probe_ok = [p.key.answered(t) for p, (t, _) in zip(probes, probe_answers, strict=True)]
     n = len(verdicts)
     return {
         "probe": probe_ok,

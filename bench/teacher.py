@@ -36,7 +36,7 @@ from clawbridge.config import Settings
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
-from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerCheck, Probe, general_probes
+from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerKey, Probe, general_probes
 from clawbridge.learning.rewrite import (
     Draw,
     Pick,
@@ -60,7 +60,7 @@ def load_probes(path: str | Path | None) -> tuple[Probe, ...]:
 
     data = yaml.safe_load(Path(path).read_text())
     min_words = int(data.get("min_words", DEFAULT_MIN_WORDS))
-    return tuple(Probe(p["q"], AnswerCheck(p["q"], tuple(str(k) for k in p["k"]), min_words)) for p in data["probes"])
+    return tuple(Probe(p["q"], AnswerKey(p["q"], tuple(str(k) for k in p["k"]), min_words)) for p in data["probes"])
 
 
 async def rated(backend: LocalBackend, renderer: Renderer, params: SamplingParams, draws: int,
@@ -134,7 +134,7 @@ async def probe_cost(sc: scenarios.Scenario, backend: LocalBackend, renderer: Re
     kinds = (("probe, plain", lambda q: [{"role": "user", "content": q}]),
              ("probe, hinted", lambda q: teacher_messages([{"role": "user", "content": q}], hint)))
     for label, build in [k for k in kinds if only is None or k[0] == f"probe, {only}"]:
-        asks = [(build(p.question), lambda t, f, p=p: scenarios.Verdict(sc.check.satisfied(t, f), p.check.answered(t)))
+        asks = [(build(p.question), lambda t, f, p=p: scenarios.Verdict(sc.check.satisfied(t, f), p.key.answered(t)))
                 for p in probes]
         t0 = time.perf_counter()
         rows = await rated(backend, renderer, params, draws, asks)

@@ -30,7 +30,8 @@ from clawbridge.judges import Teacher, build_judges
 from clawbridge.judges.pairwise import PairwiseJudge
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
-from clawbridge.learning.gate import Gate, GateProbe, probe_check
+from clawbridge.learning.gate import Gate, GateProbe, probe_scorer
+from clawbridge.learning.gate_rules import GENERAL
 from clawbridge.learning.learner import Learner, LearningParts
 from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
@@ -163,7 +164,7 @@ def build_gate(
     rest = [p for p in pool if p not in chosen][: max(0, min(s.gate_probes_max, len(pool)) - k)]
 
     def ask(qs: list[Probe]) -> list[GateProbe]:
-        return [GateProbe("probe", ({"role": "user", "content": p.question},), probe_check(p.check.answered))
+        return [GateProbe(GENERAL, ({"role": "user", "content": p.question},), probe_scorer(p.key.answered))
                 for p in qs]
 
     probes = ask(chosen) + list(extra)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from clawbridge.judges.votes import majority
 from clawbridge.learning.advantages import (
+    anchored,
     binary_advantages,
     combine_advantages,
     group_normalise,
@@ -150,3 +151,12 @@ def test_scale_negatives_keeps_the_gains_and_scales_the_push_down():
     assert scale_negatives([-1.0, -2.0], 1.0) == (-1.0, -2.0)
     with pytest.raises(ValueError):
         scale_negatives([1.0], -0.5)
+
+
+def test_the_anchor_pulls_each_token_back_by_how_far_it_moved_from_the_base():
+    # old - base = [0.5, -1.0, 0.0]; coef 0.1 -> A - [0.05, -0.1, 0]
+    out = anchored([1.0, 1.0, -1.0], [-0.5, -2.0, -1.0], [-1.0, -1.0, -1.0], 0.1)
+    assert out == pytest.approx((0.95, 1.1, -1.0))
+    assert anchored([1.0], [-3.0], [-1.0], 0.0) == (1.0,)
+    with pytest.raises(ValueError):
+        anchored([1.0, 1.0], [-1.0], [-1.0], 0.1)

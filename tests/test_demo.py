@@ -49,7 +49,7 @@ def test_the_rules_judge_reads_the_scenario_replies_as_intended():
 
 
 def test_the_check_applies_every_condition():
-    check = scenario.Check(max_words=5, must_match=[r"^- "], must_not_match=["sorry"])
+    check = scenario.HiddenPreference(max_words=5, must_match=[r"^- "], must_not_match=["sorry"])
     assert check.satisfied("- one two", "stop")
     assert not check.satisfied("- one two", "length")  # cut at max_tokens
     assert not check.satisfied("- one two three four five six", "stop")
@@ -80,7 +80,7 @@ def test_numbers_in_a_keyword_list_are_keywords(tmp_path: Path):
     sc = scenario.load(path)
     assert sc.answers.keywords == {"At what temperature does water boil?": ["100", "celsius"],
                                    "What is pi?": ["3.14"]}
-    check = sc.answer_check("At what temperature does water boil?")
+    check = sc.answer_key("At what temperature does water boil?")
     assert check.answered("Water boils at 100 degrees at sea level.")
     assert not check.answered("Water boils when it gets very hot indeed.")
 
@@ -387,15 +387,15 @@ def test_one_sentence_counts_one_finished_sentence_of_any_length_and_nothing_els
 
 
 def test_the_gate_asks_each_validation_prompt_validation_samples_times():
-    """...and judges the validation split as the preference itself (`kept`: its mean against the
-    serving version decides)."""
+    """...and judges the validation split as the preference itself (`measures_preference`: its
+    mean against the serving version decides)."""
     from clawbridge.demo.runner import gate_probes
 
     sc = scenario.load("concise")
     probes = gate_probes(sc)
     assert [p.messages for p in probes] == [tuple(sc.messages(q)) for q in sc.gate_prompts]
     assert {p.group for p in probes} == {"validation"} and {p.samples for p in probes} == {sc.recipe.validation_samples}
-    assert all(p.kept for p in probes)
+    assert all(p.measures_preference for p in probes)
 
 
 async def test_the_demo_names_a_blend_the_gate_served(tmp_path: Path):

@@ -351,7 +351,7 @@ async def test_against_the_twin_a_price_is_shown_capped_and_paid_only_with_conse
         assert consented.figures["probe_twin"] == 0.0 and consented.figures["price_points"] == 100.0
 
         strict = await Gate(backend, renderer, probes, params=params, reference="v0").evaluate(1, 0, asked=asked)
-        assert strict.decision == "rejected" and strict.reference == "v0" and strict.asked is None
+        assert strict.decision == "rejected" and strict.reference == "v0" and strict.instruction is None
 
 
 async def test_every_probe_is_asked_with_its_own_seed_the_same_for_every_version_and_the_twin(tmp_path: Path):
@@ -369,7 +369,7 @@ async def test_every_probe_is_asked_with_its_own_seed_the_same_for_every_version
         probes = [GateProbe("probe", ({"role": "user", "content": q},), lambda _t, _f: 1.0) for q in PROMPTS]
         gate = Gate(backend, renderer, probes, params=params)
         await gate.scores(0)
-        await gate.scores(0, asked="Answer in one short sentence.")
+        await gate.scores(0, instruction="Answer in one short sentence.")
         seeds = [question_seed(params.seed, q) for q in PROMPTS]
         assert len(set(seeds)) == len(PROMPTS)
         assert asked == [(0, s) for s in seeds] * 2
@@ -386,7 +386,7 @@ async def test_the_price_is_told_once_even_when_the_demo_measured_it_first(tmp_p
         await collector_for(settings, backend, store).run_once()
         assert (await Trainer(settings.training, backend, store).step_once()).version == 1  # type: ignore[union-attr]
         gate = Gate(backend, renderer, probes, params=params)
-        assert await gate.general(0, "Be brief.", gate.reference_samples) == [1.0] * len(PROMPTS)
+        assert await gate.general_scores(0, "Be brief.", gate.reference_samples) == [1.0] * len(PROMPTS)
         with caplog.at_level(logging.WARNING, logger="clawbridge.learning.gate"):
             await gate.evaluate(1, 0, asked="Be brief.")
             await gate.evaluate(1, 0, asked="Be brief.")
@@ -406,7 +406,7 @@ async def test_a_probe_with_its_own_samples_is_answered_that_many_times_by_every
         probes = [GateProbe("validation", ({"role": "user", "content": PROMPTS[0]},), counted("validation"), 3),
                   GateProbe("probe", ({"role": "user", "content": PROMPTS[1]},), counted("probe"))]
         gate = Gate(backend, renderer, probes, params=params, reference_samples=2)
-        score, _ = await gate.scores(0, asked=None, samples=2)  # v0 as the gate asks it
+        score, _ = await gate.scores(0, instruction=None, samples=2)  # v0 as the gate asks it
         assert (len(seen["validation"]), len(seen["probe"])) == (3, 2)
         assert score == sum(len(t) % 2 for t in seen["validation"]) / 3
         published = await backend.publish()
@@ -414,19 +414,21 @@ async def test_a_probe_with_its_own_samples_is_answered_that_many_times_by_every
         assert (len(seen["validation"]), len(seen["probe"])) == (6, 3)
 
 
-@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("measures_preference", [False, True])
 async def test_a_group_that_measures_the_preference_holds_back_a_fall_the_harm_rule_cannot_show(tmp_path: Path,
-                                                                                                 kept: bool):
-    """The demo's validation split measures the preference itself (`GateProbe.kept`): against the
-    serving version its mean decides. The wrecked candidate keeps five of six validation prompts
-    (−17 points, not significant on six): the harm rule serves it, a kept group holds it back, so
-    a version that keeps the preference worse than what serves does not replace it."""
+                                                                                                 measures_preference: bool):
+    """The demo's validation split measures the preference itself
+    (`GateProbe.measures_preference`): against the serving version its mean decides. The wrecked
+    candidate keeps five of six validation prompts (−17 points, not significant on six): the harm
+    rule serves it, a group that measures the preference holds it back, so a version that keeps
+    the preference worse than what serves does not replace it."""
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         plain = await _plain(backend, renderer, params)
         probes = [GateProbe("validation", ({"role": "user", "content": PROMPTS[0]},),
-                            lambda text, _f: 1.0 if text == plain[0] else 0.0, kept=kept)]
-        probes += [GateProbe("validation", ({"role": "user", "content": p},), lambda _t, _f: 1.0, kept=kept)
-                   for p in PROMPTS[1:]]
+                            lambda text, _f: 1.0 if text == plain[0] else 0.0,
+                            measures_preference=measures_preference)]
+        probes += [GateProbe("validation", ({"role": "user", "content": p},), lambda _t, _f: 1.0,
+                             measures_preference=measures_preference) for p in PROMPTS[1:]]
         gate = Gate(backend, renderer, probes, params=params, margin=0.05, alpha=0.1, non_inferiority=False)
         record_turns(store, 2)
         await collector_for(settings, backend, store).run_once()
@@ -435,7 +437,7 @@ async def test_a_group_that_measures_the_preference_holds_back_a_fall_the_harm_r
         [decision] = trainer.decisions
         assert decision.figures["validation_candidate"] == pytest.approx(5 / 6)
         assert decision.figures["validation_serving"] == 1.0 and decision.figures["validation_p_vs_serving"] > 0.1
-        if kept:
+        if measures_preference:
             assert decision.decision == "rejected", decision
             assert "more than 5 pts below the serving version" in decision.reason, decision.reason
         else:

@@ -5,22 +5,22 @@ from __future__ import annotations
 
 from clawbridge.demo import scenario
 from clawbridge.judges.rules import classify
-from clawbridge.learning.probes import AnswerCheck, general_probes, is_echo, own_words
+from clawbridge.learning.probes import AnswerKey, general_probes, is_echo, own_words
 
 
 def test_echoes_and_dodges_do_not_answer_a_question():
-    check = scenario.load("concise").answer_check("What is an earthquake?")
+    check = scenario.load("concise").answer_key("What is an earthquake?")
     assert not check.answered("It seems I'm having a misunderstanding.")
     assert not check.answered("What is an earthquake?")
     assert not check.answered("An earthquake is an earthquake.")
     assert check.answered("A sudden shaking of the ground caused by moving tectonic plates.")
-    fish = scenario.load("concise").answer_check("How do fish breathe underwater?")
+    fish = scenario.load("concise").answer_key("How do fish breathe underwater?")
     assert not fish.answered("How do fish breathe underwater?")
     assert fish.answered("Fish use gills to take oxygen from the water.")
 
 
 def test_a_keyword_matches_the_start_of_a_word_only():
-    check = AnswerCheck("Why is the sea wet?", ("evaporat", "7"), min_words=2)
+    check = AnswerKey("Why is the sea wet?", ("evaporat", "7"), min_words=2)
     assert check.answered("Because water evaporates slowly.")
     assert not check.answered("Because of the vaporous air.")
     assert check.answered("About 7 days.") and not check.answered("About 17 days.")
@@ -31,11 +31,11 @@ def test_keywords_never_repeat_the_question_and_every_builtin_prompt_has_some():
     for name in scenario.builtin_names():
         sc = scenario.load(name)
         for prompt in [*sc.train_prompts, *sc.heldout_prompts]:
-            check = sc.answer_check(prompt)
-            assert check.keywords, f"{name}: no reference keywords for {prompt!r}"
-            assert not own_words(prompt, check.keywords), (prompt, own_words(prompt, check.keywords))
+            key = sc.answer_key(prompt)
+            assert key.keywords, f"{name}: no reference keywords for {prompt!r}"
+            assert not own_words(prompt, key.keywords), (prompt, own_words(prompt, key.keywords))
     for p in general_probes():
-        assert not own_words(p.question, p.check.keywords), p.question
+        assert not own_words(p.question, p.key.keywords), p.question
 
 
 def test_the_general_probe_set_is_two_hundred_questions_shared_by_no_scenario():
@@ -48,8 +48,8 @@ def test_the_general_probe_set_is_two_hundred_questions_shared_by_no_scenario():
 
 def test_a_one_word_right_answer_answers_a_probe_and_a_dodge_does_not():
     probe = next(p for p in general_probes() if p.question == "Who wrote Romeo and Juliet?")
-    assert probe.check.answered("Shakespeare.")
-    assert not probe.check.answered("Romeo.") and not probe.check.answered("A good question.")
+    assert probe.key.answered("Shakespeare.")
+    assert not probe.key.answered("Romeo.") and not probe.key.answered("A good question.")
 
 
 def test_an_echo_is_recognised_whatever_its_case_and_punctuation():

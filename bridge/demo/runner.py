@@ -75,14 +75,14 @@ def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Setti
 def gate_probes(scenario: Scenario) -> list[GateProbe]:
     """The demo's own gate probes: the scenario's truly-satisfied check on its validation split
     (prompts never trained on, and not the held-out ones the figures are measured on), each asked
-    `validation_samples` times of every version. The preference is what they measure (`kept`): a
+    `validation_samples` times of every version. The preference is what they measure (`measures_preference`): a
     candidate that keeps it worse than the serving version, by more than the gate's margin on
     average, is held back."""
-    def check(prompt: str) -> Any:
+    def scorer(prompt: str) -> Any:
         return lambda text, finish: 1.0 if scenario.rate(prompt, text, finish).truly else 0.0
 
     n = scenario.recipe.validation_samples
-    return [GateProbe("validation", tuple(scenario.messages(p)), check(p), n, kept=True) for p in scenario.gate_prompts]
+    return [GateProbe("validation", tuple(scenario.messages(p)), scorer(p), n, measures_preference=True) for p in scenario.gate_prompts]
 
 
 class SimulatedUser:
@@ -251,7 +251,7 @@ class PreferenceRounds:
             return ()
         t0 = time.monotonic()
         samples = gate.reference_samples if version == 0 else gate.samples
-        out = tuple(await gate.general(version, asked, samples))
+        out = tuple(await gate.general_scores(version, asked, samples))
         self.user.took("twin probe" if asked else "probe", t0)
         return out
 

@@ -19,13 +19,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerCheck
+from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_SCENARIO = "concise"
 
 
-class Check(BaseModel):
+class HiddenPreference(BaseModel):
     """The hidden preference. Every given condition must hold."""
 
     model_config = ConfigDict(extra="forbid")
@@ -192,7 +192,7 @@ class Scenario(BaseModel):
     system: str | None = Field(None, description="An optional system message for every conversation.")
     train_prompts: list[str] = Field(min_length=1)
     heldout_prompts: list[str] = Field(min_length=2)
-    check: Check
+    check: HiddenPreference
     replies: Replies
     answers: Answers = Field(default_factory=lambda: Answers.model_validate({}))
     validation_prompts: list[str] = Field(
@@ -228,12 +228,12 @@ class Scenario(BaseModel):
         correction = r.unsatisfied[i % len(r.unsatisfied)]
         return correction if answered else f"{correction} {objection}"
 
-    def answer_check(self, prompt: str) -> AnswerCheck:
+    def answer_key(self, prompt: str) -> AnswerKey:
         keywords = self.answers.keywords.get(prompt) or answer_key().get(prompt) or []
-        return AnswerCheck(prompt, tuple(str(k) for k in keywords), self.answers.min_words)
+        return AnswerKey(prompt, tuple(str(k) for k in keywords), self.answers.min_words)
 
     def rate(self, prompt: str, text: str, finish_reason: str | None) -> Verdict:
-        return Verdict(self.check.satisfied(text, finish_reason), self.answer_check(prompt).answered(text))
+        return Verdict(self.check.satisfied(text, finish_reason), self.answer_key(prompt).answered(text))
 
     @property
     def training_prompts(self) -> list[str]:

@@ -357,7 +357,7 @@ class Agent:
 
         probes = general_probes()[:ORIGINAL]  # as the tools demo was measured (docs/agents.md)
         answers = await asyncio.gather(*(one(p.question) for p in probes))
-        return rate([p.check.answered(a) for p, a in zip(probes, answers, strict=True)])
+        return rate([p.key.answered(a) for p, a in zip(probes, answers, strict=True)])
 
 
 def _mean(xs: list[float] | tuple[float, ...]) -> float:

@@ -42,7 +42,7 @@ def own_words(question: str, keywords: Iterable[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class AnswerCheck:
+class AnswerKey:
     """What an answer to one question must contain."""
 
     question: str
@@ -85,7 +85,7 @@ def rate(flags: Sequence[bool]) -> float:
 @dataclass(frozen=True)
 class Probe:
     question: str
-    check: AnswerCheck
+    key: AnswerKey
 
 
 @functools.cache
@@ -96,8 +96,8 @@ def general_probes() -> tuple[Probe, ...]:
     data = yaml.safe_load(resources.files("clawbridge.learning").joinpath("probes.yaml").read_text())
     min_words = int(data.get("min_words", DEFAULT_MIN_WORDS))
     return tuple(
-        Probe(p["q"], AnswerCheck(p["q"], tuple(str(k) for k in p["k"]), min_words)) for p in data["probes"]
+        Probe(p["q"], AnswerKey(p["q"], tuple(str(k) for k in p["k"]), min_words)) for p in data["probes"]
     )
 
 
-__all__ = ["ORIGINAL", "AnswerCheck", "Probe", "general_probes", "is_echo", "own_words", "rate", "words"]
+__all__ = ["ORIGINAL", "AnswerKey", "Probe", "general_probes", "is_echo", "own_words", "rate", "words"]
