@@ -9,33 +9,24 @@ plain v0's is the price of the preferences (docs/methods.md#harm-is-judged-again
 
 A preference is what the user wants of every answer, so the part of a hint that is about one
 turn is left out: a sentence that quotes the turn's own question ("I asked: Why is the sky
-blue?") is dropped (`general`). The same wish comes in several wordings and combinations, so a
+blue?") is dropped (`unquoted`). The same wish comes in several wordings and combinations, so a
 hint counts for a known preference when either's words are nearly all in the other (`same`),
 and a preference keeps its shortest wording; only the most frequent `keep` stand: the twin
-changes (and is measured again) only when the standing list does. Pure functions over plain
-data; the trainer stores the list in the store's meta.
+changes (and is measured again) only when the standing list does. Pure functions over
+plain data; the trainer keeps the list in the store (`store.save_preferences`, `store.history()`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-PREFERENCES_KEY = "learning.preferences"  # store meta: every preference seen, as `to_json`
+from clawbridge.store import Preference
+
 SAME = 0.8  # the share of the shorter hint's words in the longer one at which they say the same thing
 SOURCES = 5  # turn ids kept per preference (the newest)
 
 _WORD = re.compile(r"[a-z0-9']+")
-
-
-@dataclass(frozen=True)
-class Preference:
-    text: str  # the shortest wording seen
-    count: int  # trained samples whose hint said it
-    turns: tuple[str, ...]  # where it came from: the newest SOURCES turn ids
-    first_version: int  # the policy version trained from it first
 
 
 def words(text: str) -> frozenset[str]:
@@ -55,7 +46,7 @@ def same(a: str, b: str) -> bool:
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 
 
-def general(hint: str, question: str | None) -> str:
+def unquoted(hint: str, question: str | None) -> str:
     """`hint` without the sentences that quote the turn's own question (they are about that turn,
     not every answer)."""
     q = " ".join(question.lower().split()).rstrip("?!. ") if question else ""
@@ -98,15 +89,4 @@ def instruction(prefs: Sequence[Preference]) -> str | None:
     return "\n".join(sorted(p.text for p in prefs)) or None
 
 
-def to_json(prefs: Sequence[Preference]) -> list[dict[str, Any]]:
-    return [{"text": p.text, "count": p.count, "turns": list(p.turns), "first_version": p.first_version}
-            for p in prefs]
-
-
-def from_json(rows: Any) -> list[Preference]:
-    return [Preference(str(r["text"]), int(r["count"]), tuple(r.get("turns", ())), int(r.get("first_version", 0)))
-            for r in rows or ()]
-
-
-__all__ = ["PREFERENCES_KEY", "Preference", "from_json", "general", "instruction", "merge", "same", "standing",
-           "to_json", "words"]
+__all__ = ["instruction", "merge", "same", "standing", "unquoted", "words"]
