@@ -390,7 +390,7 @@ class Trainer:
         """Add the hints trained into `version` to the standing preferences (store meta); returns
         the twin's instruction: what the user has asked for so far (None: nothing yet)."""
         store = self.store
-        known = (await store.run(store.history)).preferences
+        known = list((await store.run(store.history)).preferences)
         hints = []
         for x in batch:
             if x.hint:

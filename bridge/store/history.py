@@ -90,8 +90,9 @@ def read_history(conn: sa.Connection) -> History:
         for r in conn.execute(sa.select(t.gate_decisions).order_by(g.id)))
     origins = conn.execute(sa.select(pv.version, pv.copy_of, pv.blend_of, pv.blend_alpha)
                            .where(sa.or_(pv.copy_of.is_not(None), pv.blend_of.is_not(None)))).all()
-    prefs = tuple(Preference(r.text, r.count, tuple(r.turns), r.first_version)
-                  for r in conn.execute(sa.select(t.preferences).order_by(p.position)))
+    prefs = tuple(Preference(r.text, r.n, tuple(r.turns), r.first_version)
+                  for r in conn.execute(sa.select(p.text, p.count.label("n"), p.turns, p.first_version)
+                                        .order_by(p.position)))
     return History(
         decisions=decisions,
         copies={r.version: r.copy_of for r in origins if r.copy_of is not None},
@@ -124,8 +125,9 @@ class HistoryStore(StoreBase):
         position (its row is updated when it changed), a new one is appended."""
         p = t.preferences.c
         with self._write() as conn:
-            stored = {r.position: (r.text, r.count, tuple(r.turns), r.first_version)
-                      for r in conn.execute(sa.select(t.preferences))}
+            stored = {r.position: (r.text, r.n, tuple(r.turns), r.first_version)
+                      for r in conn.execute(sa.select(p.position, p.text, p.count.label("n"), p.turns,
+                                                      p.first_version))}
             now = utcnow()
             for i, pref in enumerate(prefs):
                 row = (pref.text, pref.count, tuple(pref.turns), pref.first_version)

@@ -118,8 +118,9 @@ def downgrade() -> None:
     rows = conn.execute(sa.select(versions).order_by(versions.c.version)).all()
     copies = {str(r.version): r.copy_of for r in rows if r.copy_of is not None}
     blends = {str(r.version): {"of": r.blend_of, "alpha": r.blend_alpha} for r in rows if r.blend_of is not None}
-    prefs = [{"text": r.text, "count": r.count, "turns": r.turns, "first_version": r.first_version}
-             for r in conn.execute(sa.select(preferences).order_by(preferences.c.position))]
+    prefs = [{"text": r.text, "count": r.n, "turns": r.turns, "first_version": r.first_version}
+             for r in conn.execute(sa.select(preferences.c.text, preferences.c.count.label("n"), preferences.c.turns,
+                                             preferences.c.first_version).order_by(preferences.c.position))]
     for key, value in ((GATE_KEY, gate), (ROLLBACKS_KEY, copies), (BLENDS_KEY, blends), (PREFERENCES_KEY, prefs)):
         if value:
             conn.execute(meta.delete().where(meta.c.key == key))
