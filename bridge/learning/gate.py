@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 Recent = tuple[Sequence[int], Sequence["Message"]]  # a user's prompt: its rendered ids and its messages
 
 Decision = Literal["accepted", "rejected"]
-GATE_KEY = "gate.decisions"  # store meta: every decision, oldest first
 Check = Callable[[str, "str | None"], float]  # (answer text, finish reason) -> score in [0, 1]
 
 
@@ -503,5 +502,5 @@ def probe_check(answered: Callable[[str], bool]) -> Check:
     return lambda text, _finish: 1.0 if answered(text) else 0.0
 
 
-__all__ = ["GATE_KEY", "Comparison", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "early",
+__all__ = ["Comparison", "Gate", "GateDecision", "GateProbe", "GroupFigures", "decide", "doubtful", "early",
            "message_key", "paired_worse", "price", "probe_check", "question_seed"]

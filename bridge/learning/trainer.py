@@ -387,7 +387,7 @@ class Trainer:
         return out
 
     async def _learn_preferences(self, batch: Sequence[Sample], version: int) -> str | None:
-        """Add the hints trained into `version` to the standing preferences (store meta); returns
+        """Add the hints trained into `version` to the standing preferences (`store.save_preferences`); returns
         the twin's instruction: what the user has asked for so far (None: nothing yet)."""
         store = self.store
         known = list((await store.run(store.history)).preferences)
