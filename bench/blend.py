@@ -42,9 +42,9 @@ from clawbridge.types import SamplingParams
 
 def standing_instruction(data_dir: Path) -> str | None:
     """The twin's instruction of the recorded run: its standing preferences."""
-    store = Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}", migrate=False)
+    store = Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}")
     try:
-        known = preferences.from_json(store.get_meta(preferences.PREFERENCES_KEY))
+        known = store.history().preferences
         return preferences.instruction(preferences.standing(known))
     finally:
         store.close()

@@ -30,7 +30,6 @@ from typing import Any
 
 from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
-from clawbridge.learning.gate import GATE_KEY
 from clawbridge.local_gpu import models
 from clawbridge.store import Store
 
@@ -39,10 +38,10 @@ def served_last(data_dir: Path) -> int:
     """The version the run ended serving: the last the gate accepted (v0 when none was); a run
     without a gate served every version it trained."""
     with Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}") as store:
-        decisions = store.get_meta(GATE_KEY)
-        if decisions is None:
-            return max((int(p.name[1:]) for p in (data_dir / "adapters").glob("v*") if p.name[1:].isdigit()), default=0)
-    accepted = [int(d["version"]) for d in decisions if d["decision"] == "accepted"]
+        decisions = store.history().decisions
+    if not decisions:
+        return max((int(p.name[1:]) for p in (data_dir / "adapters").glob("v*") if p.name[1:].isdigit()), default=0)
+    accepted = [d.candidate for d in decisions if d.decision == "accepted"]
     return accepted[-1] if accepted else 0
 
 

@@ -77,8 +77,9 @@ def parse_config(text: str, default_lr: float) -> Config:
 
 
 def batches(data_dir: Path) -> tuple[list[list[Sample]], str | None]:
-    """The trained samples of the recorded run, grouped by step, and its standing preferences."""
-    store = Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}", migrate=False)
+    """The trained samples of the recorded run, grouped by step, and its standing preferences
+    (opening migrates a run recorded before the history tables)."""
+    store = Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}")
     try:
         steps = store.training_steps()
         with store.engine.connect() as conn:
@@ -88,7 +89,7 @@ def batches(data_dir: Path) -> tuple[list[list[Sample]], str | None]:
         by_step: dict[int, list[Sample]] = {}
         for s in samples:
             by_step.setdefault(int(s.step or 0), []).append(s)
-        known = preferences.from_json(store.get_meta(preferences.PREFERENCES_KEY))
+        known = store.history().preferences
         asked = preferences.instruction(preferences.standing(known))
         return [by_step[st.step] for st in steps if st.step in by_step], asked
     finally:

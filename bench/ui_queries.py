@@ -25,9 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import sqlalchemy as sa  # noqa: E402
-from clawbridge.learning.gate import GATE_KEY  # noqa: E402
-from clawbridge.learning.trainer import ROLLBACKS_KEY  # noqa: E402
-from clawbridge.store import Store  # noqa: E402
+from clawbridge.store import GateRecord, Store  # noqa: E402
 from clawbridge.store import schema as t  # noqa: E402
 from clawbridge.store.browse import Browse  # noqa: E402
 from ui_helpers import turn  # noqa: E402
@@ -67,10 +65,9 @@ def build(store: Store, n: int) -> None:
         conn.execute(t.policy_versions.insert(), [
             {"version": v, "step": v, "samples": 16, "mean_reward": 0.1, "path": f"/adapters/v{v}",
              "created_at": start + timedelta(hours=v)} for v in range(1, VERSIONS)])
-    store.set_meta(GATE_KEY, [{"version": v, "serving": v - 1, "decision": "accepted" if v % 4 else "rejected",
-                               "reason": "within the margin", "figures": {"probe_candidate": 0.6, "probe_serving": 0.62}}
-                              for v in range(1, VERSIONS)])
-    store.set_meta(ROLLBACKS_KEY, {})
+    for v in range(1, VERSIONS):
+        store.record_gate_decision(GateRecord(v, v - 1, "accepted" if v % 4 else "rejected", "within the margin",
+                                              {"probe_candidate": 0.6, "probe_serving": 0.62}))
 
 
 def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
@@ -100,15 +97,14 @@ def main() -> None:
     with store._read() as conn:
         n = conn.execute(sa.select(sa.func.count()).select_from(t.turns)).scalar_one()
     b = Browse(store)
-    keys = (GATE_KEY, ROLLBACKS_KEY)
     deep = b.turns(limit=1)
     cursor = None
     for _ in range(5):  # a cursor half-way down: the page after 5 pages of 200
         cursor = b.turns(before=cursor, limit=200)["next"]
     rows: list[tuple[str, Callable[[], Any]]] = [
-        ("change token (every poll)", lambda: b.token(keys)),
+        ("change token (every poll)", b.token),
         ("waiting counts (every poll)", b.waiting),
-        ("progress: versions, reactions, gate", lambda: b.progress(*keys)),
+        ("progress: versions, reactions, gate", b.progress),
         ("turns: newest 30", lambda: b.turns(limit=30)),
         ("turns: 30 after 1 000", lambda: b.turns(before=cursor, limit=30)),
         ("conversation: 50 turns", lambda: b.conversation(deep["turns"][0]["session_id"])),

@@ -6,9 +6,8 @@ from __future__ import annotations
 from clawbridge.cli.status import print_preferences, print_status, print_versions
 from clawbridge.config import Settings
 from clawbridge.learning import preferences as prefs
-from clawbridge.learning.gate import GATE_KEY, GateDecision
-from clawbridge.learning.trainer import ROLLBACKS_KEY
-from clawbridge.store import PolicyVersionRow, Store
+from clawbridge.learning.gate import GateDecision
+from clawbridge.store import GateRecord, PolicyVersionRow, Store
 
 
 def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys, monkeypatch):
@@ -17,12 +16,13 @@ def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys, monkeypat
     tmp_path.mkdir(exist_ok=True)
     with Store.open(settings.db_url) as store:
         for v in (1, 2, 3):
-            store.record_policy_version(PolicyVersionRow(version=v, step=v if v < 3 else None))
+            store.record_policy_version(PolicyVersionRow(version=v, step=v if v < 3 else None,
+                                                         copy_of=1 if v == 3 else None))
         decisions = [GateDecision(1, 0, "accepted", "ok", {"probe_candidate": 0.8}),
                      GateDecision(2, 1, "rejected", "probe vs serving: 20% vs 80% (-60 pts, p=0.001)",
                                   {"probe_candidate": 0.2})]
-        store.set_meta(GATE_KEY, [d.record() for d in decisions])
-        store.set_meta(ROLLBACKS_KEY, {"3": 1})
+        for d in decisions:
+            store.record_gate_decision(GateRecord.of(d.record()))
     print_versions(str(tmp_path), None)
     out = capsys.readouterr().out
     assert "accepted (probe 80%)" in out and "rejected by the gate" in out and "rollback of v1" in out
@@ -40,9 +40,9 @@ def test_the_price_and_the_preferences_are_shown_wherever_versions_are(tmp_path,
     figures = {"probe_candidate": 0.5, "probe_twin": 0.5, "probe_v0": 0.62, "price_points": 12.0}
     with Store.open(settings.db_url) as store:
         store.record_policy_version(PolicyVersionRow(version=1, step=1))
-        store.set_meta(prefs.PREFERENCES_KEY, prefs.to_json(known))
-        store.set_meta(GATE_KEY, [GateDecision(1, 0, "accepted", "ok", figures, "twin",
-                                               prefs.instruction(prefs.standing(known))).record()])
+        store.save_preferences(known)
+        store.record_gate_decision(GateRecord.of(GateDecision(1, 0, "accepted", "ok", figures, "twin",
+                                                              prefs.instruction(prefs.standing(known))).record()))
     print_preferences(str(tmp_path), None)
     out = capsys.readouterr().out
     assert "answer in ONE short sentence" in out and "t1 t3" in out and "Use bullet points." in out  # the shortest wording

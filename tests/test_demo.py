@@ -225,29 +225,30 @@ async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tm
 
 
 def test_a_restored_copy_has_the_weights_it_copies():
-    from clawbridge.learning.trainer import same_weights
+    from clawbridge.store import History
 
     # v0 served; v1 held back -> v2 is v0's weights; v3 held back -> v4 is v2's, so v0's; v5 accepted
-    rollbacks = {"2": 0, "4": 2}
-    assert same_weights(rollbacks, 4, 0) and same_weights(rollbacks, 2, 4) and same_weights(rollbacks, 0, 0)
-    assert not same_weights(rollbacks, 5, 0) and not same_weights(rollbacks, 1, 0) and not same_weights({}, 4, 0)
-    assert same_weights({"1": 1}, 1, 1)  # a malformed self-copy ends the walk instead of looping
+    h = History(copies={2: 0, 4: 2})
+    assert h.same_weights(4, 0) and h.same_weights(2, 4) and h.same_weights(0, 0)
+    assert not h.same_weights(5, 0) and not h.same_weights(1, 0) and not History().same_weights(4, 0)
+    assert History(copies={1: 1}).same_weights(1, 1)  # a malformed self-copy ends the walk instead of looping
 
 
 def test_a_restored_copy_takes_the_figures_of_the_version_it_copies():
     from clawbridge.demo.results import VersionEval
     from clawbridge.demo.runner import reusable
+    from clawbridge.store import History
 
     v0 = VersionEval(0, 0.05, (0.0, 0.1), 2, 55.0, truly=0.05, probe=0.68, probe_per_prompt=(1.0, 0.0))
-    copy = reusable(v0, 4, {"2": 0, "4": 2}, conversations=40)
+    copy = reusable(v0, 4, History(copies={2: 0, 4: 2}), conversations=40)
     assert copy is not None and (copy.version, copy.conversations, copy.seconds) == (4, 40, 0.0)
     assert (copy.rate, copy.per_prompt, copy.truly, copy.probe, copy.probe_per_prompt) == (
         v0.rate, v0.per_prompt, v0.truly, v0.probe, v0.probe_per_prompt)
-    assert reusable(v0, 5, {"2": 0, "4": 2}, conversations=40) is None  # trained weights: measure
+    assert reusable(v0, 5, History(copies={2: 0, 4: 2}), conversations=40) is None  # trained weights: measure
     # the last candidate held back, the version still serving is measured once: its held-out
     # figures are kept (the caller adds the general probe it lacks), not asked a second time
     unprobed = VersionEval(4, 0.5, (0.5,), 1, 10.0)
-    kept = reusable(unprobed, 4, {}, conversations=40)
+    kept = reusable(unprobed, 4, History(), conversations=40)
     assert kept is not None and kept.per_prompt == unprobed.per_prompt and kept.probe is None
 
 
@@ -399,19 +400,19 @@ def test_the_gate_asks_each_validation_prompt_validation_samples_times():
 
 
 async def test_the_demo_names_a_blend_the_gate_served(tmp_path: Path):
-    """The progress line's source: a version recorded in `policy.blends` is named with its
-    candidate and alpha; any other version is not a blend."""
+    """The progress line's source: a version recorded as a blend is named with its candidate and
+    alpha; any other version is not a blend."""
     from types import SimpleNamespace
 
     from clawbridge.demo.rounds import _blend_of
-    from clawbridge.learning.trainer import BLENDS_KEY
-    from clawbridge.store import Store
+    from clawbridge.store import PolicyVersionRow, Store
 
     store = Store.open(f"sqlite:///{tmp_path / 'c.db'}")
     try:
         running = SimpleNamespace(store=store)
         assert await _blend_of(running, 7) is None  # type: ignore[arg-type]
-        store.set_meta(BLENDS_KEY, {"7": {"of": 4, "alpha": 0.75}})
+        store.record_policy_version(PolicyVersionRow(version=6, copy_of=0))
+        store.record_policy_version(PolicyVersionRow(version=7, blend_of=4, blend_alpha=0.75))
         assert await _blend_of(running, 7) == (4, 0.75)  # type: ignore[arg-type]
         assert await _blend_of(running, 6) is None  # type: ignore[arg-type]
     finally:

@@ -15,8 +15,8 @@ import pytest
 import torch
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe, question_seed
-from clawbridge.learning.trainer import ROLLBACKS_KEY, Trainer
+from clawbridge.learning.gate import Gate, GateProbe, question_seed
+from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
 from clawbridge.types import SamplingParams
 from test_collector import collector_for, record_turns, settings_for
@@ -82,8 +82,8 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
         assert decision.figures["validation_p_vs_v0"] == decision.figures["validation_p_vs_serving"]
         # v2 is a copy of v0's weights and serves; nothing is pinned between steps
         assert step.served == 2 and backend.version == 2 and backend.held is None
-        assert store.get_meta(ROLLBACKS_KEY) == {"2": 0}
-        assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
+        assert store.history().copies == {2: 0}
+        assert [g.decision for g in store.history().decisions] == ["rejected"]
         assert await _answers(backend, renderer, params, 2) == before
         assert await _answers(backend, renderer, params, 1) != before
 
@@ -109,7 +109,7 @@ async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_p
                   for p, want in zip(PROMPTS, plain, strict=True)]
         restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
         assert await restarted.judge_pending() == 2  # rejected: a copy of v0 serves as v2
-        assert [g["decision"] for g in store.get_meta(GATE_KEY)] == ["rejected"]
+        assert [g.decision for g in store.history().decisions] == ["rejected"]
         assert await pending_candidate(store) is None and backend.held is None
         assert await _answers(backend, renderer, params, 2) == v0
         assert await restarted.judge_pending() is None  # decided once: nothing pending
@@ -155,7 +155,7 @@ async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_pat
         first = await trainer.step_once()
         assert first is not None and first.version == 1 and first.served == 0
         assert backend.held == 0 and backend.version == 0 and backend.newest == 1  # v0 serves; v1 is the lineage
-        assert store.get_meta(ROLLBACKS_KEY) is None and await held_candidate(store) == (1, 0)
+        assert store.history().copies == {} and await held_candidate(store) == (1, 0)
         assert await _answers(backend, renderer, params, backend.version) == v0
         assert trainer.fresh_steps == 1  # the lineage's optimizer goes on
 
@@ -163,7 +163,7 @@ async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_pat
         assert second is not None and second.version == 2 and trainer.decisions[-1].decision == "rejected"
         assert trainer.decisions[-1].serving == 0  # judged against what serves, not against the lineage
         # the second hold-back in a row restarts from the served weights
-        assert second.served == 3 and backend.held is None and store.get_meta(ROLLBACKS_KEY) == {"3": 0}
+        assert second.served == 3 and backend.held is None and store.history().copies == {3: 0}
         assert trainer.fresh_steps == 0 and await held_candidate(store) is None
         assert await _answers(backend, renderer, params, 3) == v0
 
@@ -175,7 +175,7 @@ async def test_a_rollback_while_training_goes_on_from_a_held_back_candidate_serv
         assert (await trainer.step_once()).served == 0 and backend.held == 0  # type: ignore[union-attr]
         rb = await trainer.rollback(0)
         assert (rb.version, backend.version, backend.held, trainer.held) == (2, 2, None, None)
-        assert store.get_meta(ROLLBACKS_KEY) == {"2": 0}
+        assert store.history().copies == {2: 0}
         assert await _answers(backend, renderer, params, backend.version) == v0
 
 
@@ -193,7 +193,7 @@ async def test_a_restart_while_training_goes_on_from_a_held_back_candidate_serve
         assert backend.version == 0
         restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
         assert await restarted.judge_pending() == 2 and backend.held is None and backend.version == 2
-        assert store.get_meta(ROLLBACKS_KEY) == {"2": 0} and await held_candidate(store) is None
+        assert store.history().copies == {2: 0} and await held_candidate(store) is None
         assert await _answers(backend, renderer, params, 2) == v0
 
 
@@ -216,7 +216,7 @@ async def test_a_given_up_candidate_is_tried_blended_toward_the_base_first(tmp_p
     delta x 1e-6 answers as v0 does and serves, with exactly the candidate's LoRA B scaled, and
     training goes on from it."""
     from clawbridge.cli.status import version_origin
-    from clawbridge.learning.trainer import BLENDS_KEY, held_candidate
+    from clawbridge.learning.trainer import held_candidate
 
     # adapters not merged into the weights: a merge rounds W + delta stochastically in bf16, so even
     # a 1e-6 delta would change answers at rounding level; added beside the base it rounds away
@@ -224,11 +224,11 @@ async def test_a_given_up_candidate_is_tried_blended_toward_the_base_first(tmp_p
         trainer, v0, step = await _one_step_blending(settings, store, backend, renderer, params, (0.9, 1e-6))
         assert step is not None and step.version == 1
         assert [(d.candidate, d.decision) for d in trainer.decisions] == [(1, "rejected"), (2, "rejected"), (3, "accepted")]
-        assert [g["version"] for g in store.get_meta(GATE_KEY)] == [1, 2, 3]
+        assert [g.candidate for g in store.history().decisions] == [1, 2, 3]
         assert step.served == 3 and backend.version == 3 and backend.held is None and trainer.held is None
-        assert store.get_meta(BLENDS_KEY) == {"3": {"of": 1, "alpha": 1e-6}}
-        assert version_origin(None, 3, {}, store.get_meta(BLENDS_KEY)) == "v1's delta x 1e-06"
-        assert store.get_meta(ROLLBACKS_KEY) is None  # no copy of v0: the blend is what serves
+        assert store.history().blends == {3: (1, 1e-6)}
+        assert version_origin(store.versions()[-1]) == "v1's delta x 1e-06"
+        assert store.history().copies == {}  # no copy of v0: the blend is what serves
         assert [v.version for v in store.versions()] == [1, 3]  # the held-back blend v2: never a version
         assert store.latest_version().step is None and await held_candidate(store) is None  # type: ignore[union-attr]
         assert await _answers(backend, renderer, params, 3) == v0
@@ -245,12 +245,10 @@ async def test_a_given_up_candidate_is_tried_blended_toward_the_base_first(tmp_p
 
 
 async def test_blends_nobody_accepts_leave_the_copy_of_the_served_weights(tmp_path: Path):
-    from clawbridge.learning.trainer import BLENDS_KEY
-
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         trainer, v0, step = await _one_step_blending(settings, store, backend, renderer, params, (0.9,))
         assert step is not None and [d.decision for d in trainer.decisions] == ["rejected", "rejected"]
-        assert step.served == 3 and store.get_meta(ROLLBACKS_KEY) == {"3": 0} and store.get_meta(BLENDS_KEY) is None
+        assert step.served == 3 and store.history().copies == {3: 0} and store.history().blends == {}
         assert await _answers(backend, renderer, params, 3) == v0
 
 
@@ -258,7 +256,7 @@ async def test_a_restart_while_a_blend_is_judged_restores_the_served_weights(tmp
     """Killed while the gate judged a blend: the blend was published but never recorded, so the
     restart finds the held-back candidate newest and trains on from the served weights; the
     blend never serves."""
-    from clawbridge.learning.trainer import BLENDS_KEY, held_candidate
+    from clawbridge.learning.trainer import held_candidate
 
     async with _wrecked(tmp_path, engine_merge_adapters=False) as (settings, store, backend, renderer, params):
         settings = settings.model_copy(update={"gate_blend": (1e-6,)})
@@ -284,7 +282,7 @@ async def test_a_restart_while_a_blend_is_judged_restores_the_served_weights(tmp
         restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
         served = await restarted.judge_pending()
         assert served is not None and served > 2 and backend.version == served
-        assert store.get_meta(ROLLBACKS_KEY) == {str(served): 0} and store.get_meta(BLENDS_KEY) is None
+        assert store.history().copies == {served: 0} and store.history().blends == {}
         assert await _answers(backend, renderer, params, served) == v0
 
 

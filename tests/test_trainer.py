@@ -113,8 +113,6 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
 
 async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_continues_from_it(data_dir: Path):
     from clawbridge.cli.status import version_origin
-    from clawbridge.learning.trainer import ROLLBACKS_KEY
-
     settings = settings_for(data_dir, batch_size=2, checkpoint_every=1)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
@@ -130,9 +128,8 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
         assert (rb.version, rb.restored, rb.previous) == (3, 1, 2)
         rows = {r.version: r for r in store.versions()}
         assert rows[3].step is None and rows[3].samples == 0 and rows[3].path == rb.path
-        rollbacks = store.get_meta(ROLLBACKS_KEY)
-        assert rollbacks == {"3": 1}
-        assert [version_origin(rows[v].step, v, rollbacks) for v in (1, 2, 3)] == ["1", "2", "rollback of v1"]
+        assert store.history().copies == {3: 1} and rows[3].copy_of == 1
+        assert [version_origin(rows[v]) for v in (1, 2, 3)] == ["1", "2", "rollback of v1"]
         ck = store.get_meta(CHECKPOINT_KEY)
         assert (ck["version"], ck["step"], ck["path"]) == (3, 2, rb.checkpoint)
     finally:

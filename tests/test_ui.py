@@ -13,10 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from clawbridge.config import Settings
-from clawbridge.learning.gate import GATE_KEY
-from clawbridge.learning.preferences import PREFERENCES_KEY
-from clawbridge.learning.trainer import ROLLBACKS_KEY
-from clawbridge.store import Store
+from clawbridge.store import GateRecord, PolicyVersionRow, Preference, Store
 from clawbridge.store.browse import turn_status
 from clawbridge.ui import Board, ui_routes
 from clawbridge.ui.auth import COOKIE, session_token
@@ -195,15 +192,12 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
         tid = store.record_turn(turn("later", f"q{i}", f"a{i}", version=1))
         store.attach_next_state(tid, [{"role": "user", "content": "thanks"}])
         judge(store, tid, r, state="trained" if i == 0 else "judged", step=1)
-    store.record_policy_version(__import__("clawbridge.store", fromlist=["PolicyVersionRow"]).PolicyVersionRow(version=2))
-    # a gate record of any shape: figures and fields the page has never heard of are shown too
-    store.set_meta(GATE_KEY, [
-        {"version": 1, "serving": 0, "decision": "accepted", "reason": "no worse than the twin",
-         "figures": {"probe_candidate": 0.6, "probe_twin": 0.58, "probe_p_vs_twin": 0.4}, "price": {"points": 12}},
-    ])
-    store.set_meta(ROLLBACKS_KEY, {"2": 0})
-    store.set_meta(PREFERENCES_KEY, [  # as learning.preferences keeps them: the 3 most frequent stand
-        {"text": t, "count": n, "turns": ["turn-x"], "first_version": 1}
+    store.record_policy_version(PolicyVersionRow(version=2, copy_of=0))
+    # figures the page has never heard of are shown too
+    store.record_gate_decision(GateRecord(1, 0, "accepted", "no worse than the twin",
+                                          {"probe_candidate": 0.6, "probe_twin": 0.58, "probe_p_vs_twin": 0.4}, "twin"))
+    store.save_preferences([  # as learning.preferences keeps them: the 3 most frequent stand
+        Preference(t, n, ("turn-x",), 1)
         for t, n in (("be brief", 5), ("no lists", 1), ("use metric units", 3), ("say please", 2))])
     with serve(board_for(store, tmp_path, None)) as app:
         out = httpx.get(f"{app.url}/ui/api/progress").json()
@@ -211,8 +205,8 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
     assert sorted(vs) == [0, 1, 2]
     assert vs[0]["reactions"] == {"judged": 6, "up": 2, "down": 2, "neutral": 2, "mean_reward": 0.0}
     assert vs[1]["reactions"]["up"] == 3 and vs[1]["reactions"]["mean_reward"] == pytest.approx(0.5)
-    assert vs[1]["step"] == 1 and vs[1]["gate"]["price"] == {"points": 12}
-    assert vs[1]["gate"]["figures"]["probe_twin"] == 0.58
+    assert vs[1]["step"] == 1 and vs[1]["gate"]["reference"] == "twin" and vs[1]["gate"]["serving"] == 0
+    assert vs[1]["gate"]["figures"]["probe_p_vs_twin"] == 0.4
     assert vs[2]["restores"] == 0 and vs[2]["gate"] is None
     assert out["steps"][0]["step"] == 1 and out["steps"][0]["metrics"]["loss"] == 0.1
     assert {h["hint"] for h in out["hints"]} == {"be brief"}
@@ -222,11 +216,10 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
 
 def test_the_change_token_moves_with_every_thing_the_page_shows(store: Store, tmp_path: Path) -> None:
     board = board_for(store, tmp_path, None)
-    keys = board.meta_keys
-    tokens = [board.browse.token(keys)]
+    tokens = [board.browse.token()]
 
     def moved() -> bool:
-        tokens.append(board.browse.token(keys))
+        tokens.append(board.browse.token())
         return tokens[-1] != tokens[-2]
 
     assert not moved()
@@ -238,9 +231,13 @@ def test_the_change_token_moves_with_every_thing_the_page_shows(store: Store, tm
     assert moved()
     store.mark_samples([sid], "dropped", "test")
     assert moved()
-    store.set_meta(GATE_KEY, [{"version": 1, "decision": "rejected", "reason": "r", "figures": {}}])
+    store.record_gate_decision(GateRecord(1, 0, "rejected", "r"))
     assert moved()
-    store.set_meta(PREFERENCES_KEY, [{"text": "be brief", "count": 1, "turns": [], "first_version": 1}])
+    store.save_preferences([Preference("be brief", 1, (), 1)])
+    assert moved()
+    store.save_preferences([Preference("be brief", 2, ("t",), 1)])  # a hint counted for it
+    assert moved()
+    store.record_policy_version(PolicyVersionRow(version=1, copy_of=0))
     assert moved()
     assert not moved()
 
@@ -317,13 +314,12 @@ def test_polls_between_two_changes_share_one_read(store: Store, tmp_path: Path) 
         reads.append(1)
         return board.browse.waiting()
 
-    keys = board.meta_keys
     for _ in range(3):
-        board.browse.memo("waiting", board.browse.token(keys), read)
+        board.browse.memo("waiting", board.browse.token(), read)
     assert len(reads) == 1
     tid = store.record_turn(turn("m", "q", "a"))
     store.attach_next_state(tid, [{"role": "user", "content": "next"}])
-    out = board.browse.memo("waiting", board.browse.token(keys), read)
+    out = board.browse.memo("waiting", board.browse.token(), read)
     assert len(reads) == 2 and out["turns_to_judge"] == 1
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from clawbridge.store import GateRecord, PolicyVersionRow
 
 
 def _store(data_dir: str | None, db: str | None):  # type: ignore[no-untyped-def]
@@ -23,6 +29,7 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         st = store.stats()
         steps = store.training_steps()
         lease = store.lease("trainer") if store.shared else None  # several proxies: docs/scale-out.md
+        decisions = store.history().decisions
     t = Table("", "", title="clawbridge status")
     t.add_row("sessions (done)", f"{st.sessions} ({st.sessions_done})")
     t.add_row("turns: main / side / untagged / opted out", f"{st.main_turns} / {st.side_turns} / {st.untagged_turns} / {st.opted_out_turns}")
@@ -39,11 +46,10 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         t.add_row("spend (estimate)", f"${spend['spent_usd']} on {spend['platform']}"
                   + (f" of ${budget} budget" if budget is not None else "")
                   + ("" if spend.get("training_allowed", True) else " — training stopped"))
-    decisions = _gate_decisions(data_dir, db)
     if decisions:
-        held = sum(d.get("decision") == "rejected" for d in decisions)
+        held = sum(d.decision == "rejected" for d in decisions)
         last = decisions[-1]
-        t.add_row("gate", f"{len(decisions) - held} accepted, {held} held back; last: v{last['version']} "
+        t.add_row("gate", f"{len(decisions) - held} accepted, {held} held back; last: v{last.candidate} "
                   f"{gate_label(last)}")
         if priced := price_label(newest_priced(decisions)):
             t.add_row("price of your preferences", priced)
@@ -53,56 +59,47 @@ def print_status(data_dir: str | None, db: str | None) -> None:
     Console().print(t)
 
 
-def _gate_decisions(data_dir: str | None, db: str | None) -> list[dict]:  # type: ignore[type-arg]
-    from clawbridge.learning.gate import GATE_KEY
-
-    with _store(data_dir, db) as store:
-        return list(store.get_meta(GATE_KEY) or [])
-
-
-def version_origin(step: int | None, version: int, rollbacks: dict[str, int],
-                   blends: dict[str, dict[str, float]] | None = None) -> str:
+def version_origin(row: PolicyVersionRow) -> str:
     """What made a version: its training step, the rollback it is, or the blend the gate served
-    (a held-back candidate's delta scaled toward the base; a version a step published has a
-    step, so a stale note can never relabel it)."""
-    if step is not None:
-        return str(step)
-    if str(version) in rollbacks:
-        return f"rollback of v{rollbacks[str(version)]}"
-    if blends and (b := blends.get(str(version))):
+    (a held-back candidate's delta scaled toward the base)."""
+    if row.step is not None:
+        return str(row.step)
+    if row.copy_of is not None:
+        return f"rollback of v{row.copy_of}"
+    if row.blend_of is not None:
         from clawbridge.learning.trainer import blend_name
 
-        return blend_name(int(b["of"]), float(b["alpha"]))
+        return blend_name(row.blend_of, float(row.blend_alpha or 0.0))
     return "-"
 
 
-def gate_label(record: dict | None) -> str:  # type: ignore[type-arg]
+def gate_label(record: GateRecord | None) -> str:
     """The gate's decision on a version, with the figure that decided it."""
-    if not record:
+    if record is None:
         return "-"
-    figures = record.get("figures", {})
+    figures = record.figures
     probe = figures.get("probe_candidate")
     shown = f" (probe {probe:.0%})" if isinstance(probe, int | float) else ""
     if isinstance(probe, int | float) and "probe_twin" in figures:
         shown = (f" (probe {probe:.0%}; twin {figures['probe_twin']:.0%}, v0 {figures['probe_v0']:.0%}: "
                  f"price {figures['price_points']:.0f} pts)")
-    if record.get("decision") == "rejected":
-        return f"rejected by the gate: {record.get('reason', '')}"
+    if record.decision == "rejected":
+        return f"rejected by the gate: {record.reason}"
     return f"accepted{shown}"
 
 
-def newest_priced(decisions: list[dict]) -> dict | None:  # type: ignore[type-arg]
+def newest_priced(decisions: Sequence[GateRecord]) -> GateRecord | None:
     """The newest gate decision that measured the price of the preferences."""
-    return next((d for d in reversed(decisions) if "price_points" in d.get("figures", {})), None)
+    return next((d for d in reversed(decisions) if "price_points" in d.figures), None)
 
 
-def price_label(record: dict | None) -> str:  # type: ignore[type-arg]
+def price_label(record: GateRecord | None) -> str:
     """What the preferences the twin was asked with cost on the general probe, in words."""
-    figures = (record or {}).get("figures", {})
-    if "price_points" not in figures:
+    if record is None or "price_points" not in record.figures:
         return ""
+    figures = record.figures
     return (f"{figures['price_points']:.0f} pts of general answers (v0 {figures['probe_v0']:.0%}, asked for "
-            f"{_n((record or {}).get('asked'))} {figures['probe_twin']:.0%})")
+            f"{_n(record.asked)} {figures['probe_twin']:.0%})")
 
 
 def _n(asked: str | None) -> str:
@@ -112,11 +109,10 @@ def _n(asked: str | None) -> str:
 
 def print_preferences(data_dir: str | None, db: str | None) -> None:
     from clawbridge.learning import preferences as prefs
-    from clawbridge.learning.gate import GATE_KEY
 
     with _store(data_dir, db) as store:
-        known = prefs.from_json(store.get_meta(prefs.PREFERENCES_KEY))
-        decisions = list(store.get_meta(GATE_KEY) or [])
+        history = store.history()
+    known, decisions = history.preferences, history.decisions
     if not known:
         Console().print("no preferences yet: none of the trained samples carried a hint")
         return
@@ -131,19 +127,14 @@ def print_preferences(data_dir: str | None, db: str | None) -> None:
 
 
 def print_versions(data_dir: str | None, db: str | None) -> None:
-    from clawbridge.learning.gate import GATE_KEY
-    from clawbridge.learning.trainer import BLENDS_KEY, ROLLBACKS_KEY
-
     with _store(data_dir, db) as store:
         rows = store.versions()
-        rollbacks = store.get_meta(ROLLBACKS_KEY) or {}
-        blends = store.get_meta(BLENDS_KEY) or {}
-        gate = {int(g["version"]): g for g in store.get_meta(GATE_KEY) or []}
+        gate = store.history().by_version()
     t = Table("version", "step", "samples", "mean reward", "gate", "when (UTC)", "weights")
     t.add_row("v0", "-", "-", "-", "-", "-", "base model")
     for r in rows:
         reward = "-" if r.mean_reward is None else f"{r.mean_reward:+.2f}"
-        t.add_row(f"v{r.version}", version_origin(r.step, r.version, rollbacks, blends), str(r.samples), reward,
+        t.add_row(f"v{r.version}", version_origin(r), str(r.samples), reward,
                   gate_label(gate.get(r.version)), r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
     Console().print(t)
 

@@ -174,11 +174,8 @@ async def _rounds(player: Player[E], learner: Learner, running: Running, rounds:
 
 async def _blend_of(running: Running, version: int) -> tuple[int, float] | None:
     """(the candidate, alpha) when `version` is a blend the gate accepted (`gate_blend`)."""
-    from clawbridge.learning.trainer import BLENDS_KEY
-
     store = running.store
-    blend = (await store.run(store.get_meta, BLENDS_KEY) or {}).get(str(version))
-    return None if blend is None else (int(blend["of"]), float(blend["alpha"]))
+    return (await store.run(store.history)).blends.get(version)
 
 
 async def _await_step(player: Player[Any], learner: Learner, before: int, step_timeout_s: float) -> None:

@@ -36,8 +36,8 @@ from clawbridge.demo.teachability import Price, Teachability
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import Gate, GateProbe, question_seed
 from clawbridge.learning.probes import rate
-from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
 from clawbridge.protocol import NamesItsDtype
+from clawbridge.store import History
 
 if TYPE_CHECKING:
     from clawbridge.learning.learner import Learner
@@ -317,8 +317,8 @@ class PreferenceRounds:
             await self.ask_for_it(ev)
         else:
             store = self.running.store
-            rollbacks = await store.run(store.get_meta, ROLLBACKS_KEY) or {}
-            copied = reusable(previous, version, rollbacks, conversations=self.user.conversations)
+            history = await store.run(store.history)
+            copied = reusable(previous, version, history, conversations=self.user.conversations)
             if copied is not None:
                 ev, ex = copied, self.shown[previous.version]
             else:
@@ -382,14 +382,14 @@ async def run_demo(
     return result
 
 
-def reusable(prev: VersionEval, version: int, rollbacks: dict[str, int], *,
+def reusable(prev: VersionEval, version: int, history: History, *,
              conversations: int) -> VersionEval | None:
     """`prev`'s figures as `version`'s when `version` serves `prev`'s weights (`prev` itself, the
     gate having held every candidate since back, or a restored copy of them): the same weights give
     the same answers to the same seeds, and in bf16 a second asking would only add the prefix
     cache's rounding (docs/engine.md); None: measure `version` (pure). The general probe, where
     `prev` lacks it and the last version needs it, is added by the caller."""
-    if not same_weights(rollbacks, version, prev.version):
+    if not history.same_weights(version, prev.version):
         return None
     return replace(prev, version=version, seconds=0.0, conversations=conversations)
 

@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 
 Recent = tuple[Sequence[int], Sequence["Message"]]  # a user's prompt: its rendered ids and its messages
 
-GATE_KEY = "gate.decisions"  # store meta: every decision, oldest first
 Scorer = Callable[[str, "str | None"], float]  # (answer text, finish reason) -> score in [0, 1]
 # who answers: a version, plain (None) or asked with the preferences' instruction (the twin)
 Answerer = tuple[int, "str | None"]
@@ -327,5 +326,5 @@ def probe_scorer(answered: Callable[[str], bool]) -> Scorer:
     return lambda text, _finish: 1.0 if answered(text) else 0.0
 
 
-__all__ = ["GATE_KEY", "Answerer", "Gate", "GateDecision", "GateProbe", "Recent", "Scorer", "message_key",
+__all__ = ["Answerer", "Gate", "GateDecision", "GateProbe", "Recent", "Scorer", "message_key",
            "probe_scorer", "question_seed"]

@@ -9,44 +9,60 @@ plain v0's is the price of the preferences (docs/methods.md#harm-is-judged-again
 
 A preference is what the user wants of every answer, so the part of a hint that is about one
 turn is left out: a sentence that quotes the turn's own question ("I asked: Why is the sky
-blue?") is dropped (`general`). The same wish comes in several wordings and combinations, so a
-hint counts for a known preference when either's words are nearly all in the other (`same`),
-and a preference keeps its shortest wording; only the most frequent `keep` stand: the twin
-changes (and is measured again) only when the standing list does. Pure functions over plain
-data; the trainer stores the list in the store's meta.
+blue?") is dropped (`unquoted`). The same wish comes in several wordings and combinations, so a
+hint counts for a known preference when either's words are nearly all in the other (`same`), a
+word negated in one ("Do not use bullet points.") never matching it affirmed in the other ("Use
+bullet points."); a preference keeps its shortest wording; only the most frequent `keep` stand:
+the twin changes (and is measured again) only when the standing list does. Pure functions over
+plain data; the trainer keeps the list in the store (`store.save_preferences`, `store.history()`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-PREFERENCES_KEY = "learning.preferences"  # store meta: every preference seen, as `to_json`
+from clawbridge.store import Preference
+
 SAME = 0.8  # the share of the shorter hint's words in the longer one at which they say the same thing
 SOURCES = 5  # turn ids kept per preference (the newest)
 
 _WORD = re.compile(r"[a-z0-9']+")
+_END = re.compile(r"[.;:!?\n]+")  # a negation reaches to the end of its sentence
+# words that negate what follows them ("doesn't", "won't", ...: any word ending in n't)
+NEGATIONS = frozenset({"not", "no", "never", "nor", "neither", "none", "nothing", "cannot", "dont", "without",
+                       "avoid", "avoiding", "stop", "stopping", "quit"})
 
 
-@dataclass(frozen=True)
-class Preference:
-    text: str  # the shortest wording seen
-    count: int  # trained samples whose hint said it
-    turns: tuple[str, ...]  # where it came from: the newest SOURCES turn ids
-    first_version: int  # the policy version trained from it first
+def _negates(word: str) -> bool:
+    return word in NEGATIONS or word.endswith("n't")
 
 
-def words(text: str) -> frozenset[str]:
-    return frozenset(_WORD.findall(text.lower()))
+def senses(text: str) -> frozenset[tuple[str, bool]]:
+    """The words of `text` but the negations, each with whether it is negated: a negation
+    negates the rest of its sentence (a second one undoes it). A negation alone before a comma
+    ("No, in French.") is an interjection and negates nothing."""
+    out: set[tuple[str, bool]] = set()
+    for sentence in _END.split(text.lower().replace("\u2019", "'")):
+        negated = False
+        for part in sentence.split(","):
+            ws = _WORD.findall(part)
+            if len(ws) == 1 and _negates(ws[0]):
+                continue
+            for w in ws:
+                if _negates(w):
+                    negated = not negated
+                else:
+                    out.add((w, negated))
+    return frozenset(out)
 
 
 def same(a: str, b: str) -> bool:
-    """Two hints say the same thing: SAME or more of the shorter one's words are in the other
-    (so "Too long, one short sentence please." and the same words followed by an objection are
-    one wish)."""
-    wa, wb = words(a), words(b)
+    """Two hints say the same thing: SAME or more of the shorter one's words are in the other,
+    negated in both or in neither (so "Too long, one short sentence please." and the same words
+    followed by an objection are one wish, and "Do not use bullet points." is not "Use bullet
+    points.")."""
+    wa, wb = senses(a), senses(b)
     if not wa or not wb:
         return a.strip().lower() == b.strip().lower()
     return len(wa & wb) / min(len(wa), len(wb)) >= SAME
@@ -55,7 +71,7 @@ def same(a: str, b: str) -> bool:
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 
 
-def general(hint: str, question: str | None) -> str:
+def unquoted(hint: str, question: str | None) -> str:
     """`hint` without the sentences that quote the turn's own question (they are about that turn,
     not every answer)."""
     q = " ".join(question.lower().split()).rstrip("?!. ") if question else ""
@@ -98,15 +114,4 @@ def instruction(prefs: Sequence[Preference]) -> str | None:
     return "\n".join(sorted(p.text for p in prefs)) or None
 
 
-def to_json(prefs: Sequence[Preference]) -> list[dict[str, Any]]:
-    return [{"text": p.text, "count": p.count, "turns": list(p.turns), "first_version": p.first_version}
-            for p in prefs]
-
-
-def from_json(rows: Any) -> list[Preference]:
-    return [Preference(str(r["text"]), int(r["count"]), tuple(r.get("turns", ())), int(r.get("first_version", 0)))
-            for r in rows or ()]
-
-
-__all__ = ["PREFERENCES_KEY", "Preference", "from_json", "general", "instruction", "merge", "same", "standing",
-           "to_json", "words"]
+__all__ = ["NEGATIONS", "instruction", "merge", "same", "senses", "standing", "unquoted"]

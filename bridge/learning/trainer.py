@@ -11,7 +11,7 @@ its last checkpoint), so no sample is ever trained twice into the same weights.
 
 A rollback (`clawbridge rollback K`) runs under the same lock as a step, so no train_step or
 publish interleaves with it: backend.rollback(K) publishes vK's weights as v(N+1), the store
-records that version (no step; `meta["policy.rollbacks"]` says which version it copies), and a
+records that version (no step; its `copy_of` says which version it copies), and a
 checkpoint is taken at once so that `--resume` continues from the rolled-back weights rather
 than from a checkpoint of the weights rolled away from.
 """
@@ -27,7 +27,7 @@ from clawbridge.config import TrainingSettings
 from clawbridge.judges import Teacher
 from clawbridge.learning import preferences
 from clawbridge.learning.collector import turn_context
-from clawbridge.learning.gate import GATE_KEY, Gate, GateDecision, Recent
+from clawbridge.learning.gate import Gate, GateDecision, Recent
 from clawbridge.learning.rewrite import Draw, redraw_params, scored
 from clawbridge.protocol import (
     Backend,
@@ -38,34 +38,20 @@ from clawbridge.protocol import (
     Screens,
     TransientBackendError,
 )
-from clawbridge.store import PolicyVersionRow, Sample, Store, StoredTurn, TrainingStep
+from clawbridge.store import GateRecord, PolicyVersionRow, Sample, Store, StoredTurn, TrainingStep
 from clawbridge.types import Completion, Datum, OptimSpec, PolicyVersion, StepMetrics
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "trainer.checkpoint"  # store meta: the latest resumable state
-BLENDS_KEY = "policy.blends"  # store meta: {"<version>": {"of": <candidate>, "alpha": <scale>}}, accepted blends
+
+
 def blend_name(of: int, alpha: float) -> str:
     """How a blend the gate served is named to the user (`clawbridge versions`, the demo)."""
     return f"v{of}'s delta x {alpha:g}"
 
 
-ROLLBACKS_KEY = "policy.rollbacks"  # store meta: {"<version>": <the version it is a copy of>}
 PERMANENT_FAILURES = 3  # a batch refused this many times in a row by a permanent error is dropped
-
-
-def same_weights(rollbacks: dict[str, int], a: int, b: int) -> bool:
-    """Whether versions `a` and `b` serve the same weights, read from the ROLLBACKS_KEY map: a gate
-    rejection (or `clawbridge rollback`) publishes the serving version's weights as a new version,
-    recorded as {"<new>": <copied>}, and a copy may be of a copy (pure)."""
-    def origin(v: int) -> int:
-        seen = set()
-        while str(v) in rollbacks and v not in seen:
-            seen.add(v)
-            v = int(rollbacks[str(v)])
-        return v
-
-    return origin(a) == origin(b)
 
 
 def to_datum(s: Sample) -> Datum:
@@ -243,7 +229,7 @@ class Trainer:
         async with self.lock:
             self.backend.serve(before)
             try:
-                known = preferences.from_json(await self.store.run(self.store.get_meta, preferences.PREFERENCES_KEY))
+                known = (await self.store.run(self.store.history)).preferences
                 return await self._gate(candidate, before, asked=preferences.instruction(preferences.standing(known)))
             finally:
                 self.backend.serve(None)
@@ -401,20 +387,20 @@ class Trainer:
         return out
 
     async def _learn_preferences(self, batch: Sequence[Sample], version: int) -> str | None:
-        """Add the hints trained into `version` to the standing preferences (store meta); returns
+        """Add the hints trained into `version` to the standing preferences (`store.save_preferences`); returns
         the twin's instruction: what the user has asked for so far (None: nothing yet)."""
         store = self.store
-        known = preferences.from_json(await store.run(store.get_meta, preferences.PREFERENCES_KEY))
+        known = list((await store.run(store.history)).preferences)
         hints = []
         for x in batch:
             if x.hint:
                 turn = await store.run(store.get_turn, x.turn_id)
                 asked = [m for m in turn.messages if m.get("role") == "user"] if turn is not None else []
                 content = asked[-1].get("content") if asked else None
-                hints.append((preferences.general(x.hint, content if isinstance(content, str) else None), x.turn_id))
+                hints.append((preferences.unquoted(x.hint, content if isinstance(content, str) else None), x.turn_id))
         if hints:
             known = preferences.merge(known, hints, version)
-            await store.run(store.set_meta, preferences.PREFERENCES_KEY, preferences.to_json(known))
+            await store.run(store.save_preferences, known)
         return preferences.instruction(preferences.standing(known))
 
     async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: str | None = None) -> int:
@@ -444,7 +430,7 @@ class Trainer:
         return restored
 
     async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: str | None) -> GateDecision:
-        """The gate's decision on `candidate`, recorded (store meta GATE_KEY) before it acts."""
+        """The gate's decision on `candidate`, recorded (`store.record_gate_decision`) before it acts."""
         assert self.gate is not None
         try:
             decision = await self.gate.evaluate(candidate, serving, recent=recent, asked=asked)
@@ -455,9 +441,7 @@ class Trainer:
             decision = GateDecision(candidate, serving, "rejected", f"gate failed: {type(e).__name__}: {e}")
         self.decisions.append(decision)
         store = self.store
-        records = list(await store.run(store.get_meta, GATE_KEY) or [])
-        records.append(decision.record())
-        await store.run(store.set_meta, GATE_KEY, records[-500:])
+        await store.run(store.record_gate_decision, GateRecord.of(decision.record()))
         return decision
 
     async def _blends(self, candidate: int, serving: int, recent: Sequence[Recent], asked: str | None) -> int | None:
@@ -482,11 +466,9 @@ class Trainer:
                 log.warning("gate: policy@v%d (v%d's delta x %g) rejected (%s)", policy.version, candidate,
                             alpha, decision.reason)
                 continue
-            blends = dict(await store.run(store.get_meta, BLENDS_KEY) or {})
-            blends[str(policy.version)] = {"of": candidate, "alpha": alpha}
-            await store.run(store.set_meta, BLENDS_KEY, blends)
             await store.run(store.record_policy_version,
-                            PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
+                            PolicyVersionRow(version=policy.version, path=policy.path, samples=0,
+                                             blend_of=candidate, blend_alpha=alpha))
             log.info("gate: policy@v%d (v%d's delta x %g) accepted (%s); training goes on from it",
                      policy.version, candidate, alpha, decision.reason)
             self.held, self.held_back_in_a_row = None, 0
@@ -510,10 +492,7 @@ class Trainer:
         self.fresh_steps = 0
         self.held, self.held_back_in_a_row = None, 0
         await store.run(store.record_policy_version,
-                        PolicyVersionRow(version=policy.version, path=policy.path, samples=0))
-        rollbacks = dict(await store.run(store.get_meta, ROLLBACKS_KEY) or {})
-        rollbacks[str(policy.version)] = version
-        await store.run(store.set_meta, ROLLBACKS_KEY, rollbacks)
+                        PolicyVersionRow(version=policy.version, path=policy.path, samples=0, copy_of=version))
         return policy
 
     async def rollback(self, version: int) -> RollbackResult:
@@ -544,11 +523,10 @@ async def held_candidate(store: Store) -> tuple[int, int] | None:
     newest = await store.run(store.latest_version)
     if newest is None or newest.step is None:
         return None
-    decisions = await store.run(store.get_meta, GATE_KEY) or []
-    last = next((d for d in reversed(decisions) if int(d["version"]) == newest.version), None)
-    if last is None or last.get("decision") != "rejected":
+    last = (await store.run(store.history)).decision(newest.version)
+    if last is None or last.decision != "rejected":
         return None
-    return newest.version, int(last["serving"])
+    return newest.version, last.serving
 
 
 async def pending_candidate(store: Store) -> tuple[int, int] | None:
@@ -558,8 +536,7 @@ async def pending_candidate(store: Store) -> tuple[int, int] | None:
     newest = await store.run(store.latest_version)
     if newest is None or newest.step is None:
         return None
-    decided = {int(r["version"]) for r in await store.run(store.get_meta, GATE_KEY) or []}
-    if newest.version in decided:
+    if (await store.run(store.history)).decision(newest.version) is not None:
         return None
     steps = await store.run(store.training_steps)
     step = next((st for st in reversed(steps) if st.version_after == newest.version), None)

@@ -6,6 +6,7 @@ from clawbridge.store.base import SampleStateError, StoreError, VersionReused
 from clawbridge.store.continuation import Continuation, KeyedTurn
 from clawbridge.store.core import Store
 from clawbridge.store.episodes import EpisodeError, EpisodeRow, GroupRow, NewEpisode
+from clawbridge.store.history import GateRecord, History, Preference
 from clawbridge.store.lease import LeaseRow, StoreInUse
 from clawbridge.store.records import (
     JudgeVote,
@@ -28,13 +29,16 @@ __all__ = [
     "Continuation",
     "EpisodeError",
     "EpisodeRow",
+    "GateRecord",
     "GroupRow",
+    "History",
     "JudgeVote",
     "Judgment",
     "KeyedTurn",
     "LeaseRow",
     "NewEpisode",
     "PolicyVersionRow",
+    "Preference",
     "Rewrite",
     "Sample",
     "SampleStateError",

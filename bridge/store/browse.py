@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from clawbridge.store import schema as t
 from clawbridge.store.base import StoreBase
+from clawbridge.store.history import history_mark, read_history
 
 R = TypeVar("R")
 JSON = dict[str, Any]
@@ -287,10 +288,6 @@ def versions(conn: sa.Connection) -> list[JSON]:
     return out
 
 
-def meta(conn: sa.Connection, key: str) -> Any:
-    return conn.execute(sa.select(t.meta.c.value).where(t.meta.c.key == key)).scalar()
-
-
 def waiting(conn: sa.Connection) -> JSON:
     """What the learning loop has in front of it: samples being judged, samples judged and
     waiting for a step (ranges of the (state, id) index), and among the newest turns those
@@ -309,10 +306,10 @@ def waiting(conn: sa.Connection) -> JSON:
             "turns_to_judge": int(to_judge), "turns_window": WAITING_WINDOW}
 
 
-def change_token(conn: sa.Connection, keys: Sequence[str] = ()) -> str:
+def change_token(conn: sa.Connection) -> str:
     """Changes whenever something the page shows changes: a turn, a next state, a judgment, a
-    sample, a step, a version, or one of the meta `keys` (gate decisions, rollbacks). Each part
-    is an index's last entry (or a primary-key lookup), so polling it costs microseconds."""
+    sample, a step, a version (with its origin), a gate decision or a preference. Each part is
+    an index's last entry (or a primary-key lookup), so polling it costs microseconds."""
     parts: list[Any] = [
         conn.execute(sa.select(sa.func.max(t.turns.c.created_at))).scalar(),
         _next_states_mark(conn),
@@ -324,8 +321,7 @@ def change_token(conn: sa.Connection, keys: Sequence[str] = ()) -> str:
     s = t.samples.c
     for state in ("pending", "judged"):  # a sample settled (judged -> trained, pending -> dropped)
         parts.append(conn.execute(sa.select(sa.func.count()).select_from(t.samples).where(s.state == state)).scalar())
-    for key in keys:
-        parts.append(conn.execute(sa.select(t.meta.c.updated_at).where(t.meta.c.key == key)).scalar())
+    parts.extend(history_mark(conn))
     return encode_cursor(*parts)
 
 
@@ -402,23 +398,22 @@ class Browse:
     def conversation(self, session_id: str, after: int = -1, limit: int = 50) -> JSON | None:
         return self._in(conversation, session_id, after=after, limit=limit)
 
-    def progress(self, gate_key: str, rollbacks_key: str, preferences_key: str | None = None) -> JSON:
+    def progress(self) -> JSON:
         """Versions with their reactions, gate decisions and rollbacks; the steps; the hints; and
-        the stored preferences as kept (`preferences`: the meta value, None without a key)."""
+        the stored preferences (`store.Preference`s, first seen first: the page marks the standing ones)."""
         with self._conn() as conn:
             vs = versions(conn)
             react = self.reactions(conn)
-            gate = {int(g["version"]): g for g in meta(conn, gate_key) or [] if isinstance(g, dict) and "version" in g}
-            rollbacks = {int(k): int(v) for k, v in (meta(conn, rollbacks_key) or {}).items()}
+            history = read_history(conn)
+            gate = history.by_version()
             for v in vs:
                 v["reactions"] = react.get(v["version"])
-                v["gate"] = gate.get(v["version"])
-                v["restores"] = rollbacks.get(v["version"])
-            return {"versions": vs, "steps": steps(conn), "hints": hints(conn),
-                    "preferences": meta(conn, preferences_key) if preferences_key else None}
+                v["gate"] = g.as_json() if (g := gate.get(v["version"])) is not None else None
+                v["restores"] = history.copies.get(v["version"])
+            return {"versions": vs, "steps": steps(conn), "hints": hints(conn), "preferences": history.preferences}
 
     def waiting(self) -> JSON:
         return self._in(waiting)
 
-    def token(self, keys: Sequence[str] = ()) -> str:
-        return self._in(change_token, keys)
+    def token(self) -> str:
+        return self._in(change_token)

@@ -21,6 +21,7 @@ from clawbridge.store.capture import CaptureStore
 from clawbridge.store.continuation import ContinuationStore
 from clawbridge.store.episodes import EpisodeStore
 from clawbridge.store.export import export_jsonl
+from clawbridge.store.history import HistoryStore
 from clawbridge.store.lease import LeaseStore, hold_file
 from clawbridge.store.records import (
     StoreStats,
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 
-class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseStore):
+class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseStore, HistoryStore):
     """Everything the loops keep, in one database."""
 
     def claim_serving(self) -> None:

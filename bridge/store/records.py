@@ -218,6 +218,9 @@ class PolicyVersionRow:
     mean_reward: float | None = None
     samples: int = 0
     created_at: datetime = field(default_factory=utcnow)
+    copy_of: int | None = None  # a copy of this version's weights (a rollback, or a candidate given up)
+    blend_of: int | None = None  # this held-back candidate's delta, scaled by `blend_alpha` (a blend)
+    blend_alpha: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

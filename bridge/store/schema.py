@@ -176,6 +176,43 @@ policy_versions = sa.Table(
     sa.Column("mean_reward", sa.Float),
     sa.Column("samples", sa.Integer, nullable=False),
     sa.Column("created_at", UTCDateTime(), nullable=False),
+    # What made a version no step trained (0007): a copy of another version's weights (a rollback,
+    # or the gate giving a candidate up), or a held-back candidate's delta scaled by an alpha (a
+    # blend the gate accepted). NULL on a trained version.
+    sa.Column("copy_of", sa.Integer),
+    sa.Column("blend_of", sa.Integer),
+    sa.Column("blend_alpha", sa.Float),
+)
+
+# The gate's decisions, one row each, oldest first (0007). A candidate may be judged more than once
+# (a restart during the gate); its newest row is what was decided. `created_at` is NULL on the
+# decisions carried over from before 0007, which kept no time.
+gate_decisions = sa.Table(
+    "gate_decisions",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("candidate", sa.Integer, nullable=False),
+    sa.Column("serving", sa.Integer, nullable=False),
+    sa.Column("decision", sa.String(16), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("figures", sa.JSON, nullable=False),
+    sa.Column("reference", sa.String(16)),
+    sa.Column("asked", sa.Text),
+    sa.Column("created_at", UTCDateTime()),
+    sa.Index(None, "candidate"),
+)
+
+# The user's preferences (0007): what the trained hints asked for, in the order first seen
+# (`position`); a hint that says what a known one says counts for it (its row is updated).
+preferences = sa.Table(
+    "preferences",
+    metadata,
+    sa.Column("position", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("text", sa.Text, nullable=False),
+    sa.Column("count", sa.Integer, nullable=False),
+    sa.Column("turns", sa.JSON, nullable=False),
+    sa.Column("first_version", sa.Integer, nullable=False),
+    sa.Column("updated_at", UTCDateTime(), nullable=False),
 )
 
 meta = sa.Table(

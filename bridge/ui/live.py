@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import read_spend
-from clawbridge.learning.gate import GATE_KEY
-from clawbridge.learning.preferences import PREFERENCES_KEY
-from clawbridge.learning.trainer import ROLLBACKS_KEY
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.ui.routes import Board, RouteError
 from starlette.applications import Starlette
@@ -77,7 +74,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
         return {"object": "training", "paused": paused, "reason": learner.paused}
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Board(proxy.store, key, status, GATE_KEY, ROLLBACKS_KEY, PREFERENCES_KEY,
+    return Board(proxy.store, key, status,
                  rollback=rollback if learner is not None else None,
                  pause=pause if learner is not None else None)
 
@@ -107,7 +104,7 @@ def offline_board(settings: Settings, store: Store) -> Board:
                 "spend": spend(settings.data_dir), "learner": None}
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    return Board(store, key, status, GATE_KEY, ROLLBACKS_KEY, PREFERENCES_KEY)
+    return Board(store, key, status)
 
 
 def data_dir_app(settings: Settings) -> tuple[Starlette, Store]:

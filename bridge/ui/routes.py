@@ -22,14 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from typing import Any
 
 from clawbridge.learning import preferences
-from clawbridge.store import Store
+from clawbridge.store import Preference, Store
 from clawbridge.store.browse import BadCursor, Browse
 from clawbridge.ui import auth
 from starlette.requests import Request
@@ -65,20 +65,12 @@ class Board:
     store: Store
     api_key: str | None
     status: Callable[[], Awaitable[JSON]]
-    gate_key: str
-    rollbacks_key: str
-    preferences_key: str | None = None
     rollback: Callable[[int], Awaitable[JSON]] | None = None
     pause: Callable[[bool], JSON] | None = None
     poll_s: float = 2.0
 
     def __post_init__(self) -> None:
         self.browse = Browse(self.store)
-
-    @property
-    def meta_keys(self) -> tuple[str, ...]:
-        """The store meta the page shows (the change token watches them)."""
-        return tuple(k for k in (self.gate_key, self.rollbacks_key, self.preferences_key) if k)
 
 
 @cache
@@ -101,14 +93,9 @@ def _page(name: str, status: int = 200, extra: dict[str, str] | None = None) -> 
                     headers={**SECURITY_HEADERS, **(extra or {})})
 
 
-def standing_view(stored: Any) -> list[JSON]:
+def standing_view(known: Sequence[Preference]) -> list[JSON]:
     """The stored preferences, each marked whether it stands (what the gate's twin is asked with
     and the price is measured for; learning.preferences), most frequent first."""
-    try:
-        known = preferences.from_json(stored)
-    except (KeyError, TypeError, ValueError):
-        log.warning("ui: the stored preferences are not in a shape this page reads")
-        return []
     stands = {id(p) for p in preferences.standing(known)}
     rows = [{"text": p.text, "count": p.count, "first_version": p.first_version, "turns": list(p.turns),
              "standing": id(p) in stands} for p in known]
@@ -195,7 +182,7 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
     async def now(request: Request, board: Board) -> Response:
         store = board.store
         status = await board.status()
-        token = await store.run(board.browse.token, board.meta_keys)
+        token = await store.run(board.browse.token)
         waiting = await store.run(board.browse.memo, "waiting", token, board.browse.waiting)
         return _json({"status": status, "waiting": waiting, "token": token, "poll_s": board.poll_s,
                       "actions": {"rollback": board.rollback is not None, "pause": board.pause is not None}})
@@ -204,9 +191,8 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
         b = board.browse
 
         def read() -> JSON:
-            out = b.memo("progress", b.token(board.meta_keys),
-                         lambda: b.progress(board.gate_key, board.rollbacks_key, board.preferences_key))
-            return {**out, "preferences": standing_view(out.get("preferences"))}
+            out = b.memo("progress", b.token(), b.progress)
+            return {**out, "preferences": standing_view(out["preferences"])}
 
         return _json(await board.store.run(read))
 
