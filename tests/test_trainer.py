@@ -15,7 +15,7 @@ import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.learning.learner import Learner
 from clawbridge.learning.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum, warmed
-from clawbridge.server import learner_hooks
+from clawbridge.server import learner_hooks, learner_task
 from clawbridge.store import Store
 from clawbridge.types import OptimSpec, StepMetrics
 from live_server import LiveServer
@@ -76,6 +76,44 @@ async def test_every_fresh_optimizer_warms_up_again_and_the_rate_is_recorded(dat
     finally:
         await backend.close()
         store.close()
+
+
+@pytest.mark.xfail(strict=True, reason="serve resumes a throwaway Trainer: the learner's trainer warms up again")
+@pytest.mark.timeout(280)
+def test_the_learner_trains_on_at_the_full_rate_after_serve_resumed_a_checkpoint(data_dir: Path):
+    """A checkpoint brings the optimizer's moments back: after `serve` resumed from one, the
+    learner's own trainer (the one the composition root built) trains at the full rate, not at
+    the first rate of a warmup."""
+    settings = settings_for(data_dir, batch_size=1, learning_rate=3e-3, warmup_steps=3, checkpoint_every=1,
+                            max_staleness=100)
+
+    async def first_step() -> None:
+        store = Store.open(settings.db_url)
+        backend = LocalBackend.from_settings(settings)
+        await backend.start()
+        try:
+            judged_samples(store, 2)
+            assert (await Trainer(settings.training, backend, store).step_once()) is not None
+            assert store.get_meta(CHECKPOINT_KEY)["version"] == 1  # the resume point: v1 and its optimizer
+        finally:
+            await backend.close()
+            store.close()
+
+    asyncio.run(first_step())
+    learner = Learner(settings, poll_s=0.1)
+    live = LiveServer(settings, LocalBackend.from_settings(settings), hooks=learner_hooks(learner)).start()
+    assert live.loop is not None and live.running is not None
+    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(live.running), live.loop)
+    try:
+        store = live.running.store
+        deadline = time.monotonic() + 120
+        while len(store.training_steps()) < 2:
+            assert time.monotonic() < deadline and not task.done(), "the learner did not train the second sample"
+            time.sleep(0.1)
+        assert [s.metrics["learning_rate"] for s in store.training_steps()] == pytest.approx([1e-3, 3e-3])
+    finally:
+        live.loop.call_soon_threadsafe(task.cancel)
+        live.stop()
 
 
 async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_dir: Path):
