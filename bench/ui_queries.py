@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import sqlalchemy as sa  # noqa: E402
 from clawbridge.learning.gate import GATE_KEY  # noqa: E402
-from clawbridge.learning.trainer import ROLLBACKS_KEY  # noqa: E402
+from clawbridge.learning.promotion import ROLLBACKS_KEY  # noqa: E402
 from clawbridge.store import Store  # noqa: E402
 from clawbridge.store import schema as t  # noqa: E402
 from clawbridge.store.browse import Browse  # noqa: E402

@@ -34,7 +34,8 @@ from clawbridge.learning.gate import Gate, GateProbe, probe_check
 from clawbridge.learning.learner import Learner, LearningParts
 from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
-from clawbridge.learning.trainer import Trainer, held_candidate, pending_candidate
+from clawbridge.learning.promotion import pin_interrupted, resume
+from clawbridge.learning.trainer import Trainer
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
@@ -109,7 +110,7 @@ def learner_task(learner: Learner) -> BackgroundTask:
         learner.elsewhere = coordinator.elsewhere  # a rollback only where the lease is held
 
         async def take_over() -> None:  # the store moved on while another process trained
-            await Trainer(running.settings.training, running.backend, running.store).resume()
+            await resume(running.backend, running.store)
             await learn(running)
 
         await coordinator.lead(take_over)
@@ -312,15 +313,11 @@ async def serve(
         store.claim_serving()  # SQLite: one serving process (docs/scale-out.md)
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
-    await Trainer(settings.training, backend, store).resume()
-    if settings.train and settings.gate != "off" and (pending := await pending_candidate(store)) is not None:
-        # the newest version never passed the gate (a restart while it judged): its predecessor
-        # serves until the learner's gate has decided (`Trainer.judge_pending`)
-        backend.serve(pending[1])
-    elif settings.train and settings.gate != "off" and (held := await held_candidate(store)) is not None:
-        # training had gone on from a held-back candidate (gate_patience): the version that served
-        # serves until the learner restores its weights (`Trainer.judge_pending`)
-        backend.serve(held[1])
+    await resume(backend, store)
+    if settings.train and settings.gate != "off":
+        # a restart that interrupted the gate: the version that served then serves until the
+        # learner has settled it (`Promotion.recover`)
+        await pin_interrupted(backend, store)
     coordinator = Coordinator(store, backend, train=settings.train) if store.shared else None
     if coordinator is not None:
         await coordinator.start()  # the lease, or the version the trainer serves

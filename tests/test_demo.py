@@ -225,7 +225,7 @@ async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tm
 
 
 def test_a_restored_copy_has_the_weights_it_copies():
-    from clawbridge.learning.trainer import same_weights
+    from clawbridge.learning.promotion import same_weights
 
     # v0 served; v1 held back -> v2 is v0's weights; v3 held back -> v4 is v2's, so v0's; v5 accepted
     rollbacks = {"2": 0, "4": 2}
@@ -404,7 +404,7 @@ async def test_the_demo_names_a_blend_the_gate_served(tmp_path: Path):
     from types import SimpleNamespace
 
     from clawbridge.demo.rounds import _blend_of
-    from clawbridge.learning.trainer import BLENDS_KEY
+    from clawbridge.learning.promotion import BLENDS_KEY
     from clawbridge.store import Store
 
     store = Store.open(f"sqlite:///{tmp_path / 'c.db'}")

@@ -190,7 +190,7 @@ def test_versions_and_status_show_the_gate_decisions(tmp_path, capsys, monkeypat
     from clawbridge.cli.status import print_status, print_versions
     from clawbridge.config import Settings
     from clawbridge.learning.gate import GATE_KEY, GateDecision
-    from clawbridge.learning.trainer import ROLLBACKS_KEY
+    from clawbridge.learning.promotion import ROLLBACKS_KEY
     from clawbridge.store import PolicyVersionRow, Store
 
     settings = Settings(data_dir=tmp_path)

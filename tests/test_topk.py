@@ -10,7 +10,8 @@ import pytest
 import torch
 from clawbridge.backends.local import LocalBackend
 from clawbridge.judges import Teacher
-from clawbridge.learning.trainer import Trainer, to_datums
+from clawbridge.learning.distillation import to_datums
+from clawbridge.learning.trainer import Trainer
 from clawbridge.loss import topk_reverse_kl
 from clawbridge.store import Store
 from clawbridge.types import Datum, LossSpec, OptimSpec
@@ -119,9 +120,9 @@ async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_pr
         hinted, plain = sorted(store.pending_samples(2, method="combine"), key=lambda x: x.hint is None)
         want = teacher.prompt_ids(turn_context(store.get_turn(hinted.turn_id)), "Answer in one word.")  # type: ignore[arg-type]
         # an all-zero own answer trains only because it is distilled
-        assert [d.teacher_prompt_ids for d in await trainer._datums(hinted)] == [tuple(want)]
-        assert [d.teacher_prompt_ids for d in await trainer._datums(plain)] == [None]
-        assert await trainer._datums(plain) == to_datums(plain)
+        assert [d.teacher_prompt_ids for d in await trainer.distillation.datums(hinted)] == [tuple(want)]
+        assert [d.teacher_prompt_ids for d in await trainer.distillation.datums(plain)] == [None]
+        assert await trainer.distillation.datums(plain) == to_datums(plain)
         result = await trainer.step_once()
         assert result is not None and result.metrics["topk_kl"] > 0
         assert result.metrics["samples"] == 2  # the hinted answer (distilled) and the approved one
@@ -152,8 +153,8 @@ async def test_a_rewrite_learns_the_teachers_distribution_only_with_opd_topk_rew
         taught = {}
         for on in (True, False):
             trainer = Trainer(replace(settings.training, opd_topk_rewrite=on), backend, store, teacher=teacher)
-            taught[on] = [d.teacher_prompt_ids for d in await trainer._datums(sample)]
-        want = tuple(trainer._teacher_prompt(store.get_turn(tid), "Answer in one word."))  # type: ignore[arg-type]
+            taught[on] = [d.teacher_prompt_ids for d in await trainer.distillation.datums(sample)]
+        want = tuple(trainer.distillation.teacher_prompt(store.get_turn(tid), "Answer in one word."))  # type: ignore[arg-type]
         assert taught == {True: [want, want], False: [want, None]}
     finally:
         await backend.close()
@@ -177,8 +178,8 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
         turn = store.get_turn(hinted.turn_id)
         assert turn is not None
-        teacher_ids = trainer._teacher_prompt(turn, "Answer in one word.")
-        [own, *drawn] = await trainer._datums(hinted)
+        teacher_ids = trainer.distillation.teacher_prompt(turn, "Answer in one word.")
+        [own, *drawn] = await trainer.distillation.datums(hinted)
         assert own == to_datums(hinted, teacher_ids)[0]
         assert len(drawn) == 3 and all(d.teacher_prompt_ids == tuple(teacher_ids) for d in drawn)
         assert all(set(d.advantages) == {0.0} and d.prompt_ids == hinted.prompt_ids for d in drawn)
@@ -190,7 +191,7 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         store.close()
 
 
-async def test_only_the_fresh_draws_the_hint_is_against_are_distilled(data_dir: Path):
+async def test_only_the_fresh_draws_the_hint_does_not_lift_are_distilled(data_dir: Path):
     """opd_draw_max_lift: a fresh draw distils only when its lift (the teacher's model with the
     hint minus without it, mean per token, scored here independently) is at most the bound; the
     bound set between the draws' own lifts keeps exactly those at or below it, and a bound below
@@ -212,7 +213,7 @@ async def test_only_the_fresh_draws_the_hint_is_against_are_distilled(data_dir: 
         assert turn is not None
         params = redraw_params(turn)
         drawn = [c for c in await backend.sample(hinted.prompt_ids, params, n=6) if c.tokens]
-        t_ids = Trainer(settings.training, backend, store, teacher=teacher)._teacher_prompt(turn, "Answer in one word.")
+        t_ids = Trainer(settings.training, backend, store, teacher=teacher).distillation.teacher_prompt(turn, "Answer in one word.")
 
         async def lift(tokens: list[int]) -> float:
             with_hint = await backend.score(t_ids, tokens, model="base", temperature=params.temperature)
@@ -225,11 +226,11 @@ async def test_only_the_fresh_draws_the_hint_is_against_are_distilled(data_dir: 
         half = len(ordered) // 2
         bound = (ordered[half - 1] + ordered[half]) / 2  # between two draws, clear of rounding
         trainer = Trainer(settings.training, backend, store, teacher=teacher)
-        kept = await trainer._against(drawn, hinted.prompt_ids, t_ids, params.temperature, bound)
+        kept = await trainer.distillation.drop_lifted(drawn, hinted.prompt_ids, t_ids, params.temperature, bound)
         assert kept == [c for c, x in zip(drawn, lifts, strict=True) if x <= bound]
         assert 0 < len(kept) < len(drawn)
         none = Trainer(replace(settings.training, opd_draw_max_lift=-1e9), backend, store, teacher=teacher)
-        assert [d.completion_ids for d in await none._datums(hinted)] == [hinted.completion_ids]
+        assert [d.completion_ids for d in await none.distillation.datums(hinted)] == [hinted.completion_ids]
     finally:
         await backend.close()
         store.close()

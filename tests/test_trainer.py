@@ -13,8 +13,10 @@ from typing import Any
 import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
+from clawbridge.learning.distillation import to_datum
 from clawbridge.learning.learner import Learner
-from clawbridge.learning.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum, warmed
+from clawbridge.learning.promotion import CHECKPOINT_KEY, Resumed, next_step_number, resume
+from clawbridge.learning.trainer import Trainer, step_record, warmed
 from clawbridge.server import learner_hooks, learner_task
 from clawbridge.store import Store
 from clawbridge.types import OptimSpec, StepMetrics
@@ -68,7 +70,7 @@ async def test_every_fresh_optimizer_warms_up_again_and_the_rate_is_recorded(dat
         for _ in range(4):
             await trainer.step_once()
             rates.append(backend.engine._optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
-        await trainer.rollback(2)
+        await trainer.promotion.rollback(2)
         await trainer.step_once()
         rates.append(backend.engine._optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
         assert rates == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 1e-3])
@@ -141,9 +143,8 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
     fresh = LocalBackend.from_settings(settings)
     await fresh.start()
     try:
-        resumed = Trainer(settings.training, fresh, store)
-        assert await resumed.resume() == ck["path"]
-        assert fresh.version == 1 and await resumed.next_step_number() == 2
+        assert await resume(fresh, store) == Resumed(ck["path"], optimizer=True)
+        assert fresh.version == 1 and await next_step_number(store) == 2
     finally:
         await fresh.close()
         store.close()
@@ -151,7 +152,7 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
 
 async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_continues_from_it(data_dir: Path):
     from clawbridge.cli.status import version_origin
-    from clawbridge.learning.trainer import ROLLBACKS_KEY
+    from clawbridge.learning.promotion import ROLLBACKS_KEY
 
     settings = settings_for(data_dir, batch_size=2, checkpoint_every=1)
     store = Store.open(settings.db_url)
@@ -164,7 +165,7 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
         assert (await trainer.step_once()).version == 1  # type: ignore[union-attr]
         v1 = await backend.score(prompt, completion)
         assert (await trainer.step_once()).version == 2  # type: ignore[union-attr]
-        rb = await trainer.rollback(1)
+        rb = await trainer.promotion.rollback(1)
         assert (rb.version, rb.restored, rb.previous) == (3, 1, 2)
         rows = {r.version: r for r in store.versions()}
         assert rows[3].step is None and rows[3].samples == 0 and rows[3].path == rb.path
@@ -179,9 +180,8 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
     fresh = LocalBackend.from_settings(settings)
     await fresh.start()
     try:
-        resumed = Trainer(settings.training, fresh, store)
-        await resumed.resume()
-        assert fresh.version == 3 and await resumed.next_step_number() == 3
+        await resume(fresh, store)
+        assert fresh.version == 3 and await next_step_number(store) == 3
         assert await fresh.score(prompt, completion) == pytest.approx(v1, abs=1e-6)
     finally:
         await fresh.close()
@@ -215,7 +215,7 @@ async def test_a_rollback_asked_for_during_a_step_waits_for_the_step_to_publish(
         step = asyncio.create_task(trainer.step_once())
         while not calls:
             await asyncio.sleep(0.01)
-        back = asyncio.create_task(trainer.rollback(0))
+        back = asyncio.create_task(trainer.promotion.rollback(0))
         await asyncio.sleep(0.2)
         assert calls == ["train_step"] and not back.done()  # the rollback waits on the lock
         gate.set()

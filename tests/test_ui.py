@@ -15,7 +15,7 @@ import pytest
 from clawbridge.config import Settings
 from clawbridge.learning.gate import GATE_KEY
 from clawbridge.learning.preferences import PREFERENCES_KEY
-from clawbridge.learning.trainer import ROLLBACKS_KEY
+from clawbridge.learning.promotion import ROLLBACKS_KEY
 from clawbridge.store import Store
 from clawbridge.store.browse import turn_status
 from clawbridge.ui import Board, ui_routes

@@ -70,7 +70,7 @@ def version_origin(step: int | None, version: int, rollbacks: dict[str, int],
     if str(version) in rollbacks:
         return f"rollback of v{rollbacks[str(version)]}"
     if blends and (b := blends.get(str(version))):
-        from clawbridge.learning.trainer import blend_name
+        from clawbridge.learning.promotion import blend_name
 
         return blend_name(int(b["of"]), float(b["alpha"]))
     return "-"
@@ -132,7 +132,7 @@ def print_preferences(data_dir: str | None, db: str | None) -> None:
 
 def print_versions(data_dir: str | None, db: str | None) -> None:
     from clawbridge.learning.gate import GATE_KEY
-    from clawbridge.learning.trainer import BLENDS_KEY, ROLLBACKS_KEY
+    from clawbridge.learning.promotion import BLENDS_KEY, ROLLBACKS_KEY
 
     with _store(data_dir, db) as store:
         rows = store.versions()

@@ -36,7 +36,7 @@ from clawbridge.demo.teachability import Price, Teachability
 from clawbridge.learning.collector import judge_kinds
 from clawbridge.learning.gate import Gate, GateProbe, question_seed
 from clawbridge.learning.probes import rate
-from clawbridge.learning.trainer import ROLLBACKS_KEY, same_weights
+from clawbridge.learning.promotion import ROLLBACKS_KEY, same_weights
 from clawbridge.protocol import NamesItsDtype
 
 if TYPE_CHECKING:
@@ -237,7 +237,7 @@ class PreferenceRounds:
                     break
                 await asyncio.sleep(0.05)
             trainer = self.learner.trainer
-            self._gate = trainer.gate if trainer is not None else None
+            self._gate = trainer.promotion.gate if trainer is not None else None
             if self._gate is None:
                 from clawbridge.server import build_gate
 

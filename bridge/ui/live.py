@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from clawbridge.backends.costs import read_spend
 from clawbridge.learning.gate import GATE_KEY
 from clawbridge.learning.preferences import PREFERENCES_KEY
-from clawbridge.learning.trainer import ROLLBACKS_KEY
+from clawbridge.learning.promotion import ROLLBACKS_KEY
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.ui.routes import Board, RouteError
 from starlette.applications import Starlette
@@ -40,7 +40,7 @@ def learner_status(learner: Learner) -> JSON:
     out: JSON = {"fields": {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()},
                  "paused": learner.paused, "stopped": learner.training_stopped,
                  "errors": learner.errors, "busy": learner.lock.locked()}
-    if (d := learner.trainer.decisions[-1] if learner.trainer and learner.trainer.decisions else None) is not None:
+    if (d := learner.trainer.promotion.decisions[-1] if learner.trainer and learner.trainer.promotion.decisions else None) is not None:
         out["last_gate"] = d.record()
     return out
 
