@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
-from clawbridge.learning.distillation import to_datum
 from clawbridge.learning.learner import Learner
 from clawbridge.learning.promotion import CHECKPOINT_KEY, Resumed, next_step_number, resume
 from clawbridge.learning.trainer import Trainer, step_record, warmed
@@ -241,16 +240,6 @@ async def test_samples_older_than_max_staleness_are_dropped_with_the_reason(data
     finally:
         await backend.close()
         store.close()
-
-
-def test_a_sample_without_advantages_cannot_become_a_datum(data_dir: Path):
-    settings = settings_for(data_dir)
-    with Store.open(settings.db_url) as store:
-        [tid] = record_turns(store, 1)
-        sid, _ = store.create_sample(tid, "combine", state="pending")
-        [s] = store.get_samples([sid])
-        with pytest.raises(ValueError, match="no advantages"):
-            to_datum(s)
 
 
 @pytest.mark.timeout(280)
