@@ -79,7 +79,6 @@ async def test_every_fresh_optimizer_warms_up_again_and_the_rate_is_recorded(dat
         store.close()
 
 
-@pytest.mark.xfail(strict=True, reason="serve resumes a throwaway Trainer: the learner's trainer warms up again")
 @pytest.mark.timeout(280)
 def test_the_learner_trains_on_at_the_full_rate_after_serve_resumed_a_checkpoint(data_dir: Path):
     """A checkpoint brings the optimizer's moments back: after `serve` resumed from one, the
