@@ -214,3 +214,22 @@ async def test_a_restart_while_a_blend_is_judged_restores_the_served_weights(tmp
         assert served is not None and served > 2 and backend.version == served
         assert store.get_meta(ROLLBACKS_KEY) == {str(served): 0} and store.get_meta(BLENDS_KEY) is None
         assert await _answers(backend, renderer, params, served) == v0
+
+
+async def test_a_candidate_pinned_at_a_restart_serves_when_the_gate_has_nothing_to_ask(tmp_path: Path):
+    """gate on, but no probes and no judge model (the rules judge): the composition root builds no
+    gate. A candidate never judged was pinned behind its predecessor before the first request;
+    with nothing to judge it, the learner lets it serve, as without a gate, instead of pinning
+    the predecessor for ever."""
+    from clawbridge.server import build_learning
+
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, _params):
+        record_turns(store, 2)
+        await collector_for(settings, backend, store).run_once()
+        assert (await Trainer(settings.training, backend, store).step_once()).version == 1  # type: ignore[union-attr]
+        await resume(backend, store)  # as serve() does before the first request
+        assert await pin_interrupted(backend, store) == Interrupted(1, 0, decided=False) and backend.version == 0
+        trainer = build_learning(settings, backend, store, renderer).trainer
+        assert trainer.promotion.gate is None
+        assert await trainer.promotion.recover() == 1
+        assert backend.held is None and backend.version == 1

@@ -380,10 +380,19 @@ class Promotion:
         a held lineage is given up for a copy of the served weights. The pin `pin_interrupted`
         set before the first request ends here. Returns the version that serves afterwards
         (None: nothing was interrupted)."""
-        found = await interrupted(self.store, gated=self.gate is not None)
+        found = await interrupted(self.store, gated=True)
         if found is None:
             return None
         candidate, serving = found.candidate, found.serving
+        if not found.decided and self.gate is None:
+            if self.backend.version == candidate:  # nothing pinned it: the gate is off
+                return None
+            # the settings ask for a gate but it has nothing to ask (no probes, no judge model):
+            # as without a gate, the candidate serves
+            log.warning("policy@v%d was published but never judged, and the gate has nothing to ask: it serves",
+                        candidate)
+            self.backend.serve(None)
+            return candidate
         if found.decided:
             log.warning("policy@v%d was held back by the gate and training had gone on from it (gate_patience): "
                         "a restart trains on from the served v%d's weights", candidate, serving)
