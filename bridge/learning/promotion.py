@@ -11,10 +11,15 @@
                                      else a copy of the served weights serves and is trained on
 
 A copy (`backend.rollback`) and a blend start a fresh optimizer (`OptimizerAge`: the warmup's
-clock). `clawbridge rollback K` is a copy of vK, checkpointed at once so that `--resume`
-continues from it. At every start `resume` serves the newest version the store recorded; a
-restart that interrupted the gate (`interrupted`: a candidate never judged, or a held lineage)
-pins the version that served until the learner's `Promotion.recover` has settled it.
+clock). `clawbridge rollback K` is a copy of vK, under the step's lock (no train_step or
+publish interleaves with it), checkpointed at once so that `--resume` continues from the
+rolled-back weights rather than from a checkpoint of the weights rolled away from.
+
+At every start `resume` serves the newest version the store recorded, and the learner's trainer
+goes on from what it loaded. A restart that interrupted the gate (`interrupted`, the one place
+that decides it: a candidate never judged, or a held lineage) pins the version that served then
+(`pin_interrupted`, before the first request) until the learner's `Promotion.recover` has
+settled it.
 
 The store-meta records (gate decisions, copies, blends, standing preferences, the resume
 point) are read and written only by the small functions at the top of this module.
