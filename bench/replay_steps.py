@@ -41,8 +41,8 @@ from clawbridge.judges import Teacher
 from clawbridge.judges.hints import teacher_messages
 from clawbridge.learning import preferences
 from clawbridge.learning.collector import turn_context
+from clawbridge.learning.distillation import to_datums
 from clawbridge.learning.probes import general_probes
-from clawbridge.learning.trainer import to_datums
 from clawbridge.store import Sample, Store
 from clawbridge.types import Datum, OptimSpec, SamplingParams
 

@@ -34,8 +34,8 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings, eval_seed, run_demo
+from clawbridge.learning.distillation import to_datums
 from clawbridge.learning.probes import general_probes
-from clawbridge.learning.trainer import to_datums
 from clawbridge.store import Sample, Store
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 

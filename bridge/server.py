@@ -35,7 +35,8 @@ from clawbridge.learning.gate_rules import GENERAL
 from clawbridge.learning.learner import Learner, LearningParts
 from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
-from clawbridge.learning.trainer import Trainer, held_candidate, pending_candidate
+from clawbridge.learning.promotion import Resumed, pin_interrupted, resume
+from clawbridge.learning.trainer import Trainer
 from clawbridge.routes import episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
@@ -80,6 +81,7 @@ class Running:
     server: uvicorn.Server  # set `server.should_exit = True` to drain and stop
     # several proxies on one store (PostgreSQL): the trainer lease and the serving version
     coordinator: Coordinator | None = None
+    resumed: Resumed | None = None  # what `resume` loaded before the first request
 
 
 BackgroundTask = Callable[[Running], Coroutine[Any, Any, None]]
@@ -98,40 +100,42 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
 
 
 def learner_task(learner: Learner) -> BackgroundTask:
-    async def learn(running: Running) -> None:
-        bind_learner(learner, running.backend, running.store, running.renderer)
+    async def learn(running: Running, resumed: Resumed | None) -> None:
+        bind_learner(learner, running.backend, running.store, running.renderer, resumed=resumed)
         await learner.run()
 
     async def run(running: Running) -> None:
         coordinator = running.coordinator
         if coordinator is None:
-            return await learn(running)
+            return await learn(running, running.resumed)
 
         learner.elsewhere = coordinator.elsewhere  # a rollback only where the lease is held
 
         async def take_over() -> None:  # the store moved on while another process trained
-            await Trainer(running.settings.training, running.backend, running.store).resume()
-            await learn(running)
+            await learn(running, await resume(running.backend, running.store))
 
         await coordinator.lead(take_over)
 
     return run
 
 
-def bind_learner(learner: Learner, backend: Backend, store: Store, renderer: Renderer | None = None) -> None:
+def bind_learner(learner: Learner, backend: Backend, store: Store, renderer: Renderer | None = None, *,
+                 resumed: Resumed | None = None) -> None:
     """Build the learner's parts on the live backend and store and bind them. `renderer`: the
-    server's own (`Running.renderer`); a new one only where no server runs (tools, tests)."""
+    server's own (`Running.renderer`); a new one only where no server runs (tools, tests).
+    `resumed`: what `resume` loaded at the start (None: a fresh optimizer)."""
     learner.bind(build_learning(learner.settings, backend, store, renderer or Renderer(backend.tokenizer()),
-                                lock=learner.lock, probes=learner.extra_probes))
+                                lock=learner.lock, probes=learner.extra_probes, resumed=resumed))
 
 
 def build_learning(
     settings: Settings, backend: Backend, store: Store, renderer: Renderer, *,
-    lock: asyncio.Lock | None = None, probes: Sequence[GateProbe] = (),
+    lock: asyncio.Lock | None = None, probes: Sequence[GateProbe] = (), resumed: Resumed | None = None,
 ) -> LearningParts:
     """The learner's parts, each built once: the teacher scorer shared by the collector, the
     episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
-    judge model's pairwise comparison when there is one; the trainer that runs it."""
+    judge model's pairwise comparison when there is one; the trainer that runs it, which goes on
+    from what `resume` loaded (`resumed`: a checkpoint brought the optimizer's moments back)."""
     learning = settings.learning
     teacher = Teacher(backend, renderer, model=learning.teacher, clip=learning.opd_clip)
     judging = settings.judging
@@ -144,7 +148,7 @@ def build_learning(
         judges=judges,
         collector=Collector(learning, backend, store, judges, teacher),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher),
-        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher),
+        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed),
     )
 
 
@@ -313,15 +317,11 @@ async def serve(
         store.claim_serving()  # SQLite: one serving process (docs/scale-out.md)
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
-    await Trainer(settings.training, backend, store).resume()
-    if settings.train and settings.gate != "off" and (pending := await pending_candidate(store)) is not None:
-        # the newest version never passed the gate (a restart while it judged): its predecessor
-        # serves until the learner's gate has decided (`Trainer.judge_pending`)
-        backend.serve(pending[1])
-    elif settings.train and settings.gate != "off" and (held := await held_candidate(store)) is not None:
-        # training had gone on from a held-back candidate (gate_patience): the version that served
-        # serves until the learner restores its weights (`Trainer.judge_pending`)
-        backend.serve(held[1])
+    resumed = await resume(backend, store)
+    if settings.train and settings.gate != "off":
+        # a restart that interrupted the gate: the version that served then serves until the
+        # learner has settled it (`Promotion.recover`)
+        await pin_interrupted(backend, store)
     coordinator = Coordinator(store, backend, train=settings.train) if store.shared else None
     if coordinator is not None:
         await coordinator.start()  # the lease, or the version the trainer serves
@@ -367,7 +367,7 @@ async def serve(
     port = server.servers[0].sockets[0].getsockname()[1]
     host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     base_url = f"http://{host}:{port}"
-    running = Running(settings, backend, store, proxy, renderer, base_url, server, coordinator)
+    running = Running(settings, backend, store, proxy, renderer, base_url, server, coordinator, resumed)
     if not quiet:
         print(banner(settings, backend, proxy, base_url), flush=True)
         if coordinator is not None:

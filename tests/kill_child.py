@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from clawbridge.backends.local import LocalBackend
+from clawbridge.learning.promotion import resume
 from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
 from test_collector import settings_for
@@ -63,8 +64,7 @@ async def main(data_dir: Path, phase: str, boundary: str, checkpoint_every: int)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
     await backend.start()
-    trainer = Trainer(settings.training, backend, store)
-    await trainer.resume()
+    trainer = Trainer(settings.training, backend, store, resumed=await resume(backend, store))
     scores = data_dir / "scores.jsonl"
 
     async def log_score(version: int) -> None:
@@ -84,7 +84,7 @@ async def main(data_dir: Path, phase: str, boundary: str, checkpoint_every: int)
             assert r is not None
             await log_score(r.version)
         arm("rollback", backend, store)
-        await trainer.rollback(1)
+        await trainer.promotion.rollback(1)
         raise SystemExit("the rollback should have died")
     judged_samples(store, 4)
     report["steps"] = []

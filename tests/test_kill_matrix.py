@@ -133,6 +133,7 @@ def arm_in_process(boundary: str, backend: Any, store: Store) -> None:
 async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     tmp_path: Path, tokenizer, boundary: str, platform: str
 ):
+    from clawbridge.learning.promotion import resume
     from clawbridge.learning.trainer import Trainer
     from kill_child import COMPLETION, PROMPT
     from test_trainer import judged_samples
@@ -174,8 +175,7 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
         store = Store.open(settings.db_url)
         backend = backend_of()
         await backend.start()
-        trainer = Trainer(settings.training, backend, store)
-        await trainer.resume()
+        trainer = Trainer(settings.training, backend, store, resumed=await resume(backend, store))
         return store, backend, trainer
 
     store, backend, trainer = await life()
@@ -189,7 +189,7 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
             assert r is not None
             committed[r.version] = await backend.score(PROMPT, COMPLETION)
         arm_in_process("rollback", backend, store)
-        await trainer.rollback(1)
+        await trainer.promotion.rollback(1)
         raise AssertionError("the rollback should have died")
     except Killed:
         pass

@@ -15,8 +15,9 @@ from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import teacher_messages
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER
 from clawbridge.learning.advantages import anchored, sample_advantages, scale_negatives
+from clawbridge.learning.distillation import to_datums
 from clawbridge.learning.rewrite import Draw, pick, question_of, without_question, write_rewrite
-from clawbridge.learning.trainer import Trainer, to_datums
+from clawbridge.learning.trainer import Trainer
 from clawbridge.local_gpu import models
 from clawbridge.store import Rewrite, Store, StoredTurn, TurnRecord
 from clawbridge.types import SamplingParams

@@ -142,7 +142,7 @@ def test_rollback_under_streaming_load_serves_the_old_weights_as_a_new_version(t
 
         table = cli("versions", "--data-dir", str(settings.data_dir))
         assert table.exit_code == 0 and "rollback of v1" in table.output, table.output
-        from clawbridge.learning.trainer import CHECKPOINT_KEY
+        from clawbridge.learning.promotion import CHECKPOINT_KEY
 
         assert store.get_meta(CHECKPOINT_KEY)["version"] == rollback_version  # --resume continues from it
     finally:

@@ -14,8 +14,9 @@ import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.learning.learner import Learner
-from clawbridge.learning.trainer import CHECKPOINT_KEY, Trainer, step_record, to_datum, warmed
-from clawbridge.server import learner_hooks
+from clawbridge.learning.promotion import CHECKPOINT_KEY, Resumed, next_step_number, resume
+from clawbridge.learning.trainer import Trainer, step_record, warmed
+from clawbridge.server import learner_hooks, learner_task
 from clawbridge.store import Store
 from clawbridge.types import OptimSpec, StepMetrics
 from live_server import LiveServer
@@ -68,7 +69,7 @@ async def test_every_fresh_optimizer_warms_up_again_and_the_rate_is_recorded(dat
         for _ in range(4):
             await trainer.step_once()
             rates.append(backend.engine._optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
-        await trainer.rollback(2)
+        await trainer.promotion.rollback(2)
         await trainer.step_once()
         rates.append(backend.engine._optimizer.param_groups[0]["lr"])  # type: ignore[union-attr]
         assert rates == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 1e-3])
@@ -76,6 +77,43 @@ async def test_every_fresh_optimizer_warms_up_again_and_the_rate_is_recorded(dat
     finally:
         await backend.close()
         store.close()
+
+
+@pytest.mark.timeout(280)
+def test_the_learner_trains_on_at_the_full_rate_after_serve_resumed_a_checkpoint(data_dir: Path):
+    """A checkpoint brings the optimizer's moments back: after `serve` resumed from one, the
+    learner's own trainer (the one the composition root built) trains at the full rate, not at
+    the first rate of a warmup."""
+    settings = settings_for(data_dir, batch_size=1, learning_rate=3e-3, warmup_steps=3, checkpoint_every=1,
+                            max_staleness=100)
+
+    async def first_step() -> None:
+        store = Store.open(settings.db_url)
+        backend = LocalBackend.from_settings(settings)
+        await backend.start()
+        try:
+            judged_samples(store, 2)
+            assert (await Trainer(settings.training, backend, store).step_once()) is not None
+            assert store.get_meta(CHECKPOINT_KEY)["version"] == 1  # the resume point: v1 and its optimizer
+        finally:
+            await backend.close()
+            store.close()
+
+    asyncio.run(first_step())
+    learner = Learner(settings, poll_s=0.1)
+    live = LiveServer(settings, LocalBackend.from_settings(settings), hooks=learner_hooks(learner)).start()
+    assert live.loop is not None and live.running is not None
+    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(live.running), live.loop)
+    try:
+        store = live.running.store
+        deadline = time.monotonic() + 120
+        while len(store.training_steps()) < 2:
+            assert time.monotonic() < deadline and not task.done(), "the learner did not train the second sample"
+            time.sleep(0.1)
+        assert [s.metrics["learning_rate"] for s in store.training_steps()] == pytest.approx([1e-3, 3e-3])
+    finally:
+        live.loop.call_soon_threadsafe(task.cancel)
+        live.stop()
 
 
 async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_dir: Path):
@@ -103,9 +141,8 @@ async def test_a_full_batch_trains_publishes_and_checkpoints_then_resumes(data_d
     fresh = LocalBackend.from_settings(settings)
     await fresh.start()
     try:
-        resumed = Trainer(settings.training, fresh, store)
-        assert await resumed.resume() == ck["path"]
-        assert fresh.version == 1 and await resumed.next_step_number() == 2
+        assert await resume(fresh, store) == Resumed(ck["path"], optimizer=True)
+        assert fresh.version == 1 and await next_step_number(store) == 2
     finally:
         await fresh.close()
         store.close()
@@ -124,7 +161,7 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
         assert (await trainer.step_once()).version == 1  # type: ignore[union-attr]
         v1 = await backend.score(prompt, completion)
         assert (await trainer.step_once()).version == 2  # type: ignore[union-attr]
-        rb = await trainer.rollback(1)
+        rb = await trainer.promotion.rollback(1)
         assert (rb.version, rb.restored, rb.previous) == (3, 1, 2)
         rows = {r.version: r for r in store.versions()}
         assert rows[3].step is None and rows[3].samples == 0 and rows[3].path == rb.path
@@ -138,9 +175,8 @@ async def test_a_rollback_is_a_new_version_recorded_and_checkpointed_so_resume_c
     fresh = LocalBackend.from_settings(settings)
     await fresh.start()
     try:
-        resumed = Trainer(settings.training, fresh, store)
-        await resumed.resume()
-        assert fresh.version == 3 and await resumed.next_step_number() == 3
+        await resume(fresh, store)
+        assert fresh.version == 3 and await next_step_number(store) == 3
         assert await fresh.score(prompt, completion) == pytest.approx(v1, abs=1e-6)
     finally:
         await fresh.close()
@@ -174,7 +210,7 @@ async def test_a_rollback_asked_for_during_a_step_waits_for_the_step_to_publish(
         step = asyncio.create_task(trainer.step_once())
         while not calls:
             await asyncio.sleep(0.01)
-        back = asyncio.create_task(trainer.rollback(0))
+        back = asyncio.create_task(trainer.promotion.rollback(0))
         await asyncio.sleep(0.2)
         assert calls == ["train_step"] and not back.done()  # the rollback waits on the lock
         gate.set()
@@ -200,16 +236,6 @@ async def test_samples_older_than_max_staleness_are_dropped_with_the_reason(data
     finally:
         await backend.close()
         store.close()
-
-
-def test_a_sample_without_advantages_cannot_become_a_datum(data_dir: Path):
-    settings = settings_for(data_dir)
-    with Store.open(settings.db_url) as store:
-        [tid] = record_turns(store, 1)
-        sid, _ = store.create_sample(tid, "combine", state="pending")
-        [s] = store.get_samples([sid])
-        with pytest.raises(ValueError, match="no advantages"):
-            to_datum(s)
 
 
 @pytest.mark.timeout(280)

@@ -67,7 +67,7 @@ def version_origin(row: PolicyVersionRow) -> str:
     if row.copy_of is not None:
         return f"rollback of v{row.copy_of}"
     if row.blend_of is not None:
-        from clawbridge.learning.trainer import blend_name
+        from clawbridge.learning.promotion import blend_name
 
         return blend_name(row.blend_of, float(row.blend_alpha or 0.0))
     return "-"

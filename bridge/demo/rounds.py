@@ -114,7 +114,7 @@ async def play(
         finally:
             await player.aclose()
         steps = len(await asyncio.to_thread(_steps, settings))
-        gate = [d.record() for d in (learner.trainer.decisions if learner.trainer else [])]
+        gate = [d.record() for d in (learner.trainer.promotion.decisions if learner.trainer else [])]
         clock.seconds["gate"] = sum(float(g["figures"].get("seconds", 0.0)) for g in gate)
         return Played(versions, examples, steps, gate, running.proxy.model_name, clock.seconds)
 
@@ -151,10 +151,10 @@ async def _rounds(player: Player[E], learner: Learner, running: Running, rounds:
         async with clock.part("learning"):  # judging, training and the gate (and any extra conversation)
             await _await_step(player, learner, before, step_timeout_s)
         last = rnd == rounds - 1
-        decisions = learner.trainer.decisions if learner.trainer is not None else []
+        decisions = learner.trainer.promotion.decisions if learner.trainer is not None else []
         held_back = bool(decisions) and decisions[-1].decision == "rejected"  # still the same weights
         if not held_back and decisions and (blend := await _blend_of(running, served.version)) is not None:
-            from clawbridge.learning.trainer import blend_name
+            from clawbridge.learning.promotion import blend_name
 
             report(f"the gate held v{blend[0]}'s lineage back; {blend_name(*blend)} passed and "
                    f"serves as policy@v{served.version}", 2 * rnd + 2, total)

@@ -235,7 +235,7 @@ class PreferenceRounds:
                     break
                 await asyncio.sleep(0.05)
             trainer = self.learner.trainer
-            self._gate = trainer.gate if trainer is not None else None
+            self._gate = trainer.promotion.gate if trainer is not None else None
             if self._gate is None:
                 from clawbridge.server import build_gate
 

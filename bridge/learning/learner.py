@@ -29,7 +29,8 @@ from clawbridge.judges import Judges
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import GateDecision, GateProbe
-from clawbridge.learning.trainer import RollbackResult, StepResult, Trainer
+from clawbridge.learning.promotion import Promotion, RollbackResult
+from clawbridge.learning.trainer import StepResult, Trainer
 from clawbridge.protocol import BackendError
 
 if TYPE_CHECKING:
@@ -87,8 +88,9 @@ class Learner:
         background task has bound the trainer, too: the lock is the learner's."""
         if (why := self.elsewhere()) is not None:
             raise BackendError(why)
-        trainer = self.trainer or Trainer(self.settings.training, backend, store, lock=self.lock)
-        self.last_rollback = await trainer.rollback(version)
+        promotion = (self.trainer.promotion if self.trainer is not None
+                     else Promotion(self.settings.training, backend, store, lock=self.lock))
+        self.last_rollback = await promotion.rollback(version)
         return self.last_rollback
 
     async def run(self) -> None:
@@ -98,9 +100,9 @@ class Learner:
         if self.parts is None:
             raise RuntimeError("Learner.run before bind: the composition root builds the parts")
         try:
-            # the trainer resumed before serving began (`server.serve`: the newest version
-            # serves); a candidate the gate never decided on (a restart mid-gate) is judged first
-            await self.parts.trainer.judge_pending()
+            # the newest version serves since before the first request (`server.serve`); what
+            # a restart interrupted of the gate's work is settled first
+            await self.parts.trainer.promotion.recover()
             await asyncio.gather(self._collect_loop(self.parts), self._train_loop(self.parts.trainer))
         finally:
             await self.parts.judges.aclose()
@@ -162,8 +164,8 @@ class Learner:
             out["groups"] = f"{ep.groups_trained} trained, {ep.groups_dropped} dropped"
         if (last := self.last_step) is not None:
             out["step"] = last.step
-        if self.trainer is not None and self.trainer.decisions:
-            d = self.trainer.decisions[-1]
+        if self.trainer is not None and self.trainer.promotion.decisions:
+            d = self.trainer.promotion.decisions[-1]
             out["gate"] = f"v{d.candidate} {d.decision}"
             if (priced := self._priced()) is not None:
                 f = priced.figures
@@ -177,7 +179,7 @@ class Learner:
 
     def _priced(self) -> GateDecision | None:
         """The newest gate decision that measured the price of the preferences."""
-        decisions = self.trainer.decisions if self.trainer is not None else []
+        decisions = self.trainer.promotion.decisions if self.trainer is not None else []
         return next((d for d in reversed(decisions) if "price_points" in d.figures), None)
 
     def metrics(self) -> dict[str, float]:
@@ -194,7 +196,7 @@ class Learner:
             out.update(episode_groups_trained=ep.groups_trained, episode_groups_dropped=ep.groups_dropped,
                        episodes_expired=ep.episodes_expired, episode_samples=ep.samples)
         if self.trainer is not None:
-            decisions = self.trainer.decisions
+            decisions = self.trainer.promotion.decisions
             out["gate_accepted"] = float(sum(d.decision == "accepted" for d in decisions))
             out["gate_rejected"] = float(sum(d.decision == "rejected" for d in decisions))
             if decisions:

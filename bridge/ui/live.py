@@ -37,7 +37,7 @@ def learner_status(learner: Learner) -> JSON:
     out: JSON = {"fields": {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()},
                  "paused": learner.paused, "stopped": learner.training_stopped,
                  "errors": learner.errors, "busy": learner.lock.locked()}
-    if (d := learner.trainer.decisions[-1] if learner.trainer and learner.trainer.decisions else None) is not None:
+    if (d := learner.trainer.promotion.decisions[-1] if learner.trainer and learner.trainer.promotion.decisions else None) is not None:
         out["last_gate"] = d.record()
     return out
 
