@@ -136,7 +136,7 @@ async def test_the_judge_endpoint_gets_the_same_redaction_as_a_cloud_backend() -
 
     for asked in (True, False):
         settings = Settings(judge="http", judge_url="http://judge.example/v1", judge_model="m", redact=asked)
-        client = build_judges(settings.judging).reward.client  # type: ignore[attr-defined]
+        client = build_judges(settings.judging, seed=settings.seed).reward.client  # type: ignore[attr-defined]
         client._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
         await client.complete([{"role": "user", "content": "mail jane@example.com"}], temperature=0.0, max_tokens=4)
         assert (b"[EMAIL]" in sent[-1]) is asked and (b"jane@example.com" in sent[-1]) is not asked

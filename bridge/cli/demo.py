@@ -68,16 +68,15 @@ def run_demo_command(
     except (FileNotFoundError, ValueError) as e:
         typer.echo(f"clawbridge demo: {e}", err=True)
         raise typer.Exit(2) from e
-    if method is not None or rounds is not None:
-        recipe = sc.recipe.model_copy(update={k: v for k, v in (("method", method), ("rounds", rounds)) if v is not None})
-        sc = sc.model_copy(update={"recipe": recipe})
+    if rounds is not None:
+        sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
     folder = Path(data_dir) if data_dir else default_data_dir()
-    settings = demo.demo_settings(sc, folder, model=model, seed=seed)
+    settings = demo.demo_settings(sc, folder, model=model, seed=seed, method=method)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
-        f"  model {settings.model} ({engine_dtype(settings)}) · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
-        f"{sc.recipe.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
+        f"  model {settings.model} ({engine_dtype(settings)}) · method {settings.training.method} · {sc.recipe.rounds} steps of "
+        f"{settings.training.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
         f"{sc.recipe.eval_samples} · data {folder}",
         soft_wrap=True,  # piped, a path cut at 80 columns cannot be copied
     )

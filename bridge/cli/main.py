@@ -28,10 +28,11 @@ def plan_cmd(
     from clawbridge.local_gpu import layout
 
     s = Settings.load(num_gpus=gpus, actor_gpus=actor_gpus, rollout_gpus=rollout_gpus, prm_gpus=prm_gpus)
-    n = s.num_gpus if s.num_gpus is not None else layout.visible_gpus()
+    g = s.gpus
+    n = g.num_gpus if g.num_gpus is not None else layout.visible_gpus()
     try:
-        p = layout.plan(n, s.actor_gpus, s.rollout_gpus, s.prm_gpus,
-                        gpu_memory_gib=gpu_memory_gib, model_params_b=model_params_b, lora_rank=s.lora_rank)
+        p = layout.plan(n, g.actor_gpus, g.rollout_gpus, g.prm_gpus,
+                        gpu_memory_gib=gpu_memory_gib, model_params_b=model_params_b, lora_rank=s.training.lora_rank)
     except layout.LayoutError as e:
         typer.echo(f"clawbridge plan: {e}", err=True)
         raise typer.Exit(2) from e
@@ -72,7 +73,7 @@ def up_cmd(
     import logging
     from pathlib import Path
 
-    from clawbridge.config import Settings
+    from clawbridge.config import Settings, problems
     from pydantic import ValidationError
 
     if plan:
@@ -89,8 +90,10 @@ def up_cmd(
             budget_usd=budget_usd,
         )
     except ValidationError as e:
-        msgs = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-        typer.echo(f"clawbridge up: {msgs}", err=True)
+        typer.echo(f"clawbridge up: {problems(e)}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as e:  # a config file that is no mapping, or names a setting twice
+        typer.echo(f"clawbridge up: {e}", err=True)
         raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migrations at open: not news
