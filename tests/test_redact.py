@@ -105,13 +105,13 @@ def test_redaction_is_off_unless_asked_so_the_model_sees_the_prompt_as_sent() ->
     from clawbridge.backends.redact import protect
     from clawbridge.config import Settings
 
-    assert Settings().redact is False
+    assert Settings().judging.redact is False
 
     class Cloud:
         name = "tinker"
 
     cloud = Cloud()
-    assert protect(cloud, Settings().redact) is cloud  # not wrapped: prompts go out unchanged
+    assert protect(cloud, Settings().judging.redact) is cloud  # not wrapped: prompts go out unchanged
 
 
 def test_git_shas_uuids_and_sha256_digests_are_not_secrets() -> None:
