@@ -171,3 +171,13 @@ def test_a_recipe_is_demo_knobs_and_validated_setting_overrides():
         assert key in FLAT, key
     for knob in (*Recipe.model_fields, *ToolsRecipe.model_fields):
         assert knob not in FLAT, f"the recipe's {knob} shadows a setting"
+
+
+def test_the_demo_prints_the_settings_its_recipe_makes():
+    from clawbridge.cli.main import app
+
+    r = CliRunner().invoke(app, ["demo", "--scenario", "one_sentence", "--print-settings", "--method", "opd"])
+    assert r.exit_code == 0, r.output
+    printed = json.loads(r.output)
+    assert printed["opd_draws"] == 4 and printed["method"] == "opd" and printed["engine_max_batch"] == 64
+    assert set(printed) == set(FLAT)

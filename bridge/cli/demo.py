@@ -48,6 +48,7 @@ def run_demo_command(
     out: str,
     as_json: bool,
     seed: int,
+    print_settings: bool = False,
 ) -> None:
     from clawbridge.demo import runner as demo
     from clawbridge.demo import scenario, tools
@@ -61,7 +62,7 @@ def run_demo_command(
         raise typer.Exit(2) from e
     if agentic is not None:
         run_tools_command(agentic, console, model=model, method=method, rounds=rounds, data_dir=data_dir,
-                          out=out, as_json=as_json, seed=seed)
+                          out=out, as_json=as_json, seed=seed, print_settings=print_settings)
         return
     try:
         sc = scenario.load(scenario_name)
@@ -70,8 +71,12 @@ def run_demo_command(
         raise typer.Exit(2) from e
     if rounds is not None:
         sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
-    folder = Path(data_dir) if data_dir else default_data_dir()
+    # printing only: no temporary directory is made
+    folder = Path(data_dir) if data_dir else Path("TEMPORARY") if print_settings else default_data_dir()
     settings = demo.demo_settings(sc, folder, model=model, seed=seed, method=method)
+    if print_settings:
+        typer.echo(json.dumps(settings.flat(), indent=2))
+        return
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
@@ -107,6 +112,7 @@ def run_tools_command(
     out: str,
     as_json: bool,
     seed: int,
+    print_settings: bool = False,
 ) -> None:
     """The agentic scenario (`--scenario tools`): groups of tool-calling episodes through the SDK."""
     from clawbridge.demo import tools
@@ -119,8 +125,12 @@ def run_tools_command(
     if rounds is not None:
         sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
     r = sc.recipe
-    folder = Path(data_dir) if data_dir else default_data_dir()
+    # printing only: no temporary directory is made
+    folder = Path(data_dir) if data_dir else Path("TEMPORARY") if print_settings else default_data_dir()
     settings = tools.tools_settings(sc, folder, model=model, seed=seed)
+    if print_settings:
+        typer.echo(json.dumps(settings.flat(), indent=2))
+        return
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"

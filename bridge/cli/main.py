@@ -209,13 +209,14 @@ def demo_cmd(
     out: str = typer.Option("demo-results", "--out", help="Where the PNG and the JSON summary go."),
     as_json: bool = typer.Option(False, "--json", help="Print the JSON summary on stdout (progress goes to stderr)."),
     seed: int = typer.Option(0, help="Sampling and LoRA seed."),
+    print_settings: bool = typer.Option(False, "--print-settings", help="Print the settings the scenario's recipe makes (by flat name, JSON) and exit."),
 ) -> None:
     """Watch the model learn: a simulated user with a hidden preference talks to clawbridge over
     the OpenAI API; clawbridge judges, trains and publishes; held-out prompts show the change."""
     from clawbridge.cli.demo import run_demo_command
 
     run_demo_command(scenario, model=model, method=method, rounds=rounds, data_dir=data_dir,
-                     out=out, as_json=as_json, seed=seed)
+                     out=out, as_json=as_json, seed=seed, print_settings=print_settings)
 
 
 @app.command("status")
