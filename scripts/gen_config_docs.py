@@ -45,7 +45,8 @@ DEMO = """
 `clawbridge up` runs with the defaults above, declared in `bridge/config.py`. `clawbridge demo`
 trains with its own recipe: `DEMO_RECIPE` in `bridge/demo/recipe.py` (and the values that follow
 the demo's rounds, rank, max_tokens and temperature, `following` there), which a scenario's
-`recipe:` block overrides by these same names. Where the two differ:
+`recipe:` block overrides by these same names (`clawbridge demo --print-settings` prints the
+result). Where the two differ:
 
 | setting | section | `clawbridge up` | `clawbridge demo` |
 | --- | --- | --- | --- |
