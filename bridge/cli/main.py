@@ -1,8 +1,17 @@
 """The `clawbridge` command line."""
 
+from typing import Any
+
 import typer
 
 app = typer.Typer(help="clawbridge: serve your agent's model, learn from every conversation.")
+
+
+def _default(name: str) -> Any:
+    """A setting's default, for a flag's help: the settings declare it, the help never restates it."""
+    from clawbridge.config import field_info
+
+    return field_info(name).default
 
 
 @app.command()
@@ -58,14 +67,14 @@ def up_cmd(
     plan: bool = typer.Option(False, "--plan", help="Print the local GPU plan and exit without serving."),
     gpus: int | None = typer.Option(None, "--gpus", help="With --plan: GPU count to plan for."),
     as_json: bool = typer.Option(False, "--json", help="With --plan: print the plan as JSON."),
-    method: str | None = typer.Option(None, help="binary | opd | combine (default combine)."),
+    method: str | None = typer.Option(None, help=f"binary | opd | combine (default {_default('method')})."),
     judge: str | None = typer.Option(None, "--judge", help="auto | rules | http | backend (default auto: http if --judge-url is set, else the offline rules judge)."),
     judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible judge endpoint (default: the offline rules judge)."),
     judge_model: str | None = typer.Option(None, "--judge-model", help="Judge model name at --judge-url."),
     judge_api_key: str | None = typer.Option(None, "--judge-api-key", help="Key for --judge-url (env CLAWBRIDGE_JUDGE_API_KEY)."),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Samples per training step (default 16)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help=f"Samples per training step (default {_default('batch_size')})."),
     max_staleness: int | None = typer.Option(None, "--max-staleness", help="Drop samples older than this many versions."),
-    learning_rate: float | None = typer.Option(None, "--lr", help="LoRA learning rate (default 1e-4)."),
+    learning_rate: float | None = typer.Option(None, "--lr", help=f"LoRA learning rate (default {_default('learning_rate'):g})."),
     resume: bool | None = typer.Option(None, "--resume/--no-resume", help="Continue from the latest checkpoint."),
     budget_usd: float | None = typer.Option(None, "--budget-usd", help="Stop training (never serving) at this spend."),
 ) -> None:
