@@ -149,8 +149,7 @@ def recipe_settings(
 ) -> Settings:
     """The demo's settings: `base`, what follows it and `overrides`, the scenario's `overrides`,
     then the command line's (`cli`; None: not given)."""
-    values = {**base, **overrides}
-    values = {**base, **follows(values), **overrides, "data_dir": data_dir}
+    values = {**base, **follows({**base, **overrides}), **overrides, "data_dir": data_dir}
     values.update({k: v for k, v in cli.items() if v is not None})
     return Settings(**values)
 
