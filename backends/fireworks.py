@@ -140,15 +140,15 @@ class FireworksBackend(Routing):
         if client is None:
             require_credentials("fireworks")
         connect = (lambda: client) if client is not None else _connector(settings)
-        if settings.fireworks_mode == "dedicated" and not dedicated:
+        if settings.cloud.fireworks_mode == "dedicated" and not dedicated:
             dedicated = _dedicated_parts(settings)
         return cls(
-            connect=connect, base_model=settings.fireworks_base_model, mode=settings.fireworks_mode,
-            tokenizer=tokenizer, served_model_name=settings.served_model_name,
-            context_length=settings.cloud_context_length, lora_rank=settings.lora_rank,
-            retry=RetryPolicy(attempts=settings.cloud_attempts, timeout_s=settings.cloud_timeout_s),
+            connect=connect, base_model=settings.cloud.fireworks_base_model, mode=settings.cloud.fireworks_mode,
+            tokenizer=tokenizer, served_model_name=settings.serving.served_model_name,
+            context_length=settings.cloud.cloud_context_length, lora_rank=settings.training.lora_rank,
+            retry=RetryPolicy(attempts=settings.cloud.cloud_attempts, timeout_s=settings.cloud.cloud_timeout_s),
             meter=CostMeter.for_platform(
-                "fireworks" if settings.fireworks_mode == "serverless" else "fireworks-dedicated",
+                "fireworks" if settings.cloud.fireworks_mode == "serverless" else "fireworks-dedicated",
                 settings.budget_usd, Path(settings.data_dir) / "costs.json",
             ),
             state_index=Path(settings.data_dir) / "fireworks_states.json",
@@ -426,7 +426,7 @@ def _connector(settings: Settings) -> Callable[[], Any]:
         from fireworks.training.sdk import FiretitanServiceClient
 
         # base_url always given: otherwise the SDK reads TINKER_BASE_URL.
-        return FiretitanServiceClient(base_url=settings.fireworks_base_url, api_key=os.environ.get("FIREWORKS_API_KEY"))
+        return FiretitanServiceClient(base_url=settings.cloud.fireworks_base_url, api_key=os.environ.get("FIREWORKS_API_KEY"))
 
     return connect
 
@@ -437,17 +437,17 @@ def _dedicated_parts(settings: Settings) -> dict[str, Any]:
 
     from fireworks.training.sdk import DeploymentManager, DeploymentSampler, WeightSyncer
 
-    if not settings.fireworks_deployment_id:
+    if not settings.cloud.fireworks_deployment_id:
         raise BackendError("dedicated mode needs --fireworks-deployment-id")
     key = os.environ.get("FIREWORKS_API_KEY", "")
     manager = DeploymentManager(api_key=key, base_url="https://api.fireworks.ai")
-    deployment = f"accounts/{manager.account_id}/deployments/{settings.fireworks_deployment_id}"
+    deployment = f"accounts/{manager.account_id}/deployments/{settings.cloud.fireworks_deployment_id}"
     sampler = DeploymentSampler(inference_url="https://api.fireworks.ai/inference", model=deployment, api_key=key)
     return {
         "deployment_sampler": sampler,
         "weight_syncer": lambda training: WeightSyncer(
-            policy_client=training, deploy_mgr=manager, deployment_id=settings.fireworks_deployment_id,
-            base_model=settings.fireworks_base_model, lora_rank=settings.lora_rank,
+            policy_client=training, deploy_mgr=manager, deployment_id=settings.cloud.fireworks_deployment_id,
+            base_model=settings.cloud.fireworks_base_model, lora_rank=settings.training.lora_rank,
         ),
     }
 
@@ -457,4 +457,4 @@ def from_settings(settings: Settings) -> Any:
     backend behind the redaction hook unless `--no-redact`."""
     from clawbridge.backends.redact import protect
 
-    return protect(FireworksBackend.from_settings(settings), settings.redact)
+    return protect(FireworksBackend.from_settings(settings), settings.judging.redact)

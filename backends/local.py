@@ -89,14 +89,14 @@ class LocalBackend(Routing):
             model=settings.model,
             data_dir=settings.data_dir,
             cache_dir=settings.cache_dir,
-            served_model_name=settings.served_model_name,
-            lora_rank=settings.lora_rank,
-            lora_alpha=settings.lora_alpha,
+            served_model_name=settings.serving.served_model_name,
+            lora_rank=settings.training.lora_rank,
+            lora_alpha=settings.training.lora_alpha,
             seed=settings.seed,
-            prefix_cache_mb=settings.prefix_cache_mb,
-            engine_dtype=settings.engine_dtype,
-            max_batch=settings.engine_max_batch,
-            merge_adapters=settings.engine_merge_adapters,
+            prefix_cache_mb=settings.engine.prefix_cache_mb,
+            engine_dtype=settings.engine.engine_dtype,
+            max_batch=settings.engine.engine_max_batch,
+            merge_adapters=settings.engine.engine_merge_adapters,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

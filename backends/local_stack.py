@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 def gpu_plan(settings: Settings, visible: int) -> layout.Plan:
     """The plan for this machine: NUM_GPUS (default: every visible GPU) split by the role counts,
     validated against what is visible."""
-    n = visible if settings.num_gpus is None else settings.num_gpus
-    p = layout.plan(n, settings.actor_gpus, settings.rollout_gpus, settings.prm_gpus,
-                    lora_rank=settings.lora_rank)
+    n = visible if settings.gpus.num_gpus is None else settings.gpus.num_gpus
+    p = layout.plan(n, settings.gpus.actor_gpus, settings.gpus.rollout_gpus, settings.gpus.prm_gpus,
+                    lora_rank=settings.training.lora_rank)
     layout.validate_visible(p, visible)
     return p
 
@@ -44,7 +44,7 @@ def build_local(settings: Settings, *, visible: int | None = None, sglang_instal
     from clawbridge.backends.local import LocalBackend
 
     visible = layout.visible_gpus() if visible is None else visible
-    if settings.num_gpus == 0:
+    if settings.gpus.num_gpus == 0:
         visible = 0
     mode, line = serving_mode(visible, sglang_installed)
     print(f"clawbridge: {line}", flush=True)
@@ -84,7 +84,7 @@ class SGLangStack(SGLangBackend):
         self.supervisor = supervisor
         self.model_path = model_path
         self.specs = list(specs) if specs is not None else plan_specs(
-            plan, model_path, lora_rank=settings.lora_rank, context_length=context_length)
+            plan, model_path, lora_rank=settings.training.lora_rank, context_length=context_length)
         ports = {s.name: s.port for s in self.specs}
         judge = names.get("prm")
         super().__init__(
@@ -108,12 +108,12 @@ class SGLangStack(SGLangBackend):
         actor = plan.roles["actor"]
         trainer = FSDPTrainer(
             str(spec.path), nproc=len(actor), device="cuda", gpus=actor,
-            lora_rank=settings.lora_rank, lora_alpha=settings.lora_alpha, seed=settings.seed,
+            lora_rank=settings.training.lora_rank, lora_alpha=settings.training.lora_alpha, seed=settings.seed,
             cache_dir=settings.cache_dir, log_file=settings.data_dir / "logs" / "trainer.log",
         )
         return cls(
             plan, Supervisor(settings.data_dir / "logs"), trainer, models.load_tokenizer(spec),
-            model_path=str(spec.path), model_name=settings.served_model_name or spec.name,
+            model_path=str(spec.path), model_name=settings.serving.served_model_name or spec.name,
             context_length=spec.context_length, settings=settings,
         )
 

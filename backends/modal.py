@@ -73,15 +73,15 @@ class ModalBackend(Routing):
             import modal
             from clawbridge.backends.modal_app import APP_NAME, CLASS_NAME, GPU
 
-            engine_cls = modal.Cls.from_name(settings.modal_app or APP_NAME, CLASS_NAME)
-            if settings.modal_gpu != GPU:
-                engine_cls = engine_cls.with_options(gpu=settings.modal_gpu)
-            client = engine_cls(model=settings.model, lora_rank=settings.lora_rank,
-                                lora_alpha=settings.lora_alpha, seed=settings.seed)
+            engine_cls = modal.Cls.from_name(settings.cloud.modal_app or APP_NAME, CLASS_NAME)
+            if settings.cloud.modal_gpu != GPU:
+                engine_cls = engine_cls.with_options(gpu=settings.cloud.modal_gpu)
+            client = engine_cls(model=settings.model, lora_rank=settings.training.lora_rank,
+                                lora_alpha=settings.training.lora_alpha, seed=settings.seed)
         return cls(
             engine=client, tokenizer=tokenizer or models.load_tokenizer(spec),
-            model_name=settings.served_model_name or spec.name, context_length=spec.context_length,
-            retry=RetryPolicy(attempts=settings.cloud_attempts, timeout_s=settings.cloud_timeout_s),
+            model_name=settings.serving.served_model_name or spec.name, context_length=spec.context_length,
+            retry=RetryPolicy(attempts=settings.cloud.cloud_attempts, timeout_s=settings.cloud.cloud_timeout_s),
             meter=CostMeter.for_platform("modal", settings.budget_usd, Path(settings.data_dir) / "costs.json"),
         )
 
@@ -173,4 +173,4 @@ def from_settings(settings: Settings) -> Any:
     backend behind the redaction hook unless `--no-redact`."""
     from clawbridge.backends.redact import protect
 
-    return protect(ModalBackend.from_settings(settings), settings.redact)
+    return protect(ModalBackend.from_settings(settings), settings.judging.redact)

@@ -257,10 +257,10 @@ class TinkerBackend(Routing):
             require_credentials("tinker")  # the SDK would retry for minutes without a key
             client = tinker.ServiceClient()
         return cls(
-            service_client=client, base_model=settings.tinker_base_model, tokenizer=tokenizer,
-            served_model_name=settings.served_model_name, context_length=settings.cloud_context_length,
-            lora_rank=settings.lora_rank, seed=settings.seed, persist_every=settings.tinker_persist_every,
-            retry=RetryPolicy(attempts=settings.cloud_attempts, timeout_s=settings.cloud_timeout_s),
+            service_client=client, base_model=settings.cloud.tinker_base_model, tokenizer=tokenizer,
+            served_model_name=settings.serving.served_model_name, context_length=settings.cloud.cloud_context_length,
+            lora_rank=settings.training.lora_rank, seed=settings.seed, persist_every=settings.cloud.tinker_persist_every,
+            retry=RetryPolicy(attempts=settings.cloud.cloud_attempts, timeout_s=settings.cloud.cloud_timeout_s),
             meter=CostMeter.for_platform("tinker", settings.budget_usd, Path(settings.data_dir) / "costs.json"),
             state_index=Path(settings.data_dir) / "tinker_states.json",
         )
@@ -495,4 +495,4 @@ def from_settings(settings: Settings) -> Any:
     backend behind the redaction hook unless `--no-redact`."""
     from clawbridge.backends.redact import protect
 
-    return protect(TinkerBackend.from_settings(settings), settings.redact)
+    return protect(TinkerBackend.from_settings(settings), settings.judging.redact)

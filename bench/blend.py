@@ -81,12 +81,12 @@ async def main_async(args: argparse.Namespace) -> int:
     await backend.start()
     try:
         renderer = Renderer(backend.tokenizer())
-        gate = build_gate(settings.gating, backend, renderer)
+        gate = build_gate(settings.gating, backend, renderer, seed=settings.seed)
         assert gate is not None
         await backend.restore(args.version, str(held))  # the candidate, as the engine's newest version
         t0 = time.perf_counter()
-        plain = await gate.general_scores(0, samples=settings.gate_reference_samples)
-        twin = await gate.general_scores(0, asked, samples=settings.gate_reference_samples)
+        plain = await gate.general_scores(0, samples=settings.gating.gate_reference_samples)
+        twin = await gate.general_scores(0, asked, samples=settings.gating.gate_reference_samples)
         v0 = await heldout(backend, renderer, sc, 0, args.seed, args.draws)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         print(f"the twin asked {asked!r}; {len(plain)} probe questions ({time.perf_counter() - t0:.0f} s)",
@@ -98,7 +98,7 @@ async def main_async(args: argparse.Namespace) -> int:
         for alpha in args.alphas:
             t0 = time.perf_counter()
             version = args.version if alpha == 1 else (await backend.blend(args.version, alpha)).version
-            probe = await gate.general_scores(version, samples=settings.gate_samples)
+            probe = await gate.general_scores(version, samples=settings.gating.gate_samples)
             held_out = await heldout(backend, renderer, sc, version, args.seed, args.draws)
             diff = mean([c - t for c, t in zip(probe, twin, strict=True)])
             print(f"{f'v{args.version} x {alpha:g}':16s} {mean(probe):5.1%}  {diff:+6.1%}   {held_out['truly']:5.0%}  "

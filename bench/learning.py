@@ -23,7 +23,7 @@ from clawbridge.demo.runner import demo_settings, run_demo
 
 
 async def one(sc: scenarios.Scenario, method: str, seed: int, model: str | None) -> dict[str, Any]:
-    recipe = sc.recipe.model_copy(update={"method": method})
+    recipe = sc.recipe.updated(method=method)
     run = sc.model_copy(update={"recipe": recipe})
     data = Path(tempfile.mkdtemp(prefix=f"cb-bench-{method}-{seed}-"))
     result = await run_demo(run, demo_settings(run, data, model=model, seed=seed))

@@ -174,7 +174,8 @@ async def main_async(args: argparse.Namespace) -> int:
     recorded, asked = batches(Path(args.data_dir))
     if not recorded:
         raise SystemExit(f"no trained batches in {args.data_dir}")
-    configs = [parse_config(c, sc.recipe.learning_rate) for c in args.configs]
+    learning_rate = demo_settings(sc, Path(args.data_dir)).training.learning_rate  # the recipe's
+    configs = [parse_config(c, learning_rate) for c in args.configs]
     print(f"{len(recorded)} recorded batches; the twin is asked: {asked!r}", file=sys.stderr)
     rows: list[dict[str, object]] = []
     for cfg in [*([] if args.no_reference else [None]), *configs]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
+from clawbridge.config import TrainingSettings
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings, eval_seed, run_demo
 from clawbridge.learning.distillation import to_datums
@@ -62,8 +63,8 @@ class Variant:
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def variants(recipe: scenarios.Recipe) -> dict[str, Variant]:
-    lr, b = recipe.learning_rate, recipe.batch_size
+def variants(training: TrainingSettings) -> dict[str, Variant]:
+    lr, b = training.learning_rate, training.batch_size
     return {
         "base": Variant("base", lr, b),
         "lr3e-4": Variant("lr3e-4", 3e-4, b),
@@ -88,8 +89,7 @@ def variants(recipe: scenarios.Recipe) -> dict[str, Variant]:
 
 async def collect(sc: scenarios.Scenario, conversations: int, seed: int) -> tuple[Path, list[Sample]]:
     data = Path(tempfile.mkdtemp(prefix="cb-stepcost-"))
-    one_round = sc.model_copy(update={"recipe": sc.recipe.model_copy(
-        update={"rounds": 1, "batch_size": conversations, "gate": False})})
+    one_round = sc.model_copy(update={"recipe": sc.recipe.updated(rounds=1, batch_size=conversations, gate="off")})
     settings = demo_settings(one_round, data, seed=seed)
     t0 = time.monotonic()
     await run_demo(one_round, settings)
@@ -206,7 +206,7 @@ async def run_variant(v: Variant, sc: scenarios.Scenario, data: Path, datums_of:
 
 async def main_async(args: argparse.Namespace) -> int:
     sc = scenarios.load(args.scenario)
-    table = variants(sc.recipe)
+    table = variants(demo_settings(sc, Path(".")).training)
     chosen = [table[n] for n in args.variants]
     if args.samples:
         data = Path(args.samples)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from clawbridge.backends.local import LocalBackend
 from clawbridge.chat.renderer import Renderer
-from clawbridge.config import Settings
+from clawbridge.config import LearningSettings
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges.hints import teacher_messages
@@ -172,8 +172,8 @@ async def compare_picks(sc: scenarios.Scenario, backend: LocalBackend, renderer:
     # usable draw under the blanked prompt, those past relevance under the plain one): every
     # usable draw, against the finished ones first and the cut ones only when no finished one
     # passes (what it does)
-    min_relevance = Settings.model_fields["rewrite_min_relevance"].default
-    min_lift = Settings.model_fields["rewrite_min_lift"].default
+    min_relevance = LearningSettings.model_fields["rewrite_min_relevance"].default
+    min_lift = LearningSettings.model_fields["rewrite_min_lift"].default
     every_scored, finished_first = 0, 0
 
     async def one(prompt: str) -> None:

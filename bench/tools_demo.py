@@ -33,7 +33,7 @@ def _recipe(sc: tools.ToolsScenario, sets: list[str]) -> tools.ToolsScenario:
     for kv in sets:
         k, _, v = kv.partition("=")
         update[k] = json.loads(v) if v not in ("",) else v
-    recipe = tools.ToolsRecipe.model_validate({**sc.recipe.model_dump(), **update})
+    recipe = sc.recipe.updated(**update)
     return sc.model_copy(update={"recipe": recipe})
 
 
@@ -54,7 +54,8 @@ async def base_rate(sc: tools.ToolsScenario, model: str | None, seed: int) -> di
     running = await ready
     t0 = time.monotonic()
     try:
-        agent = tools.Agent(AsyncClient(running.base_url, timeout=1800), running.proxy.model_name, sc)
+        agent = tools.Agent(AsyncClient(running.base_url, timeout=1800), running.proxy.model_name, sc,
+                            settings.training.batch_size)
         rated = await asyncio.gather(*(_all(agent, t) for t in sc.heldout_tasks))
     finally:
         running.server.should_exit = True

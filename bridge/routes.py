@@ -59,7 +59,7 @@ def feedback_route(wake: asyncio.Event | None = None) -> Route:
         proxy.check_auth(request)
         fb = parse_feedback(await request.body(), request.headers.get("x-session-id"))
         try:
-            out = await record_feedback(proxy.store, proxy.settings.method, fb)
+            out = await record_feedback(proxy.store, proxy.settings.training.method, fb)
         except FeedbackRejected as e:
             raise APIError(e.status, str(e), param=e.param, code=e.code) from None
         if wake is not None:

@@ -136,25 +136,26 @@ def build_learning(
     episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
     judge model's pairwise comparison when there is one; the trainer that runs it, which goes on
     from what `resume` loaded (`resumed`: a checkpoint brought the optimizer's moments back)."""
-    learning = settings.learning
-    teacher = Teacher(backend, renderer, model=learning.teacher, clip=learning.opd_clip)
+    learning, training = settings.learning, settings.training
+    teacher = Teacher(backend, renderer, model=training.teacher, clip=learning.opd_clip)
     judging = settings.judging
-    judges = build_judges(judging, backend, renderer=renderer,
+    judges = build_judges(judging, backend, seed=settings.seed, renderer=renderer,
                           teacher=teacher if judging.hint_selection == "overlap" else None)
     client = getattr(judges.reward, "client", None)  # a judge model (the rules judge has none)
-    pairwise = PairwiseJudge(client, seed=judging.seed) if client is not None else None
-    gate = build_gate(settings.gating, backend, renderer, pairwise, probes)
+    # the trainer hands the gate gate_recent of a batch's prompts to compare pairwise: none, no comparison
+    pairwise = PairwiseJudge(client, seed=settings.seed) if client is not None and training.gate_recent else None
+    gate = build_gate(settings.gating, backend, renderer, pairwise, probes, seed=settings.seed)
     return LearningParts(
         judges=judges,
-        collector=Collector(learning, backend, store, judges, teacher),
-        episodes=EpisodeLearner(learning, backend, store, judges, teacher),
+        collector=Collector(learning, backend, store, judges, teacher, method=training.method),
+        episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
         trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed),
     )
 
 
 def build_gate(
     settings: GateSettings, backend: Backend, renderer: Renderer,
-    pairwise: PairwiseJudge | None = None, extra: Sequence[GateProbe] = (),
+    pairwise: PairwiseJudge | None = None, extra: Sequence[GateProbe] = (), *, seed: int,
 ) -> Gate | None:
     """The gate the settings ask for: a spread of the general probe set plus the caller's
     probes (`extra`), and with a judge model the user's recent prompts compared pairwise (the
@@ -172,11 +173,9 @@ def build_gate(
                 for p in qs]
 
     probes = ask(chosen) + list(extra)
-    if s.gate_recent == 0:
-        pairwise = None
     if not probes and pairwise is None:
         return None
-    params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=s.seed)
+    params = SamplingParams(max_tokens=s.gate_max_tokens, temperature=s.gate_temperature, seed=seed)
     return Gate(backend, renderer, probes, params=params, samples=s.gate_samples,
                 reference_samples=s.gate_reference_samples, margin=s.gate_margin, alpha=s.gate_alpha,
                 alpha_base=s.gate_alpha_base, reference=s.gate_reference, max_price=s.gate_max_price,
@@ -214,7 +213,7 @@ def open_store(settings: Settings) -> Store:
 
 
 def banner(settings: Settings, backend: Backend, proxy: Proxy, base_url: str) -> str:
-    keyed = settings.api_key is not None
+    keyed = settings.serving.api_key is not None
     auth = ' -H "Authorization: Bearer $CLAWBRIDGE_API_KEY"' if keyed else ""
     body = json.dumps({"model": proxy.model_name, "messages": [{"role": "user", "content": "Hello!"}]})
     card = proxy.model_card()
@@ -318,7 +317,7 @@ async def serve(
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
     resumed = await resume(backend, store)
-    if settings.train and settings.gate != "off":
+    if settings.train and settings.gating.gate != "off":
         # a restart that interrupted the gate: the version that served then serves until the
         # learner has settled it (`Promotion.recover`)
         await pin_interrupted(backend, store)
@@ -339,13 +338,13 @@ async def serve(
         gc.freeze()
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
+        host=settings.serving.host,
+        port=settings.serving.port,
         log_level="warning",
         lifespan="off",
         access_log=False,
         # on SIGTERM/SIGINT the streams in flight finish, or are cancelled after this grace
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        timeout_graceful_shutdown=max(1, round(settings.serving.shutdown_grace_s)),
         http="httptools",
         loop="uvloop",
         proxy_headers=False,  # nothing reads the client address; the middleware costs every request
@@ -354,8 +353,8 @@ async def serve(
         # the server is closing fails with a connection error when the client does not retry.
         # Outlasting every common pool makes the client, never the server, close idle ones; the
         # Keep-Alive header tells the clients that read it (undici, urllib3) when we would.
-        timeout_keep_alive=int(settings.keep_alive_s),
-        headers=[("keep-alive", f"timeout={int(settings.keep_alive_s)}")],
+        timeout_keep_alive=int(settings.serving.keep_alive_s),
+        headers=[("keep-alive", f"timeout={int(settings.serving.keep_alive_s)}")],
     )
     server = _Server(config)
     serving = asyncio.create_task(server.serve())
@@ -365,7 +364,7 @@ async def serve(
             raise SystemExit(1)
         await asyncio.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    host = "127.0.0.1" if settings.serving.host in ("0.0.0.0", "::") else settings.serving.host
     base_url = f"http://{host}:{port}"
     running = Running(settings, backend, store, proxy, renderer, base_url, server, coordinator, resumed)
     if not quiet:
@@ -375,7 +374,7 @@ async def serve(
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(t(running)) for t in background]
     if coordinator is not None:
         tasks.append(asyncio.create_task(coordinator.run()))
-    tasks.append(asyncio.create_task(_expire_loop(proxy, min(60.0, settings.session_idle_timeout_s / 4))))
+    tasks.append(asyncio.create_task(_expire_loop(proxy, min(60.0, settings.serving.session_idle_timeout_s / 4))))
     if not quiet:
         tasks.append(asyncio.create_task(_status_loop(proxy, 1.0, sys.stdout.isatty())))
     if started is not None:

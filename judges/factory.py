@@ -55,6 +55,7 @@ def build_judges(
     settings: JudgeSettings,
     backend: Backend | None = None,
     *,
+    seed: int,
     teacher: Teacher | None = None,
     scorer: HintScorer | None = None,
     renderer: Renderer | None = None,
@@ -91,6 +92,6 @@ def build_judges(
         log.warning("hint selection 'overlap' needs the teacher; choosing the longest hint instead")
         selection = "longest"
     return Judges(
-        reward=PRMJudge(client, votes=settings.prm_votes, seed=settings.seed),
-        hint=HintJudge(client, votes=settings.hint_votes, selection=selection, scorer=scorer, seed=settings.seed),
+        reward=PRMJudge(client, votes=settings.prm_votes, seed=seed),
+        hint=HintJudge(client, votes=settings.hint_votes, selection=selection, scorer=scorer, seed=seed),
     )

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from clawbridge.demo import scenario
+from clawbridge.demo.recipe import DEMO_RECIPE
 from clawbridge.demo.runner import demo_settings, run_demo
 from clawbridge.local_gpu import precision
 
@@ -206,7 +207,7 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
             "twin probe"} <= set(parts) and all(v >= 0 for v in parts.values())
     assert parts["held-out"] + parts["probe"] + parts["teachability"] + parts["twin probe"] <= parts["measure"] + 1
     # the arithmetic the timings were taken in: what this CPU resolves the setting to
-    assert summary["dtype"] == precision.name(precision.choose(settings.engine_dtype, "cpu", precision.cpu_flags()))
+    assert summary["dtype"] == precision.name(precision.choose(settings.engine.engine_dtype, "cpu", precision.cpu_flags()))
 
 
 async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tmp_path: Path):
@@ -218,7 +219,7 @@ async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tm
     never = {**TINY, "check": {"must_match": ["ZZQZZ"]},
              "recipe": {k: v for k, v in TINY["recipe"].items() if k != "w_negative"}}  # type: ignore[attr-defined]
     sc = scenario.Scenario.model_validate(never)
-    assert sc.recipe.w_negative == 0.0
+    assert "w_negative" not in sc.recipe.settings and DEMO_RECIPE["w_negative"] == 0.0
     settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
     with pytest.raises(NothingToTrain, match=r"gave 0 trainable samples of the 2 a step needs.*w_negative: 1"):
         await run_demo(sc, settings)
@@ -357,7 +358,7 @@ async def test_a_harmful_run_serves_nothing_worse_than_the_twin(tmp_path: Path):
     gate_max_price, so the version served at the end answers the general probes as the twin does.
     The same run with the gate off shows the harm the gate prevents (so this test can fail)."""
     sc = scenario.load(scenario.DEFAULT_SCENARIO)
-    recipe = sc.recipe.model_copy(update={"rounds": 2, "learning_rate": 20 * sc.recipe.learning_rate})
+    recipe = sc.recipe.updated(rounds=2, learning_rate=20 * DEMO_RECIPE["learning_rate"])
     careless = sc.answers.model_copy(update={"object": False})
     harmful = sc.model_copy(update={"recipe": recipe, "answers": careless})
     settings = demo_settings(harmful, tmp_path / "gated")
@@ -366,10 +367,10 @@ async def test_a_harmful_run_serves_nothing_worse_than_the_twin(tmp_path: Path):
     first, last, twin = gated.first, gated.last, gated.twin_probe
     assert last.probe is not None and first.probe is not None and twin is not None
     noise = 0.10  # one answer per probe question: sampling noise allowed
-    assert last.probe >= twin - settings.gate_margin - noise
-    assert last.probe >= first.probe - settings.gate_max_price - noise
+    assert last.probe >= twin - settings.gating.gate_margin - noise
+    assert last.probe >= first.probe - settings.gating.gate_max_price - noise
     assert last.truly >= first.truly - 0.10
-    off = harmful.model_copy(update={"recipe": recipe.model_copy(update={"gate": False})})
+    off = harmful.model_copy(update={"recipe": recipe.updated(gate="off")})
     ungated = await run_demo(off, demo_settings(off, tmp_path / "ungated"))
     assert ungated.last.probe is not None and ungated.twin_probe is not None
     assert ungated.last.probe < ungated.twin_probe - 0.2, "the harmful run did no harm: the test proves nothing"

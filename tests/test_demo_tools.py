@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from clawbridge.demo import tools
+from clawbridge.demo.recipe import TOOLS_RECIPE
 from clawbridge.demo.tools import Call, Task, ToolsScenario, Transcript, grade
 
 SC = ToolsScenario()
@@ -105,9 +106,9 @@ def test_the_outcome_checker(answer, finish, calls, success, clean, looked_up, r
 
 def test_the_recipe_gates_on_its_own_probes_and_never_asks_the_rest(tmp_path: Path):
     settings = tools.tools_settings(SC, tmp_path)
-    assert settings.gate_probes == settings.gate_probes_max == SC.recipe.gate_probes
-    wider = SC.model_copy(update={"recipe": SC.recipe.model_copy(update={"gate_probes_max": 50})})
-    assert tools.tools_settings(wider, tmp_path).gate_probes_max == 50
+    assert settings.gating.gate_probes == settings.gating.gate_probes_max == TOOLS_RECIPE["gate_probes"]
+    wider = SC.model_copy(update={"recipe": SC.recipe.updated(gate_probes_max=50)})
+    assert tools.tools_settings(wider, tmp_path).gating.gate_probes_max == 50
 
 
 def test_an_episode_is_a_lookup_and_an_answer_so_a_second_lookup_runs_out_of_steps():
@@ -145,7 +146,7 @@ async def test_the_tools_demo_runs_end_to_end_on_the_tiny_model(
 
     monkeypatch.setattr(tools, "grade", by_length)
     sc = SC.model_copy(
-        update={"heldout_names": SC.heldout_names[:3], "recipe": SC.recipe.model_copy(update=TINY)}
+        update={"heldout_names": SC.heldout_names[:3], "recipe": SC.recipe.updated(**TINY)}
     )
     settings = tools.tools_settings(sc, tmp_path / "data", model="tiny-random")
     result = await tools.run_tools_demo(sc, settings, plot_path=tmp_path / "tools.png")

@@ -4,7 +4,6 @@ beside the batch and the lift filter on them; backends whose loss cannot see the
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,7 +86,7 @@ async def test_a_rewrite_learns_the_teachers_distribution_only_with_opd_topk_rew
         teacher = Teacher(backend, Renderer(backend.tokenizer()))
         taught = {}
         for on in (True, False):
-            trainer = Trainer(replace(settings.training, opd_topk_rewrite=on), backend, store, teacher=teacher)
+            trainer = Trainer(settings.training.model_copy(update={"opd_topk_rewrite": on}), backend, store, teacher=teacher)
             taught[on] = [d.teacher_prompt_ids for d in await trainer.distillation.datums(sample)]
         want = tuple(trainer.distillation.teacher_prompt(store.get_turn(tid), "Answer in one word."))  # type: ignore[arg-type]
         assert taught == {True: [want, want], False: [want, None]}
@@ -131,7 +130,6 @@ async def test_only_the_fresh_draws_the_hint_does_not_lift_are_distilled(data_di
     hint minus without it, mean per token, scored here independently) is at most the bound; the
     bound set between the draws' own lifts keeps exactly those at or below it, and a bound below
     every lift sends none."""
-    from dataclasses import replace
 
     from clawbridge.chat.renderer import Renderer
     from clawbridge.learning.rewrite import redraw_params
@@ -164,7 +162,7 @@ async def test_only_the_fresh_draws_the_hint_does_not_lift_are_distilled(data_di
         kept = await trainer.distillation.drop_lifted(drawn, hinted.prompt_ids, t_ids, params.temperature, bound)
         assert kept == [c for c, x in zip(drawn, lifts, strict=True) if x <= bound]
         assert 0 < len(kept) < len(drawn)
-        none = Trainer(replace(settings.training, opd_draw_max_lift=-1e9), backend, store, teacher=teacher)
+        none = Trainer(settings.training.model_copy(update={"opd_draw_max_lift": -1e9}), backend, store, teacher=teacher)
         assert [d.completion_ids for d in await none.distillation.datums(hinted)] == [hinted.completion_ids]
     finally:
         await backend.close()

@@ -285,7 +285,7 @@ def test_an_empty_key_is_no_key_and_refuses_a_public_address(key: str, monkeypat
     monkeypatch.setenv("CLAWBRIDGE_API_KEY", key)
     with pytest.raises(ValueError, match="api-key"):
         Settings.load(host="0.0.0.0")
-    assert Settings.load().api_key is None  # on loopback: no key, not a key ""
+    assert Settings.load().serving.api_key is None  # on loopback: no key, not a key ""
 
 
 def test_the_data_directory_and_database_are_private(tmp_path: Path):

@@ -378,37 +378,37 @@ async def test_judges_run_only_what_the_method_needs() -> None:
 
 
 async def test_auto_picks_the_rules_judge_offline_and_http_with_an_endpoint() -> None:
-    offline = build_judges(Settings().judging)
+    offline = build_judges(Settings().judging, seed=0)
     assert isinstance(offline.reward, RulesJudge) and offline.hint is offline.reward
-    online = build_judges(Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", prm_votes=5).judging)
+    online = build_judges(Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", prm_votes=5).judging, seed=0)
     assert isinstance(online.reward, PRMJudge) and online.reward.votes == 5
     assert online.reward.name == "prm:http:judge"
     assert online.reward.client is online.hint.client  # type: ignore[attr-defined]  # one pool
     await online.aclose()
     await offline.aclose()
     overlap = Settings(judge_url="http://127.0.0.1:9/v1", judge_model="judge", hint_selection="overlap")
-    assert build_judges(overlap.judging).hint.selection == "longest"  # type: ignore[attr-defined]  # no teacher
+    assert build_judges(overlap.judging, seed=0).hint.selection == "longest"  # type: ignore[attr-defined]  # no teacher
 
     async def scorer(turn: TurnContext, hint: str) -> float:
         return 0.0
 
-    assert build_judges(overlap.judging, scorer=scorer).hint.selection == "overlap"  # type: ignore[attr-defined]
+    assert build_judges(overlap.judging, seed=0, scorer=scorer).hint.selection == "overlap"  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="judge-model"):
-        build_judges(Settings(judge="http", judge_url="http://127.0.0.1:9/v1").judging)
+        build_judges(Settings(judge="http", judge_url="http://127.0.0.1:9/v1").judging, seed=0)
     with pytest.raises(ValueError, match="backend"):
-        build_judges(Settings(judge="backend").judging)
+        build_judges(Settings(judge="backend").judging, seed=0)
 
 
 async def test_the_backend_judge_uses_the_stacks_judge_server_where_it_has_one() -> None:
     from clawbridge.judges.clients import BackendJudgeClient, OpenAIJudgeClient
 
     stack = SimpleNamespace(judge_endpoint=("http://127.0.0.1:9/v1", "prm-model"))  # the GPU stack's PRM server
-    judges = build_judges(Settings(judge="backend").judging, stack)  # type: ignore[arg-type]
+    judges = build_judges(Settings(judge="backend").judging, stack, seed=0)  # type: ignore[arg-type]
     client = judges.reward.client  # type: ignore[attr-defined]
     assert isinstance(client, OpenAIJudgeClient) and judges.hint.client is client  # type: ignore[attr-defined]
     assert client.url == "http://127.0.0.1:9/v1/chat/completions" and client.model == "prm-model"
     await judges.aclose()
-    plain = build_judges(Settings(judge="backend").judging, SimpleNamespace(model_name="policy"),  # type: ignore[arg-type]
+    plain = build_judges(Settings(judge="backend").judging, SimpleNamespace(model_name="policy"), seed=0,  # type: ignore[arg-type]
                          renderer=SimpleNamespace())  # type: ignore[arg-type]
     assert isinstance(plain.reward.client, BackendJudgeClient)  # type: ignore[attr-defined]
 

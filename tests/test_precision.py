@@ -152,7 +152,7 @@ def test_the_chosen_dtype_is_in_the_banner_the_model_card_and_the_status(tmp_pat
 
     threads = torch.get_num_threads()
     settings = Settings(model="tiny-random", port=0, data_dir=tmp_path, train=False, engine_dtype="bf16")
-    assert Settings(model="tiny-random").engine_dtype == "auto"  # the server's default: bf16 where the CPU has it
+    assert Settings(model="tiny-random").engine.engine_dtype == "auto"  # the server's default: bf16 where the CPU has it
     live = LiveServer(settings, build_backend(settings)).start()
     try:
         assert httpx.get(f"{live.url}/v1/models").json()["data"][0]["dtype"] == "bf16"

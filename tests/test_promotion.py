@@ -62,7 +62,7 @@ async def _patient(settings: Any, store: Store, backend: LocalBackend, renderer:
                    params: SamplingParams) -> tuple[Any, list[str], list[GateProbe]]:
     """gate_patience 3 on the wrecked setup, two judged samples waiting: the settings, v0's
     answers, and probes that count any change from v0 as worse."""
-    settings = settings.model_copy(update={"gate_patience": 3})
+    settings = settings.model_copy(update={"training": settings.training.model_copy(update={"gate_patience": 3})})
     v0 = await _answers(backend, renderer, params, 0)
     probes = _same_as_v0(await _plain(backend, renderer, params))
     record_turns(store, 2)
@@ -74,7 +74,7 @@ async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_pat
     """gate_patience 1: the first held-back candidate stays the training lineage while v0 keeps
     serving (no copy); the second in a row restarts from v0's weights with a fresh optimizer."""
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
-        settings = settings.model_copy(update={"gate_patience": 1, "max_staleness": 100})
+        settings = settings.model_copy(update={"training": settings.training.model_copy(update={"gate_patience": 1, "max_staleness": 100})})
         v0 = await _answers(backend, renderer, params, 0)
         gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
         record_turns(store, 6)  # "ok" is neutral: two of every three replies give a sample
@@ -128,7 +128,7 @@ async def _one_step_blending(settings: Any, store: Store, backend: LocalBackend,
                              params: SamplingParams, alphas: tuple[float, ...]) -> tuple[Trainer, list[str], Any]:
     """One wrecking step with `gate_blend` alphas and probes that count any change from v0 as
     worse: the trainer, v0's answers and the step's result."""
-    settings = settings.model_copy(update={"gate_blend": alphas})
+    settings = settings.model_copy(update={"training": settings.training.model_copy(update={"gate_blend": alphas})})
     v0 = await _answers(backend, renderer, params, 0)
     gate = Gate(backend, renderer, _same_as_v0(await _plain(backend, renderer, params)), params=params)
     record_turns(store, 2)
@@ -182,7 +182,7 @@ async def test_a_restart_while_a_blend_is_judged_restores_the_served_weights(tmp
     restart finds the held-back candidate newest and trains on from the served weights; the
     blend never serves."""
     async with _wrecked(tmp_path, engine_merge_adapters=False) as (settings, store, backend, renderer, params):
-        settings = settings.model_copy(update={"gate_blend": (1e-6,)})
+        settings = settings.model_copy(update={"training": settings.training.model_copy(update={"gate_blend": (1e-6,)})})
         v0 = await _answers(backend, renderer, params, 0)
         probes = _same_as_v0(await _plain(backend, renderer, params))
         gate = Gate(backend, renderer, probes, params=params)

@@ -105,13 +105,13 @@ def test_redaction_is_off_unless_asked_so_the_model_sees_the_prompt_as_sent() ->
     from clawbridge.backends.redact import protect
     from clawbridge.config import Settings
 
-    assert Settings().redact is False
+    assert Settings().judging.redact is False
 
     class Cloud:
         name = "tinker"
 
     cloud = Cloud()
-    assert protect(cloud, Settings().redact) is cloud  # not wrapped: prompts go out unchanged
+    assert protect(cloud, Settings().judging.redact) is cloud  # not wrapped: prompts go out unchanged
 
 
 def test_git_shas_uuids_and_sha256_digests_are_not_secrets() -> None:
@@ -136,7 +136,7 @@ async def test_the_judge_endpoint_gets_the_same_redaction_as_a_cloud_backend() -
 
     for asked in (True, False):
         settings = Settings(judge="http", judge_url="http://judge.example/v1", judge_model="m", redact=asked)
-        client = build_judges(settings.judging).reward.client  # type: ignore[attr-defined]
+        client = build_judges(settings.judging, seed=settings.seed).reward.client  # type: ignore[attr-defined]
         client._client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
         await client.complete([{"role": "user", "content": "mail jane@example.com"}], temperature=0.0, max_tokens=4)
         assert (b"[EMAIL]" in sent[-1]) is asked and (b"jane@example.com" in sent[-1]) is not asked

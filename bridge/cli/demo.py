@@ -48,6 +48,7 @@ def run_demo_command(
     out: str,
     as_json: bool,
     seed: int,
+    print_settings: bool = False,
 ) -> None:
     from clawbridge.demo import runner as demo
     from clawbridge.demo import scenario, tools
@@ -61,23 +62,26 @@ def run_demo_command(
         raise typer.Exit(2) from e
     if agentic is not None:
         run_tools_command(agentic, console, model=model, method=method, rounds=rounds, data_dir=data_dir,
-                          out=out, as_json=as_json, seed=seed)
+                          out=out, as_json=as_json, seed=seed, print_settings=print_settings)
         return
     try:
         sc = scenario.load(scenario_name)
     except (FileNotFoundError, ValueError) as e:
         typer.echo(f"clawbridge demo: {e}", err=True)
         raise typer.Exit(2) from e
-    if method is not None or rounds is not None:
-        recipe = sc.recipe.model_copy(update={k: v for k, v in (("method", method), ("rounds", rounds)) if v is not None})
-        sc = sc.model_copy(update={"recipe": recipe})
-    folder = Path(data_dir) if data_dir else default_data_dir()
-    settings = demo.demo_settings(sc, folder, model=model, seed=seed)
+    if rounds is not None:
+        sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
+    # printing only: no temporary directory is made
+    folder = Path(data_dir) if data_dir else Path("TEMPORARY") if print_settings else default_data_dir()
+    settings = demo.demo_settings(sc, folder, model=model, seed=seed, method=method)
+    if print_settings:
+        typer.echo(json.dumps(settings.flat(), indent=2))
+        return
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"
-        f"  model {settings.model} ({engine_dtype(settings)}) · method {sc.recipe.method} · {sc.recipe.rounds} steps of "
-        f"{sc.recipe.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
+        f"  model {settings.model} ({engine_dtype(settings)}) · method {settings.training.method} · {sc.recipe.rounds} steps of "
+        f"{settings.training.batch_size} conversations · {len(sc.heldout_prompts)} held-out prompts × "
         f"{sc.recipe.eval_samples} · data {folder}",
         soft_wrap=True,  # piped, a path cut at 80 columns cannot be copied
     )
@@ -108,6 +112,7 @@ def run_tools_command(
     out: str,
     as_json: bool,
     seed: int,
+    print_settings: bool = False,
 ) -> None:
     """The agentic scenario (`--scenario tools`): groups of tool-calling episodes through the SDK."""
     from clawbridge.demo import tools
@@ -120,8 +125,12 @@ def run_tools_command(
     if rounds is not None:
         sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
     r = sc.recipe
-    folder = Path(data_dir) if data_dir else default_data_dir()
+    # printing only: no temporary directory is made
+    folder = Path(data_dir) if data_dir else Path("TEMPORARY") if print_settings else default_data_dir()
     settings = tools.tools_settings(sc, folder, model=model, seed=seed)
+    if print_settings:
+        typer.echo(json.dumps(settings.flat(), indent=2))
+        return
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     console.print(
         f"[bold]clawbridge demo[/] · scenario [cyan]{sc.name}[/]: {sc.description}\n"

@@ -122,7 +122,7 @@ def export_cloud(where: Where, out: Path, settings: Settings, run: Any = subproc
             raise CannotExport(f"tinker checkpoint download failed (exit {done.returncode})", code=1)
         echo(f"the LoRA adapter is in {out}/<run>_weights_policy-v{where.version}/. To merge it "
              f"into a model you can run elsewhere: clawbridge export-model --adapter THAT_FOLDER "
-             f"--model A_LOCAL_HF_COPY_OF_{settings.tinker_base_model.replace('/', '_')}")
+             f"--model A_LOCAL_HF_COPY_OF_{settings.cloud.tinker_base_model.replace('/', '_')}")
         return
     if where.kind == "modal":
         from clawbridge.backends.modal_app import STATE_DIR, VOLUME_NAME

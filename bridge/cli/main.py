@@ -1,8 +1,17 @@
 """The `clawbridge` command line."""
 
+from typing import Any
+
 import typer
 
 app = typer.Typer(help="clawbridge: serve your agent's model, learn from every conversation.")
+
+
+def _default(name: str) -> Any:
+    """A setting's default, for a flag's help: the settings declare it, the help never restates it."""
+    from clawbridge.config import field_info
+
+    return field_info(name).default
 
 
 @app.command()
@@ -28,10 +37,11 @@ def plan_cmd(
     from clawbridge.local_gpu import layout
 
     s = Settings.load(num_gpus=gpus, actor_gpus=actor_gpus, rollout_gpus=rollout_gpus, prm_gpus=prm_gpus)
-    n = s.num_gpus if s.num_gpus is not None else layout.visible_gpus()
+    g = s.gpus
+    n = g.num_gpus if g.num_gpus is not None else layout.visible_gpus()
     try:
-        p = layout.plan(n, s.actor_gpus, s.rollout_gpus, s.prm_gpus,
-                        gpu_memory_gib=gpu_memory_gib, model_params_b=model_params_b, lora_rank=s.lora_rank)
+        p = layout.plan(n, g.actor_gpus, g.rollout_gpus, g.prm_gpus,
+                        gpu_memory_gib=gpu_memory_gib, model_params_b=model_params_b, lora_rank=s.training.lora_rank)
     except layout.LayoutError as e:
         typer.echo(f"clawbridge plan: {e}", err=True)
         raise typer.Exit(2) from e
@@ -57,14 +67,14 @@ def up_cmd(
     plan: bool = typer.Option(False, "--plan", help="Print the local GPU plan and exit without serving."),
     gpus: int | None = typer.Option(None, "--gpus", help="With --plan: GPU count to plan for."),
     as_json: bool = typer.Option(False, "--json", help="With --plan: print the plan as JSON."),
-    method: str | None = typer.Option(None, help="binary | opd | combine (default combine)."),
+    method: str | None = typer.Option(None, help=f"binary | opd | combine (default {_default('method')})."),
     judge: str | None = typer.Option(None, "--judge", help="auto | rules | http | backend (default auto: http if --judge-url is set, else the offline rules judge)."),
     judge_url: str | None = typer.Option(None, "--judge-url", help="OpenAI-compatible judge endpoint (default: the offline rules judge)."),
     judge_model: str | None = typer.Option(None, "--judge-model", help="Judge model name at --judge-url."),
     judge_api_key: str | None = typer.Option(None, "--judge-api-key", help="Key for --judge-url (env CLAWBRIDGE_JUDGE_API_KEY)."),
-    batch_size: int | None = typer.Option(None, "--batch-size", help="Samples per training step (default 16)."),
+    batch_size: int | None = typer.Option(None, "--batch-size", help=f"Samples per training step (default {_default('batch_size')})."),
     max_staleness: int | None = typer.Option(None, "--max-staleness", help="Drop samples older than this many versions."),
-    learning_rate: float | None = typer.Option(None, "--lr", help="LoRA learning rate (default 1e-4)."),
+    learning_rate: float | None = typer.Option(None, "--lr", help=f"LoRA learning rate (default {_default('learning_rate'):g})."),
     resume: bool | None = typer.Option(None, "--resume/--no-resume", help="Continue from the latest checkpoint."),
     budget_usd: float | None = typer.Option(None, "--budget-usd", help="Stop training (never serving) at this spend."),
 ) -> None:
@@ -72,7 +82,7 @@ def up_cmd(
     import logging
     from pathlib import Path
 
-    from clawbridge.config import Settings
+    from clawbridge.config import Settings, problems
     from pydantic import ValidationError
 
     if plan:
@@ -89,8 +99,10 @@ def up_cmd(
             budget_usd=budget_usd,
         )
     except ValidationError as e:
-        msgs = "; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())
-        typer.echo(f"clawbridge up: {msgs}", err=True)
+        typer.echo(f"clawbridge up: {problems(e)}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as e:  # a config file that is no mapping, or names a setting twice
+        typer.echo(f"clawbridge up: {e}", err=True)
         raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migrations at open: not news
@@ -206,13 +218,14 @@ def demo_cmd(
     out: str = typer.Option("demo-results", "--out", help="Where the PNG and the JSON summary go."),
     as_json: bool = typer.Option(False, "--json", help="Print the JSON summary on stdout (progress goes to stderr)."),
     seed: int = typer.Option(0, help="Sampling and LoRA seed."),
+    print_settings: bool = typer.Option(False, "--print-settings", help="Print the settings the scenario's recipe makes (by flat name, JSON) and exit."),
 ) -> None:
     """Watch the model learn: a simulated user with a hidden preference talks to clawbridge over
     the OpenAI API; clawbridge judges, trains and publishes; held-out prompts show the change."""
     from clawbridge.cli.demo import run_demo_command
 
     run_demo_command(scenario, model=model, method=method, rounds=rounds, data_dir=data_dir,
-                     out=out, as_json=as_json, seed=seed)
+                     out=out, as_json=as_json, seed=seed, print_settings=print_settings)
 
 
 @app.command("status")

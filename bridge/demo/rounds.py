@@ -203,7 +203,7 @@ def engine_dtype(settings: Settings) -> str:
     resolves the setting the same way), for the header printed before the stack starts."""
     from clawbridge.local_gpu import precision
 
-    return precision.name(precision.resolve(settings.engine_dtype, "cpu"))
+    return precision.name(precision.resolve(settings.engine.engine_dtype, "cpu"))
 
 
 @contextlib.asynccontextmanager

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.config import Settings
-from clawbridge.demo import report, teachability
+from clawbridge.demo import recipe, report, teachability
 from clawbridge.demo.report import Series, change, difference, gate_counts
 from clawbridge.demo.results import DemoResult, VersionEval
 from clawbridge.demo.rounds import NothingToTrain, Progress, Settle, play
@@ -49,27 +49,8 @@ EXTRA_CONVERSATIONS = 3  # a round plays at most this many batches more before i
 
 
 def demo_settings(scenario: Scenario, data_dir: Path, **overrides: Any) -> Settings:
-    r = scenario.recipe
-    values: dict[str, Any] = dict(
-        host="127.0.0.1", port=0, data_dir=data_dir, judge="rules", method=r.method,
-        batch_size=r.batch_size, learning_rate=r.learning_rate, warmup_steps=r.warmup_steps, lora_rank=r.lora_rank,
-        lora_alpha=r.lora_rank, max_staleness=max(4, r.rounds), checkpoint_every=10_000,
-        default_max_tokens=r.max_tokens, session_idle_timeout_s=600.0, kl_anchor=r.kl_anchor, opd_topk=r.opd_topk,
-        opd_draws=r.opd_draws, opd_draw_max_lift=r.opd_draw_max_lift, opd_topk_rewrite=r.opd_topk_rewrite,
-        teacher=r.teacher,
-        rewrites=r.rewrites, w_rewrite=r.w_rewrite, w_negative=r.w_negative,
-        gate="on" if r.gate else "off", gate_probes=r.gate_probes, gate_samples=r.gate_samples,
-        gate_patience=r.gate_patience, gate_blend=tuple(r.gate_blend),
-        gate_max_tokens=r.max_tokens, gate_temperature=r.temperature,
-        # the demo's answers come in bursts (a gate's 132, a measurement's 40) of short prompts,
-        # which 64 rows a decode step answer faster (docs/measurements.md); the setting's default
-        # stays 16, where an agent's long prompts would hold 64 rows of KV
-        engine_max_batch=64,
-    )
-    if r.gate_probes_max is not None:
-        values["gate_probes_max"] = r.gate_probes_max
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)
+    """The preference demo's settings for a scenario (`clawbridge.demo.recipe.DEMO_RECIPE`)."""
+    return recipe.demo_settings(scenario.recipe, data_dir, **overrides)
 
 
 def gate_probes(scenario: Scenario) -> list[GateProbe]:
@@ -221,8 +202,8 @@ class PreferenceRounds:
         self.user.seconds["teachability"] = self.teachability.seconds
         self.note(self.teachability.verdict())
         self.price = Price(v0.probe_per_prompt, await self.probe(0, asked), asked)
-        twin_gate = settings.gate == "on" and settings.gate_reference == "twin"
-        self.note(self.price.line(settings.gate_max_price if twin_gate else None))
+        twin_gate = settings.gating.gate == "on" and settings.gating.gate_reference == "twin"
+        self.note(self.price.line(settings.gating.gate_max_price if twin_gate else None))
 
     async def gate(self) -> Gate | None:
         """What measures the general probe: the learner's gate, so the demo's figures are the
@@ -240,7 +221,8 @@ class PreferenceRounds:
                 from clawbridge.server import build_gate
 
                 settings, running = self.running.settings, self.running
-                self._gate = build_gate(replace(settings.gating, gate="on"), running.backend, running.renderer)
+                self._gate = build_gate(settings.gating.model_copy(update={"gate": "on"}), running.backend, running.renderer,
+                                        seed=settings.seed)
         return self._gate
 
     async def probe(self, version: int, asked: str | None = None) -> tuple[float, ...]:
@@ -263,7 +245,7 @@ class PreferenceRounds:
         return f"round {rnd + 1}/{rounds}: conversations"
 
     async def play_round(self, rnd: int) -> None:
-        order, n = self.scenario.training_prompts, self.scenario.recipe.batch_size
+        order, n = self.scenario.training_prompts, self.running.settings.training.batch_size
         batch = [order[(self.asked + j) % len(order)] for j in range(n)]
         await asyncio.gather(*(self.user.converse(p, self.asked + j) for j, p in enumerate(batch)))
         self.asked += len(batch)
@@ -273,7 +255,7 @@ class PreferenceRounds:
         if stepped:
             return "done"
         waiting, unsettled = await self._pending()
-        r = self.scenario.recipe
+        r = self.running.settings.training
         if unsettled or waiting >= r.batch_size:
             return "wait"
         # a reply the judge found neutral, or a correction with nothing to train, gave no sample:
@@ -292,7 +274,7 @@ class PreferenceRounds:
         """As many more conversations as the batch lacks, together (one at a time, each waited
         for and judged before the next, cost a round up to half a minute)."""
         waiting, _ = await self._pending()
-        order, n = self.scenario.training_prompts, max(1, self.scenario.recipe.batch_size - waiting)
+        order, n = self.scenario.training_prompts, max(1, self.running.settings.training.batch_size - waiting)
         await asyncio.gather(*(self.user.converse(order[(self.asked + j) % len(order)], self.asked + j)
                                for j in range(n)))
         self.asked += n
@@ -302,7 +284,7 @@ class PreferenceRounds:
         """(judged samples waiting for the trainer, turns still on their way to a sample)."""
         store = self.running.store
         st = await store.run(store.stats)
-        kinds = judge_kinds(self.running.settings.method)
+        kinds = judge_kinds(self.running.settings.training.method)
         awaiting = len(await store.run(store.turns_awaiting_judgment, kinds, 1000))
         return st.samples.get("judged", 0), st.samples.get("pending", 0) + awaiting
 
@@ -369,7 +351,7 @@ async def run_demo(
         for b, a in played.example_pairs(5)
     ]
     result = DemoResult(
-        scenario=scenario.name, model=played.model, method=settings.method, before=before.rate,
+        scenario=scenario.name, model=played.model, method=settings.training.method, before=before.rate,
         after=after.rate, delta=delta, interval=(lo, hi), steps=played.steps, versions=played.versions,
         seconds=time.monotonic() - t0, train_conversations=user.conversations,
         train_satisfied=user.satisfied, heldout_prompts=len(scenario.heldout_prompts),

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from clawbridge.demo.recipe import Recipe
 from clawbridge.learning.probes import DEFAULT_MIN_WORDS, AnswerKey
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -102,86 +103,6 @@ def _text(word: Any) -> Any:
     if isinstance(word, bool):
         return "true" if word else "false"
     return str(word) if isinstance(word, int | float) else word
-
-
-class Recipe(BaseModel):
-    """How the demo trains for this scenario (each maps onto a Settings field or a demo knob).
-
-    The defaults are the recipe measured best on the built-in scenarios (docs/learning.md): a
-    scenario with no `recipe` block, or one that sets a few fields, trains as `make demo` does.
-    Why each value: the comments here and docs/learning.md#the-recipe-search-what-was-tried."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    method: Literal["binary", "opd", "combine"] = "combine"
-    batch_size: int = Field(8, ge=1)
-    # four rounds (tried 2026-11-26, session 16) ended lower: a candidate pays a few probe points
-    # beyond the price, so the gate holds about every third back, and a fifth round is one more
-    # chance for a trained version to serve (docs/learning.md)
-    rounds: int = Field(5, ge=1, description="Training steps: each round is batch_size conversations.")
-    # lr 2e-3 cost every candidate a third or more of the general probe; below 5e-4 a step does nothing
-    learning_rate: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(0, ge=0, description="The rate ramps up over this many steps after every fresh optimizer "
-                              "(Settings.warmup_steps).")
-    lora_rank: int = Field(16, ge=1)
-    temperature: float = Field(0.7, gt=0)
-    max_tokens: int = Field(40, ge=1)
-    # one answer a prompt read seed 8's v3 at 65 % and its v5 at 30 % (session 17); eight a prompt
-    # read both at 35-42 %: two narrow the dice's share of a version's figure for about 8 s more a
-    # version (84 s against 44 s of held-out measurement in a run, session 18)
-    eval_samples: int = Field(2, ge=1, description="Samples per held-out prompt at each version.")
-    teach_samples: int = Field(
-        2, ge=1, description="Answers per held-out prompt of v0 asked for the preference, before training "
-        "(teachability: how often the teacher the hints make meets it).",
-    )
-    concurrency: int = Field(16, ge=1, description="Simulated conversations at a time.")
-    kl_anchor: float = Field(0.0, ge=0, description="Anchor to the base model (Settings.kl_anchor).")
-    # the way to the preference passes through worse candidates: each step's hinted samples learn
-    # the teacher's whole top-20 distribution on the trained policy's own fresh answers (on-policy
-    # whatever serves); one fresh answer learned as much as four for half the training tokens
-    opd_topk: int = Field(20, ge=0, description="Top-k distillation of the teacher (Settings.opd_topk; 0: off).")
-    opd_draws: int = Field(1, ge=0, description="Fresh answers per hinted sample distilled on-policy (Settings.opd_draws).")
-    # a fresh draw the hint already favours is not distilled: the teacher's distribution along it
-    # pulled the student back to the teacher's own rate of the preference once it had passed it
-    opd_draw_max_lift: float | None = Field(0.0, description="Only fresh draws the hint is against distil "
-                                            "(Settings.opd_draw_max_lift; None: all).")
-    opd_topk_rewrite: bool = Field(True, description="The rewrite also learns the teacher's top-k distribution "
-                                   "(Settings.opd_topk_rewrite).")
-    teacher: Literal["base", "policy"] = Field("base", description="The model the hint is given to: the frozen base "
-                                               "or the policy being trained (Settings.teacher).")
-    rewrites: int = Field(4, ge=0, le=16, description="Hint-guided rewrites per hinted turn (Settings.rewrites).")
-    # a rewrite's tokens pushed up twice as hard: the eight runs of ten that gave no lineage up
-    # gained +37.5 to +50 points truly satisfied (fifteen runs at 1: +20 to +45, median +35); it
-    # holds the first candidate back on the probe more often, and the two runs that gave their
-    # lineage up (before gate_blend) ended at +13 and +8, which the blend answers (docs/learning.md)
-    w_rewrite: float = Field(2.0, ge=0, description="Advantage of a rewrite's tokens (Settings.w_rewrite).")
-    # pushing the corrected answers down drifted the model into non-answers (docs/methods.md)
-    w_negative: float = Field(0.0, ge=0, description="Scale of negative advantages (Settings.w_negative).")
-    gate: bool = Field(True, description="Gate every candidate before it serves.")
-    # the general probe within the demo's minutes (about 40 s per 100 answers on 2 idle cores): 16
-    # questions for every candidate, 100 in all unless those hold it back (both error rates about
-    # 10 %, bench/gate_power.py; 200 would give 4 % for twice the gate's time)
-    gate_probes: int = Field(16, ge=0, le=200, description="General probe questions the gate asks every candidate.")
-    gate_probes_max: int | None = Field(
-        100, ge=0, description="General probe questions the gate asks in all: the rest is asked unless the "
-        "first gate_probes hold the candidate back beyond doubt (None: the setting's default).",
-    )
-    gate_samples: int = Field(1, ge=1, description="Answers per gate probe and version.")
-    validation_samples: int = Field(
-        4, ge=1, description="Answers per validation prompt and version: the gate's check that a candidate keeps "
-        "the preference (a handful of prompts: one answer each could not tell 50 % from 10 %).",
-    )
-    # training goes on from up to three held-back candidates in a row while v0 serves
-    gate_patience: int = Field(3, ge=0, description="Held-back candidates in a row training goes on from "
-                               "(Settings.gate_patience).")
-    # a lineage held back to the end kept its preference in its last candidate, a few probe points
-    # too far below the twin: that candidate's delta x 0.75 stood at the twin and kept most of it
-    # (bench/blend.py on two given-up runs: truly satisfied 38 and 32 % against the 15 and 10 % the
-    # restart from v0 ended at); each alpha tried costs one more judgement of the gate
-    gate_blend: list[float] = Field(
-        default_factory=lambda: [0.75, 0.5], description="Before a held-back lineage is given up, its last candidate's delta scaled "
-        "by each of these (0 < alpha < 1) is judged by the gate; the first accepted serves (Settings.gate_blend).",
-    )
 
 
 class Scenario(BaseModel):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.config import Settings
 from clawbridge.demo import report
+from clawbridge.demo.recipe import TOOLS_RECIPE, recipe_settings, tools_following
 from clawbridge.demo.report import Series, change, difference, gate_counts, r4
 from clawbridge.demo.rounds import Progress, Settle, play
 from clawbridge.demo.scenario import paired_interval
@@ -218,8 +219,9 @@ class Agent:
     """The agent (and the tools demo's side of the rounds, `rounds.Player`): a round is `groups`
     groups of `n` episodes; it goes on with one more group while the round gave no full batch."""
 
-    def __init__(self, cb: AsyncClient, model: str, sc: ToolsScenario) -> None:
+    def __init__(self, cb: AsyncClient, model: str, sc: ToolsScenario, batch_size: int) -> None:
         self.cb, self.model, self.sc = cb, model, sc
+        self.batch_size = batch_size  # samples the trainer takes a step
         self.sem = asyncio.Semaphore(sc.recipe.concurrency)
         self.episodes = 0
         self.solved = 0
@@ -266,14 +268,13 @@ class Agent:
         await asyncio.gather(*(self.group(t) for t in batch))
 
     async def settle(self, *, stepped: bool) -> Settle:
-        r = self.sc.recipe
         if not await self._all_settled():
             return "wait"
-        if await self._waiting() >= r.batch_size:  # the trainer is about to take a batch
+        if await self._waiting() >= self.batch_size:  # the trainer is about to take a batch
             return "wait"
         if stepped:
             return "done"  # every full batch of this round trained
-        if self.extra >= r.extra_groups:
+        if self.extra >= self.sc.recipe.extra_groups:
             log.warning("round %d: no training step after %d more groups", self.round + 1, self.extra)
             return "done"
         return "more"  # groups that all failed (or all succeeded) gave nothing to train
@@ -368,20 +369,10 @@ def _mean(xs: list[float] | tuple[float, ...]) -> float:
 
 
 def tools_settings(sc: ToolsScenario, data_dir: Path, **overrides: Any) -> Settings:
+    """The tools demo's settings for a scenario's recipe (`clawbridge.demo.recipe.TOOLS_RECIPE`)."""
     r = sc.recipe
-    values: dict[str, Any] = dict(
-        host="127.0.0.1", port=0, data_dir=data_dir, judge="rules", method="combine",
-        batch_size=r.batch_size, learning_rate=r.learning_rate, lora_rank=r.lora_rank, lora_alpha=r.lora_rank,
-        max_staleness=max(4, r.rounds), checkpoint_every=10_000, default_max_tokens=r.max_tokens,
-        session_idle_timeout_s=600.0, episode_timeout_s=900.0, kl_anchor=r.kl_anchor,
-        gate="on" if r.gate else "off", gate_probes=r.gate_probes,
-        gate_probes_max=r.gate_probes if r.gate_probes_max is None else r.gate_probes_max,
-        gate_alpha_base=0.1,  # as the three seeds were measured (docs/agents.md); the default is 0.2
-        # ... under the harm test: 16 single answers cannot show a candidate within 5 points of v0
-        gate_v0_test="harm", gate_reference="v0", gate_samples=1, gate_max_tokens=48, gate_temperature=r.temperature,
-    )
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)
+    return recipe_settings(TOOLS_RECIPE, lambda v: tools_following(r.rounds, r.temperature, r.max_tokens, v),
+                           r.settings, data_dir, overrides)
 
 
 async def run_tools_demo(
@@ -399,7 +390,8 @@ async def run_tools_demo(
     agents: list[Agent] = []  # made once the stack runs (it needs its address); read after
 
     def agent_for(running: Running) -> Agent:
-        agents.append(Agent(AsyncClient(running.base_url, timeout=1800), running.proxy.model_name, sc))
+        agents.append(Agent(AsyncClient(running.base_url, timeout=1800), running.proxy.model_name, sc,
+                            settings.training.batch_size))
         return agents[-1]
 
     played = await play(settings, Learner(settings, poll_s=0.2), agent_for, rounds=sc.recipe.rounds,

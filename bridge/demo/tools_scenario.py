@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from clawbridge.demo.recipe import RecipeKnobs
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 NAME = "tools"
@@ -106,20 +107,16 @@ class Example(BaseModel):
     code: str = "4821"
 
 
-class ToolsRecipe(BaseModel):
-    """How the tools demo trains (each maps onto a Settings field or a demo knob)."""
-
-    model_config = ConfigDict(extra="forbid")
+class ToolsRecipe(RecipeKnobs):
+    """How the tools demo asks and measures; the settings it trains with are `TOOLS_RECIPE`
+    (`clawbridge.demo.recipe`) and the scenario's `settings`."""
 
     n: int = Field(8, ge=2, description="Episodes (attempts) per group, i.e. per training task.")
     groups: int = Field(4, ge=1, description="Groups (training tasks) per round.")
     rounds: int = Field(
         2, ge=1, description="Rounds; a round ends once the trainer took every full batch."
     )
-    batch_size: int = Field(16, ge=1, description="Samples (assistant turns) per training step.")
-    learning_rate: float = Field(2e-3, gt=0)
-    lora_rank: int = Field(16, ge=1)
-    temperature: float = Field(0.8, gt=0)
+    temperature: float = Field(0.8, gt=0, description="Temperature of each model call and the gate's probes.")
     max_tokens: int = Field(40, ge=1, description="max_tokens of each model call.")
     max_steps: int = Field(
         2,
@@ -150,18 +147,6 @@ class ToolsRecipe(BaseModel):
     concurrency: int = Field(16, ge=1, description="Episodes at a time.")
     extra_groups: int = Field(
         8, ge=0, description="More groups a round may run when its groups gave no full batch."
-    )
-    kl_anchor: float = Field(0.0, ge=0)
-    gate: bool = Field(
-        True, description="Gate every candidate (on the general probe set) before it serves."
-    )
-    gate_probes: int = Field(16, ge=1, le=50)
-    gate_probes_max: int | None = Field(
-        None,
-        ge=1,
-        le=50,
-        description="General probes the gate asks in all when the first gate_probes leave doubt; "
-        "None: gate_probes, never more (asking all 50 cost about 100 s of a 12-minute run).",
     )
     probe: bool = Field(
         True, description="Ask the general probe set of v0 and of the last version."

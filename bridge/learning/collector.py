@@ -104,10 +104,11 @@ class CollectorStats:
 
 class Collector:
     def __init__(
-        self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher,
+        self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher, *,
+        method: Method,
     ) -> None:
         self.settings = settings
-        self.method: Method = settings.method
+        self.method = method
         self.backend = backend
         self.store = store
         self.judges = judges
@@ -183,7 +184,7 @@ class Collector:
         if teacher_lp is not None and self.settings.rewrites > 0 and signal.hint is not None:
             rewrite = await write_rewrite(
                 self.backend, self.teacher.renderer, turn, signal.hint, samples=self.settings.rewrites,
-                weight=self.settings.w_rewrite, teacher=self.settings.teacher, rule=self.settings.rewrite_pick,
+                weight=self.settings.w_rewrite, teacher=self.teacher.model, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance, min_lift=self.settings.rewrite_min_lift,
             )
         if rewrite is None and (advantages is None or not any(advantages)):

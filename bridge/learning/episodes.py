@@ -39,6 +39,7 @@ from clawbridge.learning.collector import turn_context
 from clawbridge.protocol import Backend
 from clawbridge.store import EpisodeRow, GroupRow, JudgeVote, Judgment, Store, StoredTurn
 from clawbridge.store.records import utcnow
+from clawbridge.types import Method
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,11 @@ class EpisodeLearner:
     """Expires episodes past the timeout and turns settled groups into samples."""
 
     def __init__(
-        self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges | None, teacher: Teacher,
+        self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges | None, teacher: Teacher, *,
+        method: Method,
     ) -> None:
         self.settings = settings
+        self.method = method
         self.backend = backend
         self.store = store
         self.judges = judges
@@ -161,7 +164,7 @@ class EpisodeLearner:
                 overlong=(s.overlong_max_tokens, s.overlong_cache_tokens),
             ))
         adv = group_advantages(rewards)
-        method = s.method
+        method = self.method
         if adv is None:
             why = all_equal_reason(g.id, rewards)
             for sc, rs in zip(scored, rewards, strict=True):
@@ -181,10 +184,10 @@ class EpisodeLearner:
         """One turn's sample: the group-relative advantage on every completion token it sampled
         (the prompt, tool results included, is masked by the trainer's datum)."""
         store, s = self.store, self.settings
-        hint = await self.hint(turn) if s.method != "binary" else None
+        hint = await self.hint(turn) if self.method != "binary" else None
         if (abs(advantage) < 1e-9 and hint is None) or not turn.completion_ids:
             reason = f"group {g.id}: zero advantage (reward {reward:+g} is the group mean)"
-            await store.run(store.create_sample, turn.id, s.method, state="dropped", reward=reward, reason=reason)
+            await store.run(store.create_sample, turn.id, self.method, state="dropped", reward=reward, reason=reason)
             return 0
         teacher_lp: list[float] | None = None
         if hint is None:
@@ -198,7 +201,7 @@ class EpisodeLearner:
             )
             token_adv = anchored(token_adv, turn.logprobs, base_lp, s.kl_anchor)
         _, created = await store.run(
-            store.create_sample, turn.id, s.method, state="judged", reward=reward, advantages=token_adv,
+            store.create_sample, turn.id, self.method, state="judged", reward=reward, advantages=token_adv,
             teacher_logprobs=teacher_lp, hint=hint,
         )
         if created:

@@ -150,7 +150,7 @@ class Learner:
 
     def status(self) -> dict[str, Any]:
         """Fields for `/v1/status` and the status line (judge, judged, samples, step, reward)."""
-        out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.method}
+        out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.training.method}
         if self.training_stopped:
             out["training_stopped"] = self.training_stopped
         if self.paused:

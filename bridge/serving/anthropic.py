@@ -62,7 +62,7 @@ def error_response(err: APIError) -> Response:
 
 def check_auth(proxy: Proxy, request: Request) -> None:
     """`x-api-key` (what the anthropic SDK sends) or `Authorization: Bearer`."""
-    key = proxy.settings.api_key
+    key = proxy.settings.serving.api_key
     if key is None:
         return
     got = request.headers.get("x-api-key")

@@ -157,11 +157,11 @@ class Proxy:
         self.store = store
         self.renderer = renderer
         self.hooks = hooks or ProxyHooks()
-        self.sessions = Sessions(settings.default_turn_type, settings.session_idle_timeout_s)
+        self.sessions = Sessions(settings.serving.default_turn_type, settings.serving.session_idle_timeout_s)
         self.counters = Counters()
-        self.model_name = settings.served_model_name or backend.model_name
+        self.model_name = settings.serving.served_model_name or backend.model_name
         self.started = time.time()
-        self._key = settings.api_key.get_secret_value().encode() if settings.api_key else None
+        self._key = settings.serving.api_key.get_secret_value().encode() if settings.serving.api_key else None
         self._background: set[asyncio.Task[Any]] = set()
 
     # --- the edge ---------------------------------------------------------------------------
@@ -169,7 +169,7 @@ class Proxy:
     async def restore_sessions(self) -> int:
         """At start: the conversations open before a restart continue (their next states
         included), rebuilt from the store's recent turns of every open, unexpired session."""
-        since = datetime.now(UTC) - timedelta(seconds=self.settings.session_idle_timeout_s)
+        since = datetime.now(UTC) - timedelta(seconds=self.settings.serving.session_idle_timeout_s)
         turns = await self.store.run(self.store.open_session_turns, since)
         restored = self.sessions.restore(turns)
         if restored:
@@ -185,14 +185,14 @@ class Proxy:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     async def read_body(self, request: Request) -> bytes:
-        limit = self.settings.max_request_bytes
+        limit = self.settings.serving.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
         chunks, size = [], 0
         try:
             # a client that opens a body and never finishes it holds a connection: not for long
-            async with asyncio.timeout(self.settings.body_timeout_s):
+            async with asyncio.timeout(self.settings.serving.body_timeout_s):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > limit:
@@ -200,7 +200,7 @@ class Proxy:
                     chunks.append(chunk)
         except TimeoutError:
             raise APIError(
-                408, f"The request body was not received within {self.settings.body_timeout_s:g} s.",
+                408, f"The request body was not received within {self.settings.serving.body_timeout_s:g} s.",
                 code="request_timeout",
             ) from None
         return b"".join(chunks)
@@ -262,7 +262,7 @@ class Proxy:
         if len(prompt) >= ctx:
             raise context_length_exceeded(ctx, len(prompt), ask.name("messages"))
         which = ask.name("max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-        wanted = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens
+        wanted = req.max_completion_tokens or req.max_tokens or self.settings.serving.default_max_tokens
         if wanted > ctx:  # impossible for any prompt: refused as OpenAI refuses it
             raise APIError(
                 400,
@@ -448,7 +448,7 @@ class Proxy:
         client plan its prompts and budget for this server (`clawbridge openclaw install` does):
         a CPU engine suggests a short budget, since every token costs a decode step there."""
         own = self.backend.suggested_max_tokens if isinstance(self.backend, SuggestsMaxTokens) else None
-        suggested = own or self.settings.default_max_tokens
+        suggested = own or self.settings.serving.default_max_tokens
         return {
             "id": self.model_name,
             "object": "model",

@@ -73,7 +73,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
         learner.ready.set()  # the train loop looks again: a resume trains a batch already waiting
         return {"object": "training", "paused": paused, "reason": learner.paused}
 
-    key = settings.api_key.get_secret_value() if settings.api_key else None
+    key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     return Board(proxy.store, key, status,
                  rollback=rollback if learner is not None else None,
                  pause=pause if learner is not None else None)
@@ -103,7 +103,7 @@ def offline_board(settings: Settings, store: Store) -> Board:
                 "version": latest.version if latest is not None else 0, "data_dir": str(settings.data_dir),
                 "spend": spend(settings.data_dir), "learner": None}
 
-    key = settings.api_key.get_secret_value() if settings.api_key else None
+    key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     return Board(store, key, status)
 
 
