@@ -266,6 +266,14 @@ class Settings(BaseSettings):
     rollout_gpus: int | None = Field(None, ge=0, description="GPUs for the policy SGLang server(s).")
     prm_gpus: int | None = Field(None, ge=0, description="GPUs for the judge SGLang server.")
 
+    # --- spool: the writes the store cannot take (docs/store.md#when-the-store-is-down) -----------
+    # Read in one place: `serving.durable.SpoolSettings.of`.
+    spool_dir: Path | None = Field(None, description="Where writes the store cannot take (down, full disk, locked) wait, fsynced, until it is back (default: spool/ in the data directory). For a SQLite store on a disk that may fill, a path on another filesystem.")
+    spool_max_mb: int = Field(256, ge=1, description="The spool's size limit; past it new turns are not recorded (counted as lost) or, with spool_full 503, requests are refused.")
+    spool_full: Literal["drop", "503"] = Field("drop", description="When the spool is full: drop (answer, and count the turns that cannot be recorded as lost: availability) or 503 (refuse new requests until it has room: durability).")
+    store_write_timeout_s: float = Field(5.0, gt=0, description="A write the store has not committed in this time goes to the spool, so a hung connection stalls no request.")
+    # --- end of spool ---------------------------------------------------------------------------
+
     @field_validator("api_key", "judge_api_key", mode="after")
     @classmethod
     def _empty_key_is_none(cls, v: SecretStr | None) -> SecretStr | None:
