@@ -66,9 +66,14 @@ def unavailable(exc: BaseException) -> bool:
     Such a write is worth spooling and trying again; any other failure would fail again."""
     if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(
-        exc, (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError, TimeoutError, OSError)
-    )
+    if isinstance(exc, TimeoutError | OSError | sa.exc.TimeoutError):
+        return True
+    # by PEP 249's class names: the capture path raises the driver's own (`fast.py`), and
+    # SQLAlchemy's wrappers carry the same names
+    return any(c.__name__ in _UNAVAILABLE for c in type(exc).__mro__)
+
+
+_UNAVAILABLE = frozenset({"OperationalError", "InterfaceError"})
 
 
 class AsyncWriter:
