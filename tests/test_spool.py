@@ -232,7 +232,7 @@ def wait_drained(live: LiveServer, timeout: float = 60) -> dict[str, Any]:
 
 @pytest.fixture
 def sqlite_live(tmp_path: Path) -> Iterator[tuple[LiveServer, DiskFull]]:
-    settings = Settings(model=MODEL, data_dir=tmp_path / "data", default_max_tokens=4, batch_size=1000,
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path / "data", default_max_tokens=4, batch_size=1000,
                         spool_dir=tmp_path / "elsewhere", judge="rules")
     store = Store.open(settings.db_url)
     disk = DiskFull(store.engine)
@@ -313,7 +313,7 @@ def outage(
     tmp_path: Path, pg: PgCluster, flaps: list[tuple[float, float]], after_s: float,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    settings = Settings(model=MODEL, data_dir=tmp_path / "data", db=pg.create_database(),
+    settings = Settings(model=MODEL, port=0, data_dir=tmp_path / "data", db=pg.create_database(),
                         default_max_tokens=4, train=False, store_write_timeout_s=2.0)
     live = LiveServer(settings, build_backend(settings)).start()
     sessions: list[str] = []
@@ -356,3 +356,56 @@ def test_postgresql_stopped_under_load_then_started_loses_nothing(tmp_path: Path
 def test_soak_postgresql_flapping_for_a_minute_loses_nothing(tmp_path: Path, pg: PgCluster, caplog):
     flaps = [(float(t), t + 3.0) for t in range(2, 60, 6)]
     outage(tmp_path, pg, flaps, after_s=62.0, caplog=caplog)
+
+
+@pytest.mark.slow
+def test_kill_minus_9_during_an_outage_then_a_restart_after_it_loses_nothing(tmp_path: Path, pg: PgCluster):
+    """`clawbridge up` on PostgreSQL: the database stops, conversations are answered and spooled,
+    the proxy is killed with SIGKILL, the database starts, the proxy starts: every answered
+    conversation is stored once, in order, its next state attached."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_proxy_crash import free_port, wait_ready
+
+    port, data, url = free_port(), tmp_path / "data", pg.create_database()
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> subprocess.Popen:
+        cli_path = Path(sys.executable).with_name("clawbridge")
+        return subprocess.Popen(
+            [str(cli_path), "up", "--backend", "local", "--model", MODEL, "--port", str(port),
+             "--data-dir", str(data), "--db", url, "--no-train"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "CLAWBRIDGE_STORE_WRITE_TIMEOUT_S": "2"},
+        )
+
+    proc = up()
+    try:
+        wait_ready(base, proc, timeout=240)
+        with httpx.Client(timeout=60) as h:
+            before = [f"before-{i}" for i in range(3)]
+            assert all(converse(h, base, sid) for sid in before)
+            pg.halt()
+            during = [f"during-{i}" for i in range(5)]
+            assert all(converse(h, base, sid) for sid in during)
+            assert h.get(f"{base}/v1/status").json()["spool"]["depth"] >= 10
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        pg.resume()
+        proc = up()
+        wait_ready(base, proc, timeout=240)  # the spool is replayed before it serves
+        with httpx.Client(timeout=60) as h:
+            st = h.get(f"{base}/v1/status").json()["spool"]
+        assert st["depth"] == 0 and st["writes_lost"] == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with Store.open(url) as store:
+        check_stored(store, before + during)
+        with store.engine.connect() as conn:
+            n = conn.exec_driver_sql("SELECT count(*), count(DISTINCT id) FROM turns").one()
+        assert n[0] == n[1] == 2 * len(before + during)
