@@ -175,6 +175,12 @@ class Durable:
             log.error("the store is unavailable (%s): spooling writes to %s until it is back",
                       _reason(exc), self.cfg.dir)
 
+    def _back(self) -> None:
+        assert self.down_since is not None
+        log.warning("the store is back after %.1f s: replaying %d spooled writes",
+                    time.time() - self.down_since, self.depth)
+        self.down_since = None
+
     def _lose(self, kind: str, n: int = 1) -> None:
         self.lost[kind] = self.lost.get(kind, 0) + n
 
@@ -228,6 +234,8 @@ class Durable:
             try:
                 async with asyncio.timeout(self.cfg.write_timeout_s):
                     await direct()
+                if self.down_since is not None:  # it came back while nothing was spooled
+                    self._back()
                 return "stored"
             except Exception as e:
                 if not unavailable(e):
@@ -317,9 +325,7 @@ class Durable:
             self._committed(run, landed=False)
             return True
         if self.down_since is not None:
-            log.warning("the store is back after %.1f s: replaying %d spooled writes",
-                        time.time() - self.down_since, self.depth)
-            self.down_since = None
+            self._back()
         self._committed(run, landed=True)
         for entry in run:
             if self.landed is not None:
