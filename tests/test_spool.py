@@ -24,7 +24,7 @@ from clawbridge.config import Settings
 from clawbridge.learning.learner import Learner
 from clawbridge.server import build_backend, learner_hooks
 from clawbridge.serving.durable import Durable, SpoolSettings
-from clawbridge.store import Store, TurnRecord
+from clawbridge.store import PolicyVersionRow, Store, TrainingStep, TurnRecord
 from clawbridge.store.spool import LOG, Spool, SpoolBusy, SpoolFull, turn_from_json, turn_to_json
 from clawbridge.types import TokenLogprob
 from live_server import LiveServer
@@ -168,6 +168,35 @@ async def test_a_kill_while_spooled_then_a_restart_stores_each_write_once(tmp_pa
         assert second.depth == 0 and second.status()["writes_lost"] == 0
     finally:
         await second.close()
+        store.close()
+
+
+async def test_a_training_step_waits_out_the_store_and_is_recorded_once(tmp_path: Path):
+    """The step's weights are published before its record: a store that fails the commit (and
+    then loses the acknowledgement of one that landed) gets the step once, never half of it."""
+    store = Store.open(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    try:
+        recs = [turn("t", k) for k in range(3)]
+        for r in recs:
+            store.record_turn(r)
+        ids = [store.create_sample(r.id, "binary", advantages=[1.0, 1.0])[0] for r in recs]
+        step = TrainingStep(step=1, version_before=0, version_after=1, metrics={"loss": 0.5})
+        record, calls = store.record_training_step, []
+
+        def flaky(*args: Any) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise sqlite3.OperationalError("database or disk is full")  # nothing landed
+            record(*args)
+            if len(calls) == 2:
+                raise sqlite3.OperationalError("disk I/O error")  # it landed; the answer was lost
+
+        store.record_training_step = flaky  # type: ignore[method-assign]
+        await store.commit_step(step, ids, PolicyVersionRow(version=1, path="/a/v1", step=1))
+        assert len(calls) == 2 and store.pending_samples() == []
+        assert [s.step for s in store.training_steps()] == [1]
+        assert {s.state for s in store.get_samples(ids)} == {"trained"}
+    finally:
         store.close()
 
 
