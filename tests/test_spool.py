@@ -378,7 +378,7 @@ def outage(
 
 
 def test_postgresql_stopped_under_load_then_started_loses_nothing(tmp_path: Path, pg: PgCluster, caplog):
-    outage(tmp_path, pg, [(1.5, 5.0)], after_s=7.0, caplog=caplog)
+    outage(tmp_path, pg, [(3.0, 18.0)], after_s=20.0, caplog=caplog)  # 15 s down
 
 
 @pytest.mark.slow
