@@ -227,10 +227,18 @@ class GpuSettings(_Section):
     prm_gpus: int | None = Field(None, ge=0, description="GPUs for the judge SGLang server.")
 
 
+class SpoolSettings(_Section):
+    """The writes the store cannot take (docs/store.md#when-the-store-is-down)."""
+
+    spool_dir: Path | None = Field(None, description="Where writes the store cannot take (down, full disk, locked) wait, fsynced, until it is back (default: spool/ in the data directory). For a SQLite store on a disk that may fill, a path on another filesystem.")
+    spool_max_mb: int = Field(256, ge=1, description="The spool's size limit; past it new turns are not recorded (counted as lost) or, with spool_full 503, requests are refused.")
+    spool_full: Literal["drop", "503"] = Field("drop", description="When the spool is full: drop (answer, and count the turns that cannot be recorded as lost: availability) or 503 (refuse new requests until it has room: durability).")
+    store_write_timeout_s: float = Field(5.0, gt=0, description="A write the store has not committed in this time goes to the spool, so a hung connection stalls no request.")
+
 SECTIONS: dict[str, type[_Section]] = {
     "serving": ServingSettings, "judging": JudgeSettings, "learning": LearningSettings,
     "training": TrainingSettings, "gating": GateSettings, "engine": EngineSettings,
-    "cloud": CloudSettings, "gpus": GpuSettings,
+    "cloud": CloudSettings, "gpus": GpuSettings, "spool": SpoolSettings,
 }
 
 
@@ -255,6 +263,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=lambda: EngineSettings.model_validate({}))
     cloud: CloudSettings = Field(default_factory=lambda: CloudSettings.model_validate({}))
     gpus: GpuSettings = Field(default_factory=lambda: GpuSettings.model_validate({}))
+    spool: SpoolSettings = Field(default_factory=lambda: SpoolSettings.model_validate({}))
 
     def __init__(self, **values: Any) -> None:
         """Flat names (`batch_size=8`) or sections (`training={...}`); the environment fills the rest."""

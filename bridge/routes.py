@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.serving import wire
+from clawbridge.serving.durable import Dropped
 from clawbridge.serving.wire import APIError
 from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode
+from clawbridge.store.writer import unavailable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,6 +30,7 @@ from starlette.routing import Route
 if TYPE_CHECKING:
     from clawbridge.learning.learner import Learner
     from clawbridge.serving.proxy import Proxy
+    from clawbridge.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +61,58 @@ def feedback_route(wake: asyncio.Event | None = None) -> Route:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         fb = parse_feedback(await request.body(), request.headers.get("x-session-id"))
+        durable = proxy.durable
+        if durable.spooling:  # its turn may be in the spool: it waits there, in order
+            return _json(spool_feedback(proxy, fb), 202)
         try:
-            out = await record_feedback(proxy.store, proxy.settings.training.method, fb)
+            async with asyncio.timeout(durable.cfg.write_timeout_s):
+                out = await record_feedback(proxy.store, proxy.settings.training.method, fb)
         except FeedbackRejected as e:
             raise APIError(e.status, str(e), param=e.param, code=e.code) from None
+        except Exception as e:
+            if not unavailable(e):
+                raise
+            durable.down(e)
+            return _json(spool_feedback(proxy, fb), 202)
         if wake is not None:
             wake.set()
         return Response(json.dumps(out), media_type="application/json")
 
     return Route("/v1/feedback", feedback, methods=["POST"])
+
+
+def spool_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
+    """Spool a feedback while the store cannot take it, its turn resolved now (the session's
+    last main turn as this proxy answered it); answered 202, replayed after its turn."""
+    durable = proxy.durable
+    turn_id = fb.turn_id or (durable.last_spooled_main(fb.session_id) if fb.session_id else None)
+    known = durable.spooled_turn(turn_id) if turn_id else None
+    session_id = fb.session_id
+    if known is not None:
+        if session_id is not None and known[0] != session_id:
+            raise APIError(404, f"No turn `{turn_id}`.", param="turn_id", code="not_found")
+        if not known[1]:
+            raise APIError(400, f"Turn `{turn_id}` opted out of training (X-Train: false).", param="turn_id")
+        session_id = known[0]
+    data = {"feedback": fb.model_copy(update={"turn_id": turn_id}).model_dump(mode="json"),
+            "method": proxy.settings.training.method}
+    if durable.append("feedback", data) == "lost":
+        raise APIError(503, "The store is down and the spool full: the feedback was not recorded.",
+                       type="server_error", code="store_unavailable")
+    return {"object": "feedback", "state": "spooled", "session_id": session_id, "turn_id": turn_id,
+            "reward": fb.reward, "hint": fb.hint, "sample": None}
+
+
+async def replay_feedback(store: Store, data: dict[str, Any]) -> None:
+    """A spooled feedback, replayed in its place in the spool's order (its turn before it)."""
+    try:
+        await record_feedback(store, data["method"], FeedbackRequest.model_validate(data["feedback"]), replay=True)
+    except FeedbackRejected as e:
+        raise Dropped(str(e)) from None
+
+
+# what a spool replays beside the capture path's writes (`serving.durable`)
+SPOOL_HANDLERS = {"feedback": replay_feedback}
 
 
 class RollbackRequest(BaseModel):

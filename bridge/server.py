@@ -37,7 +37,7 @@ from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
 from clawbridge.learning.promotion import Resumed, pin_interrupted, resume
 from clawbridge.learning.trainer import Trainer
-from clawbridge.routes import episode_routes, feedback_route, rollback_route
+from clawbridge.routes import SPOOL_HANDLERS, episode_routes, feedback_route, rollback_route
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
 from clawbridge.serving.proxy import Proxy, ProxyHooks
@@ -96,6 +96,7 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
         on_next_state=lambda _ns: learner.wake.set(),
         status_extra=learner.status,
         metrics_extra=learner.metrics,
+        spool_handlers=SPOOL_HANDLERS,
     )
 
 
@@ -252,6 +253,9 @@ def status_line(status: dict[str, Any]) -> str:
         f"turns captured {store.get('turns', status['turns_recorded'])}",
         f"policy@v{status['version']}",
     ]
+    spool = status.get("spool", {})
+    if spool.get("depth"):  # writes waiting for the store (serving.durable)
+        parts.append(f"spooled {spool['depth']} ({spool['state']})")
     extra = status.get("extra")  # the learning loop's fields (hooks.status_extra)
     if isinstance(extra, dict):
         parts += [f"{k} {v}" for k, v in extra.items()]
@@ -329,6 +333,8 @@ async def serve(
     proxy: Proxy = app.state.proxy
     if coordinator is not None:
         proxy.hooks.status_extra = _with_trainer(coordinator, proxy.hooks.status_extra)
+    # what a previous run spooled goes in first, so the sessions read back include it
+    await proxy.durable.start()
     await proxy.restore_sessions()  # open conversations continue across a restart
     if freeze_gc:
         # Everything alive now (torch, transformers, the model, the tokenizer: millions of
@@ -387,6 +393,7 @@ async def serve(
         await asyncio.gather(*tasks, return_exceptions=True)
         if not quiet and sys.stdout.isatty():
             print()
+        await proxy.durable.close()  # what it still holds is replayed at the next start
         await asyncio.to_thread(store.close)  # drains the group-commit writer
         await backend.close()
         log.info("clawbridge stopped: %d requests, %d turns", proxy.counters.requests, proxy.counters.turns_recorded)

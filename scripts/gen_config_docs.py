@@ -54,7 +54,8 @@ result). Where the two differ:
 
 
 TITLES = {"serving": "Serving", "judging": "Judges", "learning": "Advantages", "training": "Training",
-          "gating": "Gate", "engine": "Torch engine", "cloud": "Cloud backends", "gpus": "Local GPU layout"}
+          "gating": "Gate", "engine": "Torch engine", "cloud": "Cloud backends", "gpus": "Local GPU layout",
+          "spool": "Spool"}
 
 
 def sections() -> list[tuple[str, str, list[str]]]:

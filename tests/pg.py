@@ -72,6 +72,16 @@ class PgCluster:
         )
         return self
 
+    def halt(self) -> None:
+        """Stop the server, keeping its data (an outage; `resume` ends it)."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def resume(self) -> None:
+        opts = f"-k {self.dir} -p {self.port} -c listen_addresses=127.0.0.1"
+        if not self.fsync:
+            opts += " -c fsync=off -c full_page_writes=off"
+        self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.dir / "log"), "-w", "start")
+
     def stop(self) -> None:
         with contextlib.suppress(subprocess.SubprocessError, OSError):
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")

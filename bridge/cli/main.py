@@ -277,6 +277,10 @@ def rollback_cmd(
 
 # --- OpenClaw: config, install (the integration engineer's commands) ------------------------------
 
+from clawbridge.cli.spool import spool_app  # noqa: E402 - beside the other sub-commands
+
+app.add_typer(spool_app, name="spool")
+
 openclaw_app = typer.Typer(help="Use clawbridge as an OpenClaw model provider (docs/openclaw.md).")
 app.add_typer(openclaw_app, name="openclaw")
 

@@ -50,7 +50,12 @@ class FeedbackRejected(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-async def record_feedback(store: Store, method: Method, fb: FeedbackRequest) -> dict[str, Any]:
+async def record_feedback(
+    store: Store, method: Method, fb: FeedbackRequest, *, replay: bool = False
+) -> dict[str, Any]:
+    """Store the feedback and its turn's sample. `replay`: the feedback was spooled while the
+    store was down and is replayed; the same feedback found stored is a replay that landed
+    before (its sample is then made sure of), not a duplicate."""
     if fb.turn_id is not None:
         turn = await store.run(store.get_turn, fb.turn_id)
         if turn is not None and fb.session_id is not None and turn.session_id != fb.session_id:
@@ -64,18 +69,20 @@ async def record_feedback(store: Store, method: Method, fb: FeedbackRequest) -> 
     if not turn.train:
         raise FeedbackRejected(400, f"Turn `{turn.id}` opted out of training (X-Train: false).", param="turn_id")
     before = await store.run(store.judgments, turn.id)
-    if any(j.kind == "feedback" and j.judge == USER_JUDGE for j in before):
-        raise FeedbackRejected(409, f"Turn `{turn.id}` already has feedback.", param="turn_id", code="duplicate_feedback")
     raw = fb.model_dump_json(exclude_none=True)
+    mine = [j for j in before if j.kind == "feedback" and j.judge == USER_JUDGE]
+    if mine and not (replay and any(v.raw == raw for j in mine for v in j.votes)):
+        raise FeedbackRejected(409, f"Turn `{turn.id}` already has feedback.", param="turn_id", code="duplicate_feedback")
     value: float | str | None = fb.reward if fb.reward is not None else fb.hint
-    await store.run(
-        store.add_judgment,
-        Judgment(
-            turn_id=turn.id, judge=USER_JUDGE, kind="feedback",
-            votes=(JudgeVote(raw=raw, value=value),),
-            reward=None if fb.reward is None else float(fb.reward), hint=fb.hint,
-        ),
-    )
+    if not mine:
+        await store.run(
+            store.add_judgment,
+            Judgment(
+                turn_id=turn.id, judge=USER_JUDGE, kind="feedback",
+                votes=(JudgeVote(raw=raw, value=value),),
+                reward=None if fb.reward is None else float(fb.reward), hint=fb.hint,
+            ),
+        )
     episode = await store.run(store.episode_of_turn, turn.id, turn.session_id)
     if episode is not None:
         # an episode's turn trains from its group's outcomes; a hint joins them (learning.episodes)

@@ -119,8 +119,7 @@ class Trainer:
             metrics = await self._train_step(batch, datums, optim)
             policy = await backend.publish()
             record = step_record(metrics, batch)
-            await store.run(
-                store.record_training_step,
+            await store.commit_step(  # waits out a store that is down: the step is published
                 TrainingStep(step=step, version_before=before, version_after=policy.version, metrics=record),
                 [x.id for x in batch],
                 PolicyVersionRow(

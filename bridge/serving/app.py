@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend
 from clawbridge.serving import chat_completions, errors
+from clawbridge.serving.durable import SpoolConfig
 from clawbridge.serving.errors import json_response
 from clawbridge.serving.metrics import Metrics
 from clawbridge.serving.pipeline import Endpoint
@@ -43,7 +44,7 @@ def create_app(
     /v1/responses, /v1/messages, /v1/completions); `hooks.routes` are mounted beside them."""
     if renderer is None:
         renderer = Renderer(backend.tokenizer())
-    proxy = Proxy(settings, backend, store, renderer, hooks)
+    proxy = Proxy(settings, backend, store, renderer, hooks, spool=SpoolConfig.of(settings))
     metrics = Metrics(proxy)
     chat = chat_completions.endpoint(proxy, metrics)
 

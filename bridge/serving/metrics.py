@@ -41,10 +41,26 @@ class Metrics:
             registry=self.registry,
         )
         c = proxy.counters
+
+        def spool(key: str) -> float:
+            return float(proxy.durable.status()[key])
+
         for name, doc, fn in (
             ("clawbridge_in_flight", "Requests being answered", lambda: c.in_flight),
             ("clawbridge_turns_recorded", "Turns committed to the store", lambda: c.turns_recorded),
-            ("clawbridge_record_failures", "Turns the store failed to write", lambda: c.record_failures),
+            ("clawbridge_record_failures", "Turns neither stored nor spooled (lost)", lambda: c.record_failures),
+            ("clawbridge_turns_spooled", "Turns written to the spool while the store could not take them",
+             lambda: c.turns_spooled),
+            ("clawbridge_store_up", "1 while the store takes writes, 0 while writes spool",
+             lambda: float(proxy.durable.down_since is None)),
+            ("clawbridge_spool_depth", "Writes in the spool not yet replayed", lambda: proxy.durable.depth),
+            ("clawbridge_spool_bytes", "Bytes of the spool not yet replayed", lambda: spool("bytes")),
+            ("clawbridge_spool_oldest_age_seconds", "Age of the oldest write in the spool",
+             lambda: spool("oldest_age_s")),
+            ("clawbridge_spool_replayed", "Spooled writes that reached the store", lambda: proxy.durable.replayed),
+            ("clawbridge_turns_lost", "Turns never stored (spool full, or dropped on replay)",
+             lambda: spool("turns_lost")),
+            ("clawbridge_writes_lost", "Writes of any kind never stored", lambda: spool("writes_lost")),
             ("clawbridge_completion_tokens", "Tokens generated", lambda: c.completion_tokens),
             ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
             ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),

@@ -29,6 +29,7 @@ from clawbridge.chat.messages import PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend, NamesItsDtype, SuggestsMaxTokens
 from clawbridge.serving import wire
+from clawbridge.serving.durable import Durable, Handler, SpoolConfig
 from clawbridge.serving.errors import context_length_exceeded
 from clawbridge.serving.sessions import (
     TAG_HEADERS,
@@ -42,8 +43,8 @@ from clawbridge.serving.sessions import (
 )
 from clawbridge.serving.wire import APIError
 from clawbridge.store.continuation import Continuation
-from clawbridge.store.episodes import NewEpisode
-from clawbridge.store.records import TurnRecord, new_turn_id
+from clawbridge.store.records import JSONObject, TurnRecord, new_turn_id
+from clawbridge.store.writer import unavailable
 from clawbridge.types import Completion, SamplingParams
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import BaseRoute
@@ -71,6 +72,8 @@ class ProxyHooks:
     status_extra: Callable[[], dict[str, Any]] | None = None
     # numeric gauges for /metrics (name -> value), read at every scrape (the learner's step metrics)
     metrics_extra: Callable[[], dict[str, float]] | None = None
+    # how a spool replays the writes of other kinds that routes spool (a feedback)
+    spool_handlers: Mapping[str, Handler] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,7 +83,8 @@ class Counters:
     errors_4xx: int = 0
     errors_5xx: int = 0
     turns_recorded: int = 0
-    record_failures: int = 0
+    turns_spooled: int = 0  # written to the spool while the store could not take them
+    record_failures: int = 0  # neither stored nor spooled: lost
     completion_tokens: int = 0
 
     def error(self, status: int) -> None:
@@ -151,6 +155,8 @@ class Proxy:
         store: Store,
         renderer: Renderer,
         hooks: ProxyHooks | None = None,
+        *,
+        spool: SpoolConfig,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -163,6 +169,9 @@ class Proxy:
         self.started = time.time()
         self._key = settings.serving.api_key.get_secret_value().encode() if settings.serving.api_key else None
         self._background: set[asyncio.Task[Any]] = set()
+        # the store's writes, or the spool while the store cannot take them (`durable`)
+        self.durable = Durable(store, spool, landed=self._landed)
+        self.durable.handlers.update(self.hooks.spool_handlers)
 
     # --- the edge ---------------------------------------------------------------------------
 
@@ -230,6 +239,9 @@ class Proxy:
 
     async def admit(self, request: Request, ask: Ask) -> Draft:
         """Everything that can reject a request happens here, before any state changes."""
+        if self.durable.refusing:  # the operator chose durability over availability (spool_full)
+            raise APIError(503, "The store is down and the spool full: try again later.",
+                           type="server_error", code="store_unavailable")
         req = ask.req
         if ask.prompt is not None:
             prompt = ask.prompt
@@ -285,29 +297,28 @@ class Proxy:
         look = self.sessions.lookup(messages)
         adm = self.sessions.admit(tag, look, await self._continuation(tag, look) if self.store.shared else None)
         return Draft(
-            id=f"chatcmpl-{os.urandom(12).hex()}",
-            created=int(time.time()),
-            model=self.model_name,
-            messages=messages,
-            tools=ask.tools,
-            prompt_ids=prompt,
-            params=params,
+            id=f"chatcmpl-{os.urandom(12).hex()}", created=int(time.time()), model=self.model_name,
+            messages=messages, tools=ask.tools, prompt_ids=prompt, params=params,
             version=self.backend.version,  # pinned at admission; the backend keeps it
-            adm=adm,
-            request_params=ask.request_params,
-            logprobs=req.logprobs,
-            t0=time.perf_counter(),
-            next_state=adm.next_state,
+            adm=adm, request_params=ask.request_params, logprobs=req.logprobs,
+            t0=time.perf_counter(), next_state=adm.next_state,
         )
 
     async def _continuation(self, tag: TurnTag, look: Lookup) -> Continuation | None:
         """What the shared store knows of the conversation this request continues (several
         proxies on one store: docs/scale-out.md). None when the store cannot say: the request is
-        admitted from this process's memory, as a single proxy admits it."""
+        admitted from this process's memory, as a single proxy admits it (and while this proxy
+        spools: the store is behind its memory, or down)."""
+        if self.durable.spooling:
+            return None
         try:
-            return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys)
-        except Exception:
-            log.exception("could not look the conversation up in the store; using this process's memory")
+            async with asyncio.timeout(self.durable.cfg.write_timeout_s):
+                return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys)
+        except Exception as e:
+            # the store unreachable is reported once, by the writes that spool
+            log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
+                    "could not look the conversation up in the store; using this process's memory",
+                    exc_info=True)
             return None
 
     def attach_next_state(self, d: Draft) -> None:
@@ -333,11 +344,19 @@ class Proxy:
 
     async def _attach(self, ns: NextState) -> None:
         try:
-            await self.store.attach_next_state_async(ns.turn_id, list(ns.messages))
+            out = await self.durable.next_state(ns.turn_id, ns.session_id, list(ns.messages), ns.matched)
         except Exception:
             log.exception("could not attach the next state of %s", ns.turn_id)
             return
-        if self.hooks.on_next_state is not None:
+        if out == "stored" and self.hooks.on_next_state is not None:
+            res = self.hooks.on_next_state(ns)
+            if asyncio.iscoroutine(res):
+                await res
+
+    async def _landed(self, kind: str, data: JSONObject) -> None:
+        """A spooled write reached the store: a next state wakes the learner as it would have."""
+        if kind == "next_state" and self.hooks.on_next_state is not None:
+            ns = NextState(data["turn_id"], data["session_id"], tuple(data["messages"]), data["matched"])
             res = self.hooks.on_next_state(ns)
             if asyncio.iscoroutine(res):
                 await res
@@ -358,37 +377,25 @@ class Proxy:
         keys = self.sessions.reply_keys(d.adm, replies)
         recs = [
             TurnRecord(
-                session_id=d.adm.session_id,
-                messages=d.messages,
-                tools=d.tools,
-                prompt_ids=tuple(d.prompt_ids),
-                completion_ids=c.tokens,
-                logprobs=c.logprobs,
-                top_logprobs=c.top_logprobs,
-                version=c.version,
-                finish_reason=fin,
-                response=reply,
-                request_params=d.request_params,
-                sampling=d.params,
-                turn_type=d.adm.turn_type,
-                tagged=not d.adm.untagged,
-                train=d.adm.train,
-                session_source=d.adm.source,
-                ttft_ms=ttft_ms,
-                total_ms=total_ms,
+                session_id=d.adm.session_id, messages=d.messages, tools=d.tools,
+                prompt_ids=tuple(d.prompt_ids), completion_ids=c.tokens, logprobs=c.logprobs,
+                top_logprobs=c.top_logprobs, version=c.version, finish_reason=fin, response=reply,
+                request_params=d.request_params, sampling=d.params, turn_type=d.adm.turn_type,
+                tagged=not d.adm.untagged, train=d.adm.train, session_source=d.adm.source,
+                ttft_ms=ttft_ms, total_ms=total_ms,
                 id=d.turn_ids[i] if i < len(d.turn_ids) else new_turn_id(),
-                prompt_key=d.adm.fps[-1] if d.adm.fps else None,
-                reply_key=keys[i],
+                prompt_key=d.adm.fps[-1] if d.adm.fps else None, reply_key=keys[i],
             )
             for i, (c, reply, fin) in enumerate(zip(comps, replies, finishes, strict=True))
         ]
         self.attach_next_state(d)
         try:
-            if len(recs) == 1:
-                await self.store.record_turn_async(recs[0])
-            else:
-                await asyncio.gather(*(self.store.record_turn_async(r) for r in recs))
-            self.counters.turns_recorded += len(recs)
+            # one turn without gather's tasks: every answer waits for this
+            outs = [await self.durable.turn(recs[0])] if len(recs) == 1 else \
+                list(await asyncio.gather(*(self.durable.turn(r) for r in recs)))
+            self.counters.turns_recorded += outs.count("stored")
+            self.counters.turns_spooled += outs.count("spooled")
+            self.counters.record_failures += outs.count("lost")
         except Exception:
             self.counters.record_failures += len(recs)
             log.exception("could not record turn(s) of %s", d.id)
@@ -402,16 +409,15 @@ class Proxy:
         """The n choices of one request are a group (its id is the completion's id): each is an
         episode of one turn, addressed by its turn id, trained once the client reports outcomes
         (`POST /v1/episodes/{turn_id}/outcome`) and closes the group or they time out."""
-        eps = [NewEpisode(id=tid, session_id=d.adm.session_id, turn_id=tid) for tid in turn_ids]
         try:
-            await self.store.run(self.store.open_group, d.id, eps, {"choices_of": d.id})
+            await self.durable.choice_group(d.id, d.adm.session_id, turn_ids)
         except Exception:
             log.exception("could not open the group of %s", d.id)
 
     async def close_session(self, session_id: str, reason: str) -> bool:
         known = self.sessions.close(session_id)
         try:
-            await self.store.close_session_async(session_id, reason)
+            await self.durable.close_session(session_id, reason)
         except Exception:
             log.exception("could not close session %s", session_id)
         return known
@@ -466,15 +472,10 @@ class Proxy:
             "version": self.backend.version,
             **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
             "uptime_s": round(time.time() - self.started, 1),
-            "requests": c.requests,
-            "in_flight": c.in_flight,
-            "errors_4xx": c.errors_4xx,
-            "errors_5xx": c.errors_5xx,
-            "turns_recorded": c.turns_recorded,
-            "record_failures": c.record_failures,
-            "completion_tokens": c.completion_tokens,
+            **asdict(c),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens
             "sessions_open": len(self.sessions),
             "turn_counts": dict(self.sessions.counts),
+            "spool": self.durable.status(),
         }
         try:
             out["store"] = asdict(await self.store.run(self.store.stats))

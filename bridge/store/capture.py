@@ -49,6 +49,25 @@ class _Recent:
     depth: int  # turns between it and the nearest turn that stores its whole list
 
 
+@dataclass(frozen=True)
+class NextStateWrite:
+    """A next state to attach (`attach_next_state`), as a spool replays it."""
+
+    turn_id: str
+    messages: list[JSONObject]
+    at: datetime
+
+
+@dataclass(frozen=True)
+class CloseWrite:
+    """A session to close (`close_session`), as a spool replays it."""
+
+    session_id: str
+    reason: str
+
+
+CaptureWrite = TurnRecord | NextStateWrite | CloseWrite
+
 
 class CaptureStore(StoreBase):
     def __init__(self, engine: sa.Engine) -> None:
@@ -98,6 +117,21 @@ class CaptureStore(StoreBase):
 
     async def close_session_async(self, session_id: str, reason: str) -> bool:
         return await self.writer.write(partial(self._close_session, session_id, reason))
+
+    async def replay_async(self, writes: Sequence[CaptureWrite]) -> None:
+        """Apply spooled writes in their order, in one transaction: all of them or none. Each is
+        idempotent (a turn already stored, a next state already attached, a session already
+        closed are no-ops), so a replay of writes that partly landed before is safe."""
+        await self.writer.write(partial(self._replay, list(writes)))
+
+    def _replay(self, writes: list[CaptureWrite], conn: sa.Connection) -> None:
+        for w in writes:
+            if isinstance(w, TurnRecord):
+                self._record_turns(conn, [w])
+            elif isinstance(w, NextStateWrite):
+                self._attach_next_state(w.turn_id, w.messages, w.at, conn)
+            else:
+                self._close_session(w.session_id, w.reason, conn)
 
     # --- sessions -----------------------------------------------------------------------------
     def upsert_session(self, session_id: str, source: SessionSource = "new") -> bool:

@@ -4,6 +4,7 @@ sample is trained twice" a property of the database."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from clawbridge.store.records import (
     pack_ids,
     utcnow,
 )
+from clawbridge.store.writer import unavailable
 from clawbridge.types import SampleState
 
 log = logging.getLogger(__name__)
@@ -296,6 +298,41 @@ class TrainingStore(StoreBase):
             )
             if policy is not None:
                 self._put_version(conn, policy)
+
+    async def commit_step(
+        self, step: TrainingStep, sample_ids: Sequence[int], policy: PolicyVersionRow | None = None
+    ) -> None:
+        """`record_training_step`, waiting out a store that cannot take it (down, full, locked):
+        the step's weights are published by then, and giving up would leave the step half
+        applied (its samples judged, trained again on top of those weights). A commit whose
+        acknowledgement was lost is found by its step row, so the step is recorded once."""
+        wait, waiting = 0.5, False
+        while True:
+            try:
+                if not waiting or not await self.run(self.step_recorded, step):
+                    await self.run(self.record_training_step, step, sample_ids, policy)
+                break
+            except Exception as e:
+                if not unavailable(e):
+                    raise
+                if not waiting:
+                    log.error("the store cannot record training step %d (%s): retrying until it can",
+                              step.step, e)
+                    waiting = True
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 10.0)
+        if waiting:
+            log.warning("training step %d recorded: the store is back", step.step)
+
+    def step_recorded(self, step: TrainingStep) -> bool:
+        """The step's row is stored (the same step number, publishing the same version)."""
+        with self._read() as conn:
+            return conn.execute(
+                sa.select(t.training_steps.c.step).where(
+                    t.training_steps.c.step == step.step,
+                    t.training_steps.c.version_after == step.version_after,
+                )
+            ).first() is not None
 
     def training_steps(self) -> list[TrainingStep]:
         with self._read() as conn:

@@ -60,6 +60,22 @@ class WriterClosed(RuntimeError):
     """The writer was closed; the write was not attempted."""
 
 
+def unavailable(exc: BaseException) -> bool:
+    """The store could not take a write for a reason of its own, not the write's: it is down
+    or unreachable, its disk is full, its file is locked, or the write ran past its deadline.
+    Such a write is worth spooling and trying again; any other failure would fail again."""
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(exc, TimeoutError | OSError | sa.exc.TimeoutError):
+        return True
+    # by PEP 249's class names: the capture path raises the driver's own (`fast.py`), and
+    # SQLAlchemy's wrappers carry the same names
+    return any(c.__name__ in _UNAVAILABLE for c in type(exc).__mro__)
+
+
+_UNAVAILABLE = frozenset({"OperationalError", "InterfaceError"})
+
+
 class AsyncWriter:
     """A single writer thread with a queue. `submit(op)` from any thread returns a
     `concurrent.futures.Future`; `await write(op)` from an event loop never blocks the loop.
@@ -163,7 +179,10 @@ class AsyncWriter:
             # caller, and a connection that died while kept (a database restart) costs one
             # attempt, not the writes. The failed transaction was rolled back; where a connection
             # died during COMMIT and the outcome is unknown, the store's writes are idempotent.
-            log.warning("a batch of %d write(s) failed (%s); retrying each alone", len(live), exc)
+            # An unreachable store is reported once by whoever spools (`serving.durable`), not
+            # once per write.
+            level = logging.DEBUG if unavailable(exc) else logging.WARNING
+            log.log(level, "a batch of %d write(s) failed (%s); retrying each alone", len(live), exc)
             _settle([self._commit_one(it) for it in live])
             return
         self.batches += 1
@@ -175,7 +194,10 @@ class AsyncWriter:
             with self._begin() as conn:
                 res = it.run_alone(conn)
         except Exception as exc:
-            log.exception("store write failed")
+            if unavailable(exc):
+                log.debug("store write failed: %s", exc)
+            else:
+                log.exception("store write failed")
             return it, None, exc
         self.batches += 1
         self.written += 1

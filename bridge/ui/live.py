@@ -51,7 +51,8 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
                      "version": proxy.backend.version, "uptime_s": round(time.time() - proxy.started, 1),
                      "requests": c.requests, "in_flight": c.in_flight, "errors_5xx": c.errors_5xx,
                      "sessions_open": len(proxy.sessions), "spend": spend(settings.data_dir),
-                     "learner": None if learner is None else learner_status(learner)}
+                     "learner": None if learner is None else learner_status(learner),
+                     "spool": proxy.durable.status()}
         return out
 
     async def rollback(version: int) -> JSON:

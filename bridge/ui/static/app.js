@@ -51,6 +51,13 @@ function renderNow(now) {
   setText("serving", "v" + s.version);
   setText("backend", s.live ? `${s.in_flight} in flight · ${s.requests} requests · ${s.sessions_open} open conversations`
                             : "no server running: the recorded data, read-only");
+  const spool = s.spool;  // writes the store could not take (docs/operating.md#when-the-store-is-down)
+  if (spool && spool.store_down_since) {
+    setText("backend", `store unreachable since ${when(spool.store_down_since)} · ${spool.depth} writes spooled, replayed when it is back`
+      + (spool.turns_lost ? ` · ${spool.turns_lost} turns lost` : ""));
+  } else if (spool && spool.depth) {
+    setText("backend", `replaying ${spool.depth} spooled writes into the store`);
+  }
   setText("waiting", `${w.turns_to_judge} to judge · ${w.samples_to_train} to train`);
   setText("waiting-detail", `${w.samples_being_judged} being judged (turns to judge: of the newest ${w.turns_window})`);
   const pause = $("pause");
