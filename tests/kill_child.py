@@ -25,8 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from clawbridge.backends.local import LocalBackend
 from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
-from test_collector import settings_for
-from test_trainer import judged_samples
+from helpers.learning import judged_samples, settings_for
 
 PROMPT, COMPLETION = (1, 520, 3121, 28), (17, 401, 2032)
 

@@ -19,7 +19,7 @@ from clawbridge.learning.gate import GATE_KEY, Gate, GateProbe, question_seed
 from clawbridge.learning.trainer import ROLLBACKS_KEY, Trainer
 from clawbridge.store import Store
 from clawbridge.types import SamplingParams
-from test_collector import collector_for, record_turns, settings_for
+from helpers.learning import collector_for, record_turns, settings_for
 
 PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is Peru?", "What is snow?",
            "How do birds fly?"]

@@ -211,7 +211,7 @@ def test_clawbridge_up_on_a_sqlite_store_another_process_serves_exits_1_and_says
     import subprocess
     import sys
 
-    from test_proxy_crash import free_port
+    from helpers.processes import free_port
 
     data = tmp_path / "data"
     held = Store.open(f"sqlite:///{data / 'clawbridge.db'}")

@@ -14,7 +14,7 @@ from clawbridge.learning.trainer import Trainer, to_datums
 from clawbridge.loss import topk_reverse_kl
 from clawbridge.store import Store
 from clawbridge.types import Datum, LossSpec, OptimSpec
-from test_collector import settings_for
+from helpers.learning import settings_for
 
 
 def full_kl(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ async def test_a_policy_teacher_is_the_trained_adapter_as_the_step_found_it(data
 def hinted_and_approved(store: Store) -> None:
     """Two judged samples: a corrected turn with a hint (its own answer's advantages all zero, as
     with w_negative 0) and an approved one."""
-    from test_collector import record_turns
+    from helpers.learning import record_turns
 
     hinted_turn, plain_turn = record_turns(store, 2)
     n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
@@ -135,7 +135,7 @@ async def test_a_rewrite_learns_the_teachers_distribution_only_with_opd_topk_rew
     rewrite (a draw the hint favours) only with opd_topk_rewrite on, the default."""
     from clawbridge.chat.renderer import Renderer
     from clawbridge.store import Rewrite
-    from test_collector import record_turns
+    from helpers.learning import record_turns
 
     settings = settings_for(data_dir, batch_size=2, opd_topk=8)
     store = Store.open(settings.db_url)
