@@ -29,7 +29,7 @@ import pytest
 from clawbridge.learning.lease import SERVING_KEY, TRAINER_LEASE
 from clawbridge.store import Store
 from helpers.processes import free_port, wait_ready
-from pg import PgCluster, pg_cluster  # noqa: F401
+from pg import PgCluster
 
 MODEL = "tiny-random"
 LIFE_S = 300  # a server outliving this stops itself (SIGTERM), whatever happens to the test
