@@ -56,10 +56,13 @@ demo: $(STAMP) links
 
 test: $(STAMP) links lint typecheck pytest
 
-# ruff, then the house rules: the rooms' import directions and no cycles ([tool.importlinter]).
+# ruff, then the house rules: the rooms' import directions and no cycles ([tool.importlinter]),
+# no package module over 500 lines and no history marker in package code or the README
+# (scripts/house_rules.py).
 lint: links
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
+	$(PY) scripts/house_rules.py
 
 typecheck: links
 	$(VENV)/bin/mypy -p clawbridge

@@ -97,7 +97,7 @@ async def call(
         return await _mapped(what, once, transient)
     retrying = AsyncRetrying(
         stop=stop_after_attempt(policy.attempts),
-        wait=wait_exponential_jitter(initial=policy.initial_s, max=policy.max_s),
+        wait=wait_exponential_jitter(multiplier=policy.initial_s, max=policy.max_s),
         retry=retry_if_exception(transient),
         before_sleep=lambda s: log.warning(
             "%s failed (%s), retry %d/%d", what, s.outcome and s.outcome.exception(),

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine
+from clawbridge.local_gpu.kvcache import CACHE, cache_of
 from clawbridge.types import SamplingParams
 from gpu_common import device_name, hbm_bandwidth, model_dir, write_result
 
@@ -80,10 +81,10 @@ def reference(folder: Path, prompt: list[int], tokens: int, batch: int) -> dict[
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             nxt.tolist()
             first = time.perf_counter() - started
-            cache = out.past_key_values
+            cache = cache_of(out)
             for _ in range(tokens - 1):
-                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = model(input_ids=nxt, **{CACHE: cache}, use_cache=True)
+                cache = cache_of(out)
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 nxt.tolist()
             wall = time.perf_counter() - started

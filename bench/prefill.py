@@ -1,4 +1,4 @@
-"""Prompts prefilled together (`kvbatch.Prefill`, what the engine does for the requests it admits
+"""Prompts prefilled together (`prefill.Prefill`, what the engine does for the requests it admits
 at once) against the same prompts prefilled one forward each (what it did before), on the engine's
 own model: general probe questions as chat prompts, the chat template's opening cached as the
 prefix cache would hold it.
@@ -21,7 +21,8 @@ import torch
 from clawbridge.learning.probes import general_probes
 from clawbridge.local_gpu import models, precision
 from clawbridge.local_gpu.engine import Engine
-from clawbridge.local_gpu.kvbatch import CACHE, cache_of, prefill
+from clawbridge.local_gpu.kvcache import CACHE, cache_of
+from clawbridge.local_gpu.prefill import prefill
 from decode import chat
 from transformers import DynamicCache
 

@@ -13,14 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from clawbridge.local_gpu.kvbatch import (
-    KVBatch,
-    PrefixCache,
-    SlotBatch,
-    cache_of,
-    prefill,
-)
+from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.kvcache import cache_of
+from clawbridge.local_gpu.prefill import prefill
+from clawbridge.local_gpu.prefixcache import PrefixCache
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
+from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.types import (
     SamplingParams,
     TokenChunk,
@@ -73,7 +71,7 @@ class Decoding:
 
     def _admit(self) -> None:
         """Admit waiting sequences into the running batch, prefilled together per served version
-        (`kvbatch.Prefill`). While rows run and more wait than fit, admission waits until a
+        (`prefill.Prefill`). While rows run and more wait than fit, admission waits until a
         chunk of rows is free (`_admit_chunk`): a forward's fixed cost (~60 ms of the embedded
         model's on a CPU, whatever it computes) is then paid once for the chunk, not once for
         each sequence as the rows free one by one."""

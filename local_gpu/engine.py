@@ -2,10 +2,10 @@
 
 Every verb (sample, score, train_step, publish, save/load) runs on that thread, so the model is
 never mutated mid-forward. Sampling is continuously batched: new requests are prefilled together
-(one forward for those admitted at once, `kvbatch.Prefill`) and merged into the running batch
-between decode steps (`kvbatch.KVBatch`); other jobs run one per iteration between decode steps.
-A prompt that shares a prefix with a recent one on the same version prefills only the rest
-(`kvbatch.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe
+(one forward for those admitted at once, `prefill.Prefill`) and merged into the running batch
+between decode steps (`kvbatch.KVBatch`, or `slotbatch.SlotBatch` with `static_cache`); other
+jobs run one per iteration between decode steps. A prompt that shares a prefix with a recent one
+on the same version prefills only the rest (`prefixcache.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe
 futures and per-request queues.
 
 Versions. The trainable adapter is PEFT's "default" and is never served. Version 0 is the base
@@ -21,37 +21,39 @@ folder.
 `rollback(K)` copies vK's folder (or, for v0, the initial adapter kept from start-up) into the
 trainable adapter, drops the optimizer, and publishes it as the next version.
 
-This file holds the engine's lifecycle, its async verbs and the scheduler loop; the work the loop
-does lives beside it, one part per file, each mixed into `Engine`: `decoding` (admission, prefill,
-decode steps, drawing tokens), `versions` (slots, publish, rollback), `training` (score, the
-train step, checkpoints).
+This file holds the engine's lifecycle and its async verbs; the scheduler thread's work lives
+beside it, one part per file, each mixed into `Engine`: `scheduling` (the loop, jobs, shutdown),
+`forwarding` (which adapter a forward runs on; abandoning a long forward on close), `decoding`
+(admission, prefill, decode steps, drawing tokens), `versions` (slots, publish, rollback),
+`training` (score, the train step, checkpoints).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
-import functools
-import logging
 import queue
 import secrets
 import threading
 import warnings
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from clawbridge.local_gpu import adapters, models, precision
-from clawbridge.local_gpu.adapters import BASE, STALE, TRAIN
+from clawbridge.local_gpu.adapters import TRAIN
 from clawbridge.local_gpu.decoding import Decoding, _Job, _Seq
-from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
-from clawbridge.local_gpu.training import SCORE_CHUNK, SCORE_ROW, Training
+from clawbridge.local_gpu.forwarding import Forwarding
+from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.prefixcache import PrefixCache
+from clawbridge.local_gpu.scheduling import Scheduling
+from clawbridge.local_gpu.slotbatch import SlotBatch
+from clawbridge.local_gpu.training import Training
 from clawbridge.local_gpu.versions import VersionSlots
-from clawbridge.protocol import BackendError, UnknownVersion
+from clawbridge.protocol import BackendError
 from clawbridge.types import (
     Completion,
     Datum,
@@ -63,15 +65,8 @@ from clawbridge.types import (
     TokenChunk,
 )
 
-log = logging.getLogger(__name__)
 
-
-class EngineClosing(BackendError):
-    """The engine is closing: the forward in progress (a prefill, a score, a training step) is
-    abandoned between two decoder layers, so that stopping never waits for a long prompt."""
-
-
-class Engine(Decoding, VersionSlots, Training):
+class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
     def __init__(
         self,
         spec: models.ModelSpec,
@@ -364,175 +359,6 @@ class Engine(Decoding, VersionSlots, Training):
             ids.add(im_end)
         return frozenset(i for i in ids if isinstance(i, int))
 
-    # --- the scheduler thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            idle = not (self._waiting or self._jobs or self._active)
-            try:
-                item = self._inbox.get(block=idle)
-                while True:
-                    if item is None:
-                        self._shutdown()
-                        return
-                    if isinstance(item, _Job):
-                        self._jobs.append(item)
-                    else:
-                        self._waiting.append(item)
-                    item = self._inbox.get_nowait()
-            except queue.Empty:
-                pass
-            if self._jobs:
-                job = self._jobs.popleft()
-                self._run_scores([job, *self._more_scores(job)]) if self._scoring(job) else self._run_job(job)
-            self._admit()
-            if self._active:
-                self._decode_step()
-
-    @contextlib.contextmanager
-    def _abandonable(self) -> Iterator[None]:
-        """While a long forward runs (a prefill, a score, a training step), every decoder layer
-        and each of its parts (attention, MLP) first checks that the engine is not closing. Only
-        then: hooks would slow every decode step, and a decode step is short anyway."""
-        def check(_module: torch.nn.Module, _args: Any) -> None:
-            if self._closed:
-                raise EngineClosing("the engine is closing")
-
-        handles = [m.register_forward_pre_hook(check) for layer in self._decoder_layers
-                   for m in (layer, *layer.children())]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _abandonably(self, fn: Callable[..., Any], *args: Any) -> Any:
-        with self._abandonable():
-            return fn(*args)
-
-    @functools.cached_property
-    def _decoder_layers(self) -> list[torch.nn.Module]:
-        """The model's decoder layers (the largest ModuleList of the base model)."""
-        lists = [list(m) for m in self._model.modules() if isinstance(m, torch.nn.ModuleList)]
-        return max(lists, key=len, default=[])
-
-    def _forward(self, names: Sequence[str] | None, **inputs: Any) -> Any:
-        """One forward with each row on its adapter (`names`; None: the trainable adapter).
-
-        Rows on several adapters take PEFT's mixed-batch path. When every row shares one (the
-        usual case: everyone on the newest version), the LoRA layers are pointed at it for this
-        forward instead: the mixed-batch path (per-layer gathers and scatters, hooks on every
-        module) measured twice the cost of a plain forward of SmolLM2 on CPU."""
-        if names is None:
-            self._point_at(None)
-            return self._model(**inputs)
-        unique = set(names)
-        if len(unique) > 1:
-            if self._merged is not None and self._merged.in_place is not None:
-                self._merged.use(None)  # the mixed batch adds each row's adapter to the base's weights
-                self._pointed = STALE
-            return self._model(**inputs, adapter_names=list(names))
-        self._point_at(unique.pop())
-        return self._model(**inputs)
-
-    def _point_at(self, name: str | None) -> None:
-        """Point every LoRA layer at adapter `name` (None: the trainable one as PEFT set it up),
-        only when it changes: the assignment goes through nn.Module.__setattr__ on each of the
-        hundreds of LoRA layers, which measured a few percent of a decode step. PEFT's own
-        set_adapter would also flip requires_grad, which must stay on the trainable adapter.
-        A served adapter runs merged into the weights where the engine merges (`_merged`): the
-        layers then point at no adapter and hold that adapter's merged weights."""
-        if name == self._pointed:
-            return
-        merged = self._merged is not None and name not in (None, BASE)
-        for layer, trainable in zip(self._lora_layers, self._trainable_active, strict=True):
-            layer._active_adapter = trainable if name is None else [] if name == BASE or merged else [name]
-        if self._merged is not None:
-            self._merged.use(name if merged else None)
-        self._pointed = name
-
-    def _forget_merged(self, name: str) -> None:
-        """Slot `name`'s weights changed or it was freed: its merged copy is stale."""
-        if self._merged is not None:
-            self._merged.forget(name)
-            self._pointed = STALE
-
-    def _scoring(self, job: _Job) -> bool:
-        """`job` is a `score` that fits one packed forward (a longer one runs alone, in chunks)."""
-        if job.fn != self._score:
-            return False
-        prompt, completion = job.args[0], job.args[1]
-        return bool(prompt) and bool(completion) and len(prompt) + len(completion) <= SCORE_CHUNK
-
-    def _more_scores(self, first: _Job) -> list[_Job]:
-        """The other waiting `score` jobs on `first`'s model, taken out of the queue (in order,
-        up to SCORE_ROW tokens with `first`'s: one packed forward, decode steps still between):
-        callers ask for many at once (a turn's rewrites, a step's teacher), and each alone pays
-        a whole forward's overhead for a few dozen tokens. Only scores queued before any other
-        job: a score asked after a publish is the new version's."""
-        taken: list[_Job] = []
-        rest: deque[_Job] = deque()
-        room = SCORE_ROW - len(first.args[0]) - len(first.args[1])
-        while self._jobs and self._jobs[0].fn == self._score:
-            job = self._jobs.popleft()
-            size = len(job.args[0]) + len(job.args[1]) if self._scoring(job) else 0
-            if size and job.args[2] == first.args[2] and size <= room:
-                taken.append(job)
-                room -= size
-            else:
-                rest.append(job)
-        self._jobs.extendleft(reversed(rest))
-        return taken
-
-    def _run_scores(self, jobs: list[_Job]) -> None:
-        """The score jobs as one `_scores` job (failing, or failed, as any job), each given its own."""
-        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
-        if not live:
-            return
-        together: concurrent.futures.Future[list[list[float]]] = concurrent.futures.Future()
-        self._run_job(_Job(self._scores, ([job.args for job in live],), together))
-        error = together.exception()
-        for i, job in enumerate(live):
-            if error is not None:
-                job.future.set_exception(error)
-            else:
-                job.future.set_result(together.result()[i])
-
-    def _run_job(self, job: _Job) -> None:
-        if not job.future.set_running_or_notify_cancel():
-            return
-        try:
-            job.future.set_result(job.fn(*job.args))
-        except (UnknownVersion, OSError, EngineClosing) as exc:  # the caller's, the disk's, a stop: no traceback
-            if isinstance(exc, OSError):
-                log.error("engine job %s failed: %s", getattr(job.fn, "__name__", job.fn), exc)
-            job.future.set_exception(exc)
-        except BaseException as exc:
-            log.exception("engine job %s failed", getattr(job.fn, "__name__", job.fn))
-            job.future.set_exception(exc)
-
-    def _shutdown(self) -> None:
-        error = BackendError("the engine was closed")
-        for seq in [*self._active, *self._waiting]:
-            seq.emit(error)
-        for job in self._jobs:
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(error)
-        self._active, self._batch = [], self._new_batch()
-        self._writer.shutdown(wait=True)  # versions being persisted reach the disk
-        while True:  # ... and their publishers hear so
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Job) and item.fn == self._persisted:
-                self._run_job(item)
-            elif isinstance(item, _Job) and item.future.set_running_or_notify_cancel():
-                item.future.set_exception(error)
-            elif isinstance(item, _Seq):
-                item.emit(error)
-
-
 
 async def collect(stream: AsyncIterator[TokenChunk]) -> Completion:
     """Gather a streamed completion into one record."""
@@ -557,4 +383,4 @@ async def collect(stream: AsyncIterator[TokenChunk]) -> Completion:
     )
 
 
-__all__ = ["Engine", "EngineClosing", "collect"]
+__all__ = ["Engine", "collect"]

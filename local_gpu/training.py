@@ -18,8 +18,9 @@ from typing import Any, Literal
 import torch
 from clawbridge.local_gpu import adapters, models
 from clawbridge.local_gpu.adapters import BASE, TRAIN
-from clawbridge.local_gpu.kvbatch import CACHE, PrefixCache, cache_of
+from clawbridge.local_gpu.kvcache import CACHE, cache_of
 from clawbridge.local_gpu.packing import pack, packed_micro_batches
+from clawbridge.local_gpu.prefixcache import PrefixCache
 from clawbridge.loss import batch_tokens, ppo_token_losses, token_logprobs, topk_reverse_kl
 from clawbridge.protocol import BackendError, UnknownVersion
 from clawbridge.types import (

@@ -15,7 +15,9 @@ import torch
 from clawbridge.local_gpu import adapters
 from clawbridge.local_gpu.adapters import BASE, STALE
 from clawbridge.local_gpu.decoding import _Job, _Seq
-from clawbridge.local_gpu.kvbatch import KVBatch, PrefixCache, SlotBatch
+from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.prefixcache import PrefixCache
+from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.protocol import BackendError, UnknownVersion, require_published
 from clawbridge.types import (
     PolicyVersion,

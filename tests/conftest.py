@@ -13,10 +13,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # without it; the gate's own tests (test_gate_live, test_demo) switch it on explicitly.
 os.environ.setdefault("CLAWBRIDGE_GATE", "off")
 
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from clawbridge.local_gpu import models
+from pg import PgCluster, find_pg_bin
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -68,3 +72,27 @@ def api_live(tmp_path_factory: pytest.TempPathFactory):
     server = LiveServer(settings, RecordingBackend(build_backend(settings))).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """A throwaway PostgreSQL server for the whole run (tests/pg.py), skipped where none can run."""
+    bin_dir = find_pg_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found; set CLAWBRIDGE_PG_BIN")
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("psycopg 3 is not installed (pip install 'clawbridge[postgres]')")
+    if os.geteuid() == 0 and shutil.which("runuser") is None:
+        pytest.skip("running as root without runuser: initdb refuses root")
+    cluster = PgCluster(bin_dir)
+    try:
+        cluster.start()
+    except subprocess.CalledProcessError as e:
+        cluster.stop()
+        pytest.skip(f"could not start PostgreSQL: {e.stderr.decode(errors='replace')[-500:]}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -26,8 +26,7 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.learning.promotion import resume
 from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
-from test_collector import settings_for
-from test_trainer import judged_samples
+from helpers.learning import judged_samples, settings_for
 
 PROMPT, COMPLETION = (1, 520, 3121, 28), (17, 401, 2032)
 

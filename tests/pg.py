@@ -5,8 +5,8 @@ fresh temp dir and starts a server on a free loopback port with its socket in th
 kills it (`-m immediate`: the data is thrown away anyway) and removes the dir. initdb refuses to
 run as root, so as root the cluster runs as the `postgres` user.
 
-Use the `pg_cluster` fixture (session-scoped; `from pg import pg_cluster  # noqa: F401` in a test
-module) and `pg_cluster.create_schema()` (or `.create_database()`) for a fresh, empty URL.
+Tests use the `pg_cluster` fixture (session-scoped, in conftest.py) and `pg_cluster.create_schema()`
+(or `.create_database()`) for a fresh, empty URL.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 PG_BIN_DIRS = [Path("/usr/lib/postgresql/15/bin"), Path("/usr/lib/postgresql/16/bin")]
 
@@ -112,26 +109,3 @@ class PgCluster:
         ) as conn:
             conn.execute(f'CREATE SCHEMA "{name}"')
         return f"{self.url()}?options=-csearch_path%3D{name}"
-
-
-@pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[PgCluster]:
-    bin_dir = find_pg_bin()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found; set CLAWBRIDGE_PG_BIN")
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        pytest.skip("psycopg 3 is not installed (pip install 'clawbridge[postgres]')")
-    if os.geteuid() == 0 and shutil.which("runuser") is None:
-        pytest.skip("running as root without runuser: initdb refuses root")
-    cluster = PgCluster(bin_dir)
-    try:
-        cluster.start()
-    except subprocess.CalledProcessError as e:
-        cluster.stop()
-        pytest.skip(f"could not start PostgreSQL: {e.stderr.decode(errors='replace')[-500:]}")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from clawbridge.backends.fireworks import FireworksBackend
-from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
+from clawbridge.backends.remote import PermanentBackendError
 from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 from fakes.fake_fireworks import (
     FakeDeployment,
@@ -14,9 +14,9 @@ from fakes.fake_fireworks import (
     status_error,
 )
 from fakes.reference import fixed_batch, max_diff, reference_step
+from helpers.cloud import FAST
+from helpers.cloud import FIREWORKS_BASE as BASE
 
-FAST = RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=60.0)
-BASE = "accounts/fireworks/models/qwen3-4b"
 PROMPT = (1, 520, 3121, 28, 1830, 446)
 
 

@@ -10,14 +10,14 @@ import pytest
 from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.backends.local import LocalBackend
 from clawbridge.backends.modal import ModalBackend
-from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
+from clawbridge.backends.remote import PermanentBackendError
 from clawbridge.types import OptimSpec, SamplingParams
 from fakes.fake_modal import FakeEngine
 from fakes.reference import fixed_batch
+from helpers.cloud import MODAL_FAST as FAST
 from modal.exception import AuthError, InternalFailure
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*executing locally.*")
-FAST = RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=120.0)
 PROMPT = (1, 520, 3121, 28, 1830, 446)
 
 

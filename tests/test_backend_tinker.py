@@ -14,9 +14,9 @@ from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
 from fakes.fake_tinker import FakeTinkerService, status_error, timeout_error
 from fakes.reference import fixed_batch, max_diff, reference_step
 from fakes.torch_platform import Hang, TinyPlatform
+from helpers.cloud import FAST
+from helpers.cloud import TINKER_BASE as BASE
 
-FAST = RetryPolicy(attempts=3, initial_s=0.01, max_s=0.02, timeout_s=60.0)
-BASE = "Qwen/Qwen3-4B-Instruct-2507"
 PROMPT = (1, 520, 3121, 28, 1830, 446)
 
 

@@ -1,4 +1,4 @@
-"""Prompts admitted together are prefilled in one forward (`kvbatch.Prefill`): right-aligned, each
+"""Prompts admitted together are prefilled in one forward (`prefill.Prefill`): right-aligned, each
 continuing its own cached prefix, padded on the left. It must change nothing but the time: every
 row's next-token logits and cache equal its prompt's forward alone (a shorter prompt's padding
 never reaches a real row), and the engine's greedy answers to requests sent at once equal each
@@ -14,7 +14,10 @@ import pytest
 import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine, collect
-from clawbridge.local_gpu.kvbatch import CACHE, KVBatch, SlotBatch, cache_of, prefill
+from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.kvcache import CACHE, cache_of
+from clawbridge.local_gpu.prefill import prefill
+from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.types import SamplingParams
 from transformers import DynamicCache
 

@@ -12,7 +12,7 @@ from clawbridge.judges import Teacher
 from clawbridge.learning.distillation import to_datum, to_datums
 from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
-from test_collector import record_turns, settings_for
+from helpers.learning import record_turns, settings_for
 
 
 def test_a_sample_without_advantages_cannot_become_a_datum(data_dir: Path):
@@ -28,7 +28,7 @@ def test_a_sample_without_advantages_cannot_become_a_datum(data_dir: Path):
 def hinted_and_approved(store: Store) -> None:
     """Two judged samples: a corrected turn with a hint (its own answer's advantages all zero, as
     with w_negative 0) and an approved one."""
-    from test_collector import record_turns
+    from helpers.learning import record_turns
 
     hinted_turn, plain_turn = record_turns(store, 2)
     n = len(store.get_turn(hinted_turn).completion_ids)  # type: ignore[union-attr]
@@ -70,7 +70,7 @@ async def test_a_rewrite_learns_the_teachers_distribution_only_with_opd_topk_rew
     rewrite (a draw the hint favours) only with opd_topk_rewrite on, the default."""
     from clawbridge.chat.renderer import Renderer
     from clawbridge.store import Rewrite
-    from test_collector import record_turns
+    from helpers.learning import record_turns
 
     settings = settings_for(data_dir, batch_size=2, opd_topk=8)
     store = Store.open(settings.db_url)

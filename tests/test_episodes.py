@@ -19,7 +19,6 @@ from clawbridge.learning.learner import Learner
 from clawbridge.server import build_backend, learner_hooks, learner_task
 from clawbridge.store import EpisodeError, NewEpisode, Sample, Store, TurnRecord
 from live_server import LiveServer
-from pg import pg_cluster  # noqa: F401
 
 MODEL = "tiny-random"
 

@@ -4,51 +4,15 @@ the serving weights, and what serves afterwards answers as before."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from clawbridge.backends.local import LocalBackend
-from clawbridge.chat.renderer import Renderer
 from clawbridge.learning.gate import Gate, GateProbe, question_seed
 from clawbridge.learning.trainer import Trainer
-from clawbridge.store import Store
 from clawbridge.types import SamplingParams
-from test_collector import collector_for, record_turns, settings_for
-
-PROMPTS = ["What is rain?", "Why is the sky blue?", "What is a cat?", "Where is Peru?", "What is snow?",
-           "How do birds fly?"]
-
-
-@contextlib.asynccontextmanager
-async def _wrecked(tmp_path: Path, **overrides: Any) -> AsyncIterator[tuple[Any, Store, LocalBackend, Renderer, SamplingParams]]:
-    """A learning rate that wrecks the tiny model in one step (the "harmful run"), the gate on with
-    only the caller's probes; a pinned local backend and seed-7 sampling. Closed on the way out."""
-    settings = settings_for(tmp_path, learning_rate=0.5, gate="on", gate_probes=0, **overrides)
-    store = Store.open(settings.db_url)
-    backend = LocalBackend.from_settings(settings)
-    await backend.start()
-    try:
-        yield settings, store, backend, Renderer(backend.tokenizer()), SamplingParams(max_tokens=8, temperature=1.0, seed=7)
-    finally:
-        await backend.close()
-        store.close()
-
-
-def _as_gate(params: SamplingParams, question: str) -> SamplingParams:
-    """`params` as the gate asks `question` with them: the question's own seed."""
-    return dataclasses.replace(params, seed=question_seed(params.seed, question))
-
-
-async def _answers(backend: LocalBackend, renderer: Renderer, params: SamplingParams, version: int) -> list[str]:
-    out = []
-    for p in PROMPTS:
-        [c] = await backend.sample(renderer.render([{"role": "user", "content": p}]), params, version=version)
-        out.append(renderer.decode(c.tokens))
-    return out
+from helpers.gate import PROMPTS, _answers, _as_gate, _plain, _wrecked
+from helpers.learning import collector_for, record_turns
 
 
 async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
@@ -84,12 +48,6 @@ async def test_a_worse_candidate_is_held_back_and_serving_stays(tmp_path: Path):
         assert [g.decision for g in store.history().decisions] == ["rejected"]
         assert await _answers(backend, renderer, params, 2) == before
         assert await _answers(backend, renderer, params, 1) != before
-
-
-async def _plain(backend: LocalBackend, renderer: Renderer, params: SamplingParams) -> list[str]:
-    return [renderer.parse(
-        (await backend.sample(renderer.render([{"role": "user", "content": p}]), _as_gate(params, p), version=0))[0].tokens,
-        "length").content or "" for p in PROMPTS]
 
 
 @pytest.mark.parametrize("reserve", [False, True])

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from clawbridge.store import Store
-from test_collector import settings_for
+from helpers.learning import settings_for
 
 CHILD = Path(__file__).with_name("kill_child.py")
 
@@ -135,8 +135,8 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
 ):
     from clawbridge.learning.promotion import resume
     from clawbridge.learning.trainer import Trainer
+    from helpers.learning import judged_samples
     from kill_child import COMPLETION, PROMPT
-    from test_trainer import judged_samples
 
     data = tmp_path / "data"
     data.mkdir()
@@ -144,7 +144,8 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     if platform == "tinker":
         from clawbridge.backends.tinker import TinkerBackend
         from fakes.fake_tinker import FakeTinkerService
-        from test_backend_tinker import BASE, FAST
+        from helpers.cloud import FAST
+        from helpers.cloud import TINKER_BASE as BASE
 
         service = FakeTinkerService()  # the cloud: it keeps every saved state across client restarts
 
@@ -154,7 +155,7 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     elif platform == "modal":
         from clawbridge.backends.modal import ModalBackend
         from fakes.fake_modal import FakeEngine
-        from test_backend_modal import FAST as MODAL_FAST
+        from helpers.cloud import MODAL_FAST
 
         def backend_of() -> Any:  # a new engine on the same directory: a cold start on the Volume
             return ModalBackend(engine=FakeEngine(data / "volume"), tokenizer=tokenizer, model_name="tiny-random",
@@ -162,8 +163,8 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     else:
         from clawbridge.backends.fireworks import FireworksBackend
         from fakes.fake_fireworks import FakeFiretitanService
-        from test_backend_fireworks import BASE as FW_BASE
-        from test_backend_fireworks import FAST as FW_FAST
+        from helpers.cloud import FAST as FW_FAST
+        from helpers.cloud import FIREWORKS_BASE as FW_BASE
 
         firetitan = FakeFiretitanService()
 

@@ -10,7 +10,7 @@ from clawbridge.judges.hints import HintJudge
 from clawbridge.learning.learner import Learner
 from clawbridge.server import bind_learner
 from clawbridge.store import Store
-from test_collector import record_turns, settings_for
+from helpers.learning import record_turns, settings_for
 
 
 async def test_overlap_selection_ranks_hints_with_the_teacher(tmp_path: Path):

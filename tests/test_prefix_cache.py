@@ -12,7 +12,7 @@ import pytest
 import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine, collect
-from clawbridge.local_gpu.kvbatch import PrefixCache
+from clawbridge.local_gpu.prefixcache import PrefixCache
 from clawbridge.types import Completion, Datum, LossSpec, OptimSpec, SamplingParams
 from transformers import DynamicCache
 

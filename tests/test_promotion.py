@@ -23,8 +23,8 @@ from clawbridge.learning.promotion import (
 from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
 from clawbridge.types import SamplingParams
-from test_collector import collector_for, record_turns
-from test_gate_live import PROMPTS, _answers, _as_gate, _plain, _wrecked
+from helpers.gate import PROMPTS, _answers, _as_gate, _plain, _wrecked
+from helpers.learning import collector_for, record_turns
 
 
 async def test_a_candidate_the_gate_never_judged_is_judged_after_a_restart(tmp_path: Path):

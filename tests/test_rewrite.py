@@ -21,7 +21,7 @@ from clawbridge.learning.trainer import Trainer
 from clawbridge.local_gpu import models
 from clawbridge.store import Rewrite, Store, StoredTurn, TurnRecord
 from clawbridge.types import SamplingParams
-from test_collector import collector_for, record_turns, settings_for
+from helpers.learning import collector_for, record_turns, settings_for
 
 
 def short_turns(store: Store, replies: list[str], first: int = 0) -> list[str]:

@@ -19,9 +19,8 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.cli.main import app
 from clawbridge.learning.learner import Learner
 from clawbridge.server import bind_learner, learner_hooks
+from helpers.learning import judged_samples, settings_for
 from live_server import LiveServer
-from test_collector import settings_for
-from test_trainer import judged_samples
 from typer.testing import CliRunner
 
 KEY = "rollback-test-key"

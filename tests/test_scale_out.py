@@ -28,8 +28,8 @@ import httpx
 import pytest
 from clawbridge.learning.lease import SERVING_KEY, TRAINER_LEASE
 from clawbridge.store import Store
-from pg import PgCluster, pg_cluster  # noqa: F401
-from test_proxy_crash import free_port, wait_ready
+from helpers.processes import free_port, wait_ready
+from pg import PgCluster
 
 MODEL = "tiny-random"
 LIFE_S = 300  # a server outliving this stops itself (SIGTERM), whatever happens to the test

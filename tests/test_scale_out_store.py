@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from clawbridge.serving.sessions import NextState, Sessions, TurnTag
 from clawbridge.store import Store, StoreInUse, TurnRecord
-from pg import PgCluster, pg_cluster  # noqa: F401
+from pg import PgCluster
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -73,7 +73,7 @@ def assistant(text: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def pg_store(pg_cluster: PgCluster) -> Iterator[Store]:  # noqa: F811
+def pg_store(pg_cluster: PgCluster) -> Iterator[Store]:
     with Store.open(pg_cluster.create_schema()) as s:
         yield s
 
@@ -211,7 +211,7 @@ def test_clawbridge_up_on_a_sqlite_store_another_process_serves_exits_1_and_says
     import subprocess
     import sys
 
-    from test_proxy_crash import free_port
+    from helpers.processes import free_port
 
     data = tmp_path / "data"
     held = Store.open(f"sqlite:///{data / 'clawbridge.db'}")

@@ -397,7 +397,7 @@ def test_kill_minus_9_during_an_outage_then_a_restart_after_it_loses_nothing(tmp
     import subprocess
     import sys
 
-    from test_proxy_crash import free_port, wait_ready
+    from helpers.processes import free_port, wait_ready
 
     port, data, url = free_port(), tmp_path / "data", pg.create_database()
     base = f"http://127.0.0.1:{port}"

@@ -17,8 +17,8 @@ from clawbridge.local_gpu.fsdp import FSDPTrainer, free_port
 from clawbridge.local_gpu.supervisor import Policy, ServerSpec, Supervisor
 from clawbridge.protocol import BackendError
 from clawbridge.types import Datum, OptimSpec
+from helpers.processes import alive
 from live_server import LiveServer
-from test_supervisor import alive
 
 FAKE = str(Path(__file__).parent / "fakes" / "fake_sglang.py")
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from clawbridge.local_gpu import models
 from clawbridge.local_gpu.engine import Engine, collect
-from clawbridge.local_gpu.kvbatch import CACHE, SlotBatch
+from clawbridge.local_gpu.kvcache import CACHE
+from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.types import Completion, SamplingParams
 
 G = torch.Generator().manual_seed(7)

@@ -17,7 +17,7 @@ from typing import IO
 import httpx
 import pytest
 from clawbridge.store import Store
-from test_proxy_crash import free_port, wait_ready
+from helpers.processes import free_port, wait_ready
 
 pytestmark = pytest.mark.slow
 

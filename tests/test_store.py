@@ -38,7 +38,7 @@ from clawbridge.store import (
 from clawbridge.store.base import alembic_config
 from clawbridge.store.schema import metadata
 from clawbridge.types import SamplingParams, TokenLogprob
-from pg import PgCluster, pg_cluster  # noqa: F401
+from pg import PgCluster
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

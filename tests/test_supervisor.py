@@ -18,6 +18,7 @@ from clawbridge.local_gpu.supervisor import (
     plan_specs,
     sglang_argv,
 )
+from helpers.processes import alive
 
 FAKE = str(Path(__file__).parent / "fakes" / "fake_sglang.py")
 FAST = Policy(ready_timeout_s=30, poll_s=0.1, health_timeout_s=0.5, unhealthy_after=2,
@@ -27,14 +28,6 @@ FAST = Policy(ready_timeout_s=30, poll_s=0.1, health_timeout_s=0.5, unhealthy_af
 def fake(name: str, *flags: str, gpus: tuple[int, ...] = (4, 5)) -> ServerSpec:
     port = free_port()
     return ServerSpec(name, (sys.executable, FAKE, "--no-model", "--port", str(port), *flags), port, gpus)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def wait_for(cond, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import torch
 from clawbridge.backends.local import LocalBackend
 from clawbridge.loss import topk_reverse_kl
 from clawbridge.types import Datum, LossSpec, OptimSpec
-from test_collector import settings_for
+from helpers.learning import settings_for
 
 
 def full_kl(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -19,19 +19,8 @@ from clawbridge.learning.trainer import Trainer, step_record, warmed
 from clawbridge.server import learner_hooks, learner_task
 from clawbridge.store import Store
 from clawbridge.types import OptimSpec, StepMetrics
+from helpers.learning import judged_samples, settings_for
 from live_server import LiveServer
-from test_collector import record_turns, settings_for
-
-
-def judged_samples(store: Store, n: int, method: str = "combine") -> list[int]:
-    ids = []
-    for tid in record_turns(store, n):
-        turn = store.get_turn(tid)
-        assert turn is not None
-        reward = 1.0 if len(ids) % 2 == 0 else -1.0
-        sid, _ = store.create_sample(tid, method, reward=reward, advantages=(reward,) * len(turn.completion_ids))
-        ids.append(sid)
-    return ids
 
 
 def test_step_record_summarises_the_batch():

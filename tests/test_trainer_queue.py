@@ -14,8 +14,9 @@ from clawbridge.store import Store
 from clawbridge.store.records import TurnRecord
 from clawbridge.types import SamplingParams
 from fakes.fake_tinker import FakeTinkerService
-from test_backend_tinker import BASE, FAST
-from test_collector import settings_for
+from helpers.cloud import FAST
+from helpers.cloud import TINKER_BASE as BASE
+from helpers.learning import settings_for
 
 
 def samples(store: Store, tokenizer, temperatures: list[float]) -> list[int]:

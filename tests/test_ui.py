@@ -18,7 +18,6 @@ from clawbridge.store.browse import turn_status
 from clawbridge.ui import Board, ui_routes
 from clawbridge.ui.auth import COOKIE, session_token
 from clawbridge.ui.live import offline_board
-from pg import pg_cluster  # noqa: F401
 from starlette.applications import Starlette
 from ui_helpers import Served, judge, seed_store, turn
 

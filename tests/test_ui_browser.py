@@ -21,7 +21,7 @@ import httpx
 import pytest
 from clawbridge.backends.local import LocalBackend
 from clawbridge.server import Running, serve, serving_extras
-from test_collector import settings_for
+from helpers.learning import settings_for
 
 INSTALL = "apt-get install -y chromium chromium-driver"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
