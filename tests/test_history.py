@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import command
 from clawbridge.store import GateRecord, History, PolicyVersionRow, Preference, Store
 from clawbridge.store.base import alembic_config
-from pg import PgCluster, pg_cluster  # noqa: F401
+from pg import PgCluster
 
 FIXTURE = Path(__file__).parent / "fixtures" / "history_0006"
 OLD_KEYS = ("gate.decisions", "policy.rollbacks", "policy.blends", "learning.preferences")
