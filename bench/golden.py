@@ -11,9 +11,12 @@ that must not change behaviour (a refactor) can be proved bit-identical.
 steps, versions after v0, the gate's and the trainer's records, adapters) and keeps what was
 captured (sessions, turns, next states); then it builds the learner's parts on the local backend
 (fp32, the demo's settings for the scenario) and drives them one after another, with no server and
-no clock: the collector judges every turn, then the trainer takes `steps` steps, each judged by the
-gate. Sampling a request leaves unseeded (a rewrite's teacher draws, fresh draws) is seeded from
-its prompt and how often that prompt was asked, so concurrency cannot reorder the dice.
+no clock: the collector judges every turn, one at a time, then the trainer takes `steps` steps,
+each judged by the gate. The engine decodes one row at a time and keeps no prefix cache (a row's last
+bits can depend on the rows batched beside it and on a prefill that reused another prompt's KV,
+and which requests meet depends on timing), and sampling a request leaves
+unseeded (a rewrite's teacher draws, fresh draws) is seeded from its prompt and how often that
+prompt was asked, so concurrency cannot reorder the dice.
 
 Recorded: every `train_step` (its datums: prompt, completion, logprobs, advantages, teacher
 prompt; the loss and optimizer specs; the metrics it returned), every publish, blend, rollback,
@@ -68,6 +71,12 @@ def _record(trace: Trace, cls: type, name: str, summary: Callable[[tuple[Any, ..
         setattr(cls, name, wrapped)
 
 
+def _without_seconds(record: dict[str, Any]) -> dict[str, Any]:
+    """A gate record without the wall time it took."""
+    figures = {k: v for k, v in record.get("figures", {}).items() if k != "seconds"}
+    return {**record, "figures": figures}
+
+
 def install(trace: Trace) -> None:
     from clawbridge.backends.local import LocalBackend
     from clawbridge.learning.gate import Gate
@@ -80,7 +89,7 @@ def install(trace: Trace) -> None:
         _record(trace, LocalBackend, verb, lambda a, r: {"args": _plain(a), "version": r.version})
     _record(trace, LocalBackend, "restore", lambda a, r: {"args": _plain(a)})
     _record(trace, LocalBackend, "serve", lambda a, r: {"args": _plain(a)})
-    _record(trace, Gate, "evaluate", lambda a, r: {"decision": _plain(r.record())})
+    _record(trace, Gate, "evaluate", lambda a, r: {"decision": _without_seconds(_plain(r.record()))})
 
 
 def seed_unseeded(cls: type) -> None:
@@ -136,7 +145,10 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
     from clawbridge.store import Store
 
     sc = scenarios.load(scenario_name)
-    settings = demo_settings(sc, data_dir, model=model, seed=seed)
+    # one row at a time: a row's arithmetic can depend on the rows batched beside it (the last
+    # bits of fp32 matrix products), and which requests meet in a batch depends on timing
+    # and no prefix cache: whether a prompt's prefill reuses another's KV depends on what ran before
+    settings = demo_settings(sc, data_dir, model=model, seed=seed, engine_max_batch=1, prefix_cache_mb=0)
     backend = LocalBackend.from_settings(settings, threads=threads())
     await backend.start()
     store = Store.open(settings.db_url)
@@ -145,7 +157,7 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
         bind_learner(learner, backend, store)
         assert learner.parts is not None
         settled = 0
-        while (n := await learner.parts.collector.run_once()) > 0:
+        while (n := await learner.parts.collector.run_once(limit=1)) > 0:
             settled += n
         print(f"collector: {settled} samples settled", file=sys.stderr)
         for k in range(steps):
