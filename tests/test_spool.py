@@ -71,6 +71,30 @@ def test_records_come_back_in_order_and_a_torn_last_one_is_cut_off(tmp_path: Pat
     sp.close()
 
 
+def test_every_spool_file_is_private_whatever_the_umask(tmp_path: Path):
+    """Under a umask that grants everything, and with a log left world-readable by a copy, the
+    folder is 0700 and every file in it (log, position, lock) 0600."""
+    import os
+
+    d = tmp_path / "data" / "spool"
+    old = os.umask(0)
+    try:
+        sp = Spool.open(d, 1 << 20)
+        for i in range(3):
+            sp.append("close", {"session_id": f"s{i}", "reason": "x"})
+        sp.commit(sp.pending(1))  # the position is written
+        sp.close()
+        (d / LOG).chmod(0o644)
+        sp = Spool.open(d, 1 << 20)
+        sp.commit(sp.pending(1))
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()}
+        sp.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert modes == {"spool.log": 0o600, "spool.pos": 0o600, "spool.lock": 0o600}
+
+
 def test_the_size_limit_refuses_a_record(tmp_path: Path):
     sp = Spool.open(tmp_path / "s", 200)
     sp.append("close", {"session_id": "a", "reason": "x"})
@@ -166,6 +190,79 @@ async def test_a_kill_while_spooled_then_a_restart_stores_each_write_once(tmp_pa
         assert [t.id for t in got] == [r.id for r in recs] and [t.index for t in got] == [0, 1, 2]
         assert got[1].next_state == [{"role": "user", "content": "thanks"}]
         assert second.depth == 0 and second.status()["writes_lost"] == 0
+    finally:
+        await second.close()
+        store.close()
+
+
+class Killed(BaseException):
+    """The process dies here: nothing after this point runs (not even `except Exception`)."""
+
+
+@pytest.mark.parametrize("dies_at", [1, 2, 3, 4, 5])
+async def test_a_kill_in_the_middle_of_a_replay_then_a_restart_stores_each_write_once(
+    tmp_path: Path, dies_at: int
+):
+    """Two sessions' turns, next states, a feedback, a choice group and a close, spooled in one
+    outage; the replay dies after the store took its `dies_at`-th run of writes but before the
+    spool saved how far it got. The restart replays that run again: each write lands once, the
+    turns keep their order and indexes, the feedback makes one judgment and one sample."""
+    from clawbridge.learning.feedback import FeedbackRequest
+    from clawbridge.routes import SPOOL_HANDLERS
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    store = Store.open(url)
+    disk = DiskFull(store.engine)
+    first = Durable(store, cfg(tmp_path))
+    first.handlers.update(SPOOL_HANDLERS)
+    a, b = [turn("a", k) for k in range(2)], [turn("b", k) for k in range(2)]
+    disk.full = True
+    assert await first.turn(a[0]) == await first.turn(b[0]) == "spooled"
+    await first.next_state(a[0].id, "a", [{"role": "user", "content": "next a"}], True)
+    assert await first.turn(a[1]) == "spooled"
+    fb = FeedbackRequest(session_id="a", turn_id=a[0].id, reward=1.0)
+    first.append("feedback", {"feedback": fb.model_dump(mode="json"), "method": "binary"})
+    await first.next_state(b[0].id, "b", [{"role": "user", "content": "next b"}], True)
+    assert await first.turn(b[1]) == "spooled"
+    await first.choice_group("grp", "b", [b[1].id])
+    await first.close_session("a", "client")
+    assert first.depth == 9
+    await first.close()  # no replay in the background: this one is driven by hand
+    disk.full = False
+    spool, commits = first.open(), []
+    commit = spool.commit
+
+    def commit_or_die(entries: list[Any]) -> None:
+        commits.append(len(entries))
+        if len(commits) == dies_at:
+            raise Killed  # the store has the run; the spool's position is not saved
+        commit(entries)
+
+    spool.commit = commit_or_die  # type: ignore[method-assign]
+    with pytest.raises(Killed):
+        await first.drain(30)
+    spool.close()  # the process is gone
+    store.close()
+
+    store = Store.open(url)
+    second = Durable(store, cfg(tmp_path))
+    second.handlers.update(SPOOL_HANDLERS)
+    try:
+        await second.start()
+        assert second.depth == 0 and second.status()["writes_lost"] == 0
+        for sid, recs, nxt in (("a", a, "next a"), ("b", b, "next b")):
+            got = store.session_turns(sid)
+            assert [t.id for t in got] == [r.id for r in recs] and [t.index for t in got] == [0, 1]
+            assert got[0].next_state == [{"role": "user", "content": nxt}]
+        assert [j.kind for j in store.judgments(a[0].id)] == ["feedback"]
+        assert [s.turn_id for s in store.pending_samples(state="pending")] == [a[0].id]
+        group = store.get_group("grp")
+        assert group is not None
+        sa_ = store.get_session("a")
+        assert sa_ is not None and sa_.done and sa_.turns == 2
+        with store.engine.connect() as conn:
+            n = conn.exec_driver_sql("SELECT count(*), count(DISTINCT id) FROM turns").one()
+        assert n[0] == n[1] == 4
     finally:
         await second.close()
         store.close()
@@ -295,6 +392,46 @@ def test_a_full_disk_loses_nothing_once_space_returns(sqlite_live: tuple[LiveSer
     judged = store.judgments(fb.json()["turn_id"])
     assert [j.kind for j in judged] == ["feedback"]
     assert (Path(live.proxy.durable.cfg.dir) / LOG).stat().st_size == 0
+
+
+def test_interleaved_sessions_in_an_outage_keep_their_order_next_states_and_feedback(
+    sqlite_live: tuple[LiveServer, DiskFull]
+):
+    """Two conversations of three turns each, their requests interleaved while the store is
+    down, and a feedback (by session) for a turn that is still spooled, given before that
+    session's next turn: once the store is back each session has its turns in order, each
+    turn its next state, and the feedback is on the turn it was given for, not the later one."""
+    live, disk = sqlite_live
+    store = live.proxy.store
+    sids = ["left", "right"]
+    history: dict[str, list[dict[str, Any]]] = {sid: [] for sid in sids}
+    feedback: dict[str, Any] = {}
+    with httpx.Client(timeout=60) as h:
+        disk.full = True
+        for k in range(3):
+            for sid in sids:
+                history[sid].append({"role": "user", "content": f"q{k} of {sid}"})
+                r = h.post(f"{live.url}/v1/chat/completions", headers={"X-Session-Id": sid},
+                           json={"model": MODEL, "max_tokens": 4, "messages": history[sid]})
+                assert r.status_code == 200, r.text
+                history[sid].append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
+            if k == 1:
+                fb = h.post(f"{live.url}/v1/feedback", json={"session_id": "left", "reward": -1})
+                assert fb.status_code == 202, fb.text
+                feedback = fb.json()
+        assert live.proxy.durable.status()["state"] == "down"
+        disk.full = False
+        st = wait_drained(live)
+    assert st["writes_lost"] == 0 and live.proxy.counters.record_failures == 0
+    for sid in sids:
+        got = store.session_turns(sid)
+        assert [t.index for t in got] == [0, 1, 2]
+        assert [t.messages[-1]["content"] for t in got] == [f"q{k} of {sid}" for k in range(3)]
+        assert [t.next_state for t in got[:2]] == [[{"role": "user", "content": f"q{k} of {sid}"}] for k in (1, 2)]
+    left = store.session_turns("left")
+    assert feedback["turn_id"] == left[1].id
+    fbs = {t.id: [j.reward for j in store.judgments(t.id) if j.kind == "feedback"] for t in left}
+    assert fbs == {left[0].id: [], left[1].id: [-1.0], left[2].id: []}
 
 
 def load(url: str, sessions: list[str], stop: threading.Event, clients: int = 3) -> threading.Thread:
