@@ -104,6 +104,49 @@ def test_the_size_limit_refuses_a_record(tmp_path: Path):
     sp.close()
 
 
+class ShortWrites:
+    """The spool's file on a disk that fills in the middle of a record: the first write puts
+    half the record on disk and returns its count (as an unbuffered write does), or raises."""
+
+    def __init__(self, f: Any, *, raises: bool) -> None:
+        self.f, self.raises, self.armed = f, raises, True
+
+    def write(self, data: bytes) -> int:
+        if not self.armed:
+            return int(self.f.write(data))
+        self.armed = False
+        n = self.f.write(data[: len(data) // 2])
+        if self.raises:
+            raise OSError(28, "No space left on device")
+        return int(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["short-write", "enospc"])
+def test_a_record_torn_by_a_full_disk_is_refused_and_the_records_after_it_are_kept(
+    tmp_path: Path, raises: bool
+):
+    """A record half written (the spool's disk filled, then had room again) is refused, not left
+    in the middle of the log, where it would hide every record after it from the replay and be
+    cut off with them at the next start."""
+    sp = Spool.open(tmp_path / "s", 1 << 20)
+    sp.append("close", {"session_id": "a", "reason": "x"})
+    sp._log = ShortWrites(sp._log, raises=raises)  # type: ignore[assignment]
+    with pytest.raises(OSError):
+        sp.append("close", {"session_id": "torn", "reason": "x"})
+    sp.append("close", {"session_id": "c", "reason": "x"})
+    assert sp.depth == 2 and [e.data["session_id"] for e in sp.pending()] == ["a", "c"]
+    assert sp.size == (tmp_path / "s" / LOG).stat().st_size
+    sp.close()
+    sp = Spool.open(tmp_path / "s", 1 << 20)  # a restart keeps both
+    assert sp.depth == 2 and [e.data["session_id"] for e in sp.pending()] == ["a", "c"]
+    sp.commit(sp.pending())
+    assert sp.depth == 0 and (tmp_path / "s" / LOG).stat().st_size == 0
+    sp.close()
+
+
 def test_a_turn_round_trips_bit_for_bit():
     rec = turn("s", 3, top_logprobs=((TokenLogprob(3, -0.1), TokenLogprob(9, -2.5)),) * 2,
                prompt_key=b"\x00\xff", reply_key=b"k", ttft_ms=1.5)
