@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -131,15 +132,24 @@ class Spool:
         self._log = self._lock = None
 
     def append(self, kind: str, data: JSONObject) -> None:
-        """Append one record and fsync it; SpoolFull past the size limit."""
+        """Append one record and fsync it; SpoolFull past the size limit, OSError when the disk
+        cannot take it (nothing of it is left in the log)."""
         assert self._log is not None, "the spool is closed"
         now = time.time()
         body = codec.dumps({"k": kind, "at": now, "d": data}).encode()
         rec = _HEAD.pack(len(body), zlib.crc32(body)) + body
         if self.size + len(rec) > self.max_bytes:
             raise SpoolFull(f"the spool is full ({self.size} of {self.max_bytes} bytes)")
-        self._log.write(rec)
-        os.fsync(self._log.fileno())
+        fd = self._log.fileno()
+        try:
+            if self._log.write(rec) != len(rec):  # an unbuffered write may stop short (a full disk)
+                raise OSError(errno.ENOSPC, f"the spool's disk took part of a record ({self.dir})")
+            os.fsync(fd)
+        except BaseException:
+            # a half record left here would hide every record appended after it
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self.size)
+            raise
         self.size += len(rec)
         self.depth += 1
         if self.oldest_at is None:
