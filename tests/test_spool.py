@@ -187,6 +187,37 @@ async def test_a_locked_sqlite_file_spools_then_replays(tmp_path: Path):
         store.close()
 
 
+async def test_a_record_corrupted_in_the_middle_of_a_live_spool_is_counted_lost_not_spun_on(tmp_path: Path, caplog):
+    """A record in the middle of the log damaged on disk while the proxy runs: the replay
+    stores what it can read, counts what it cannot as lost with one log line, and the spool
+    empties; it never retries an unreadable record forever (the replay task awaits nothing
+    then, and would hold the event loop)."""
+    store = Store.open(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    disk = DiskFull(store.engine)
+    durable = Durable(store, cfg(tmp_path))
+    try:
+        disk.full = True
+        recs = [turn("s", k) for k in range(3)]
+        assert [await durable.turn(r) for r in recs] == ["spooled"] * 3
+        await durable.close()  # no replay in the background: this one is driven by hand
+        first = durable.open().pending(1)[0]
+        with open(tmp_path / "spool" / LOG, "r+b") as f:  # a byte of the second record flips
+            f.seek(first.end + 12)
+            byte = f.read(1)
+            f.seek(first.end + 12)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        disk.full = False
+        with caplog.at_level(logging.ERROR):
+            for _ in range(3):
+                assert await durable.replay()
+        assert durable.depth == 0 and durable.status()["writes_lost"] == 2
+        assert [t.id for t in store.session_turns("s")] == [recs[0].id]
+        assert "cannot be read" in caplog.text
+    finally:
+        await durable.close()
+        store.close()
+
+
 async def test_a_full_spool_loses_turns_visibly_or_refuses(tmp_path: Path):
     store = Store.open(f"sqlite:///{tmp_path / 'db.sqlite'}")
     disk = DiskFull(store.engine)
