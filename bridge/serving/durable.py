@@ -291,8 +291,13 @@ class Durable:
 
     async def replay(self) -> bool:
         """Replay the next records; False when the store is still unavailable."""
-        entries = self.open().pending(REPLAY_BATCH)
-        if not entries:  # the records counted are gone (discarded): nothing to wait for
+        spool = self.open()
+        entries = spool.pending(REPLAY_BATCH)
+        if not entries:
+            if spool.depth:  # a record damaged on disk: it and those after it can never be read
+                log.error("the spool in %s holds %d writes that cannot be read (a damaged record): "
+                          "they are lost", self.cfg.dir, spool.depth)
+                self._lose("unreadable", spool.discard())
             self._drained()
             return True
         i = 0
