@@ -2,7 +2,8 @@
 
     python kill_child.py DATA_DIR crash BOUNDARY CHECKPOINT_EVERY
         resume, then train three steps; the third dies by SIGKILL at BOUNDARY (`rollback`: the
-        three steps finish and a rollback to v1 dies)
+        three steps finish and a rollback to v1 dies; `commit-flapping`, `commit-down`: the store
+        fails the third step's commit, see FLAPPING)
     python kill_child.py DATA_DIR restart - CHECKPOINT_EVERY
         resume, report what serves, then train two more steps
 
@@ -53,8 +54,40 @@ def arm(boundary: str, backend: Any, store: Store) -> None:
             die()
 
         store.record_training_step = record_then_die  # type: ignore[method-assign]
+    elif boundary in FLAPPING:
+        flap(boundary, store, die)
     else:
         raise SystemExit(f"unknown boundary {boundary}")
+
+
+# the store fails the step's commit: `commit-flapping` twice with nothing written, then once
+# after the step landed (the acknowledgement lost), and the process dies once the retry finds
+# the step recorded; `commit-down` every time, and the process dies while it waits the store out
+FLAPPING = ("commit-flapping", "commit-down")
+
+
+def flap(boundary: str, store: Store, kill: Any) -> None:
+    """Make the store fail the next step's commit as `boundary` says, then `kill()`."""
+    import sqlite3
+
+    orig_record, orig_recorded, calls = store.record_training_step, store.step_recorded, []
+
+    def record(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if boundary == "commit-down" and len(calls) == 3:
+            kill()
+        if boundary == "commit-flapping" and len(calls) == 3:
+            orig_record(*a, **kw)
+        raise sqlite3.OperationalError("database is locked")
+
+    def recorded(*a: Any, **kw: Any) -> bool:
+        found = orig_recorded(*a, **kw)
+        if found:
+            kill()
+        return found
+
+    store.record_training_step = record  # type: ignore[method-assign]
+    store.step_recorded = recorded  # type: ignore[method-assign]
 
 
 async def main(data_dir: Path, phase: str, boundary: str, checkpoint_every: int) -> None:

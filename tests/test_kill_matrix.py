@@ -2,7 +2,9 @@
 training step or a rollback, then a new process resumes from the data directory. Whatever the
 boundary and the checkpoint cadence: the restart serves the newest recorded version with the
 weights recorded for it, versions only go up and are never reused, published weights are never
-written over, no committed update is lost and no sample is trained twice.
+written over, no committed update is lost and no sample is trained twice. The same holds with
+the store flapping at the commit (it fails, lands with its acknowledgement lost, or stays down
+until the kill).
 
 Each case runs two processes (`tests/kill_child.py`) on the tiny random model."""
 
@@ -31,6 +33,10 @@ CASES = [
     pytest.param("train_step", 10, id="inside-train_step", marks=pytest.mark.slow),
     pytest.param("commit", 1, id="after-commit-before-checkpoint", marks=pytest.mark.slow),
     pytest.param("rollback", 1, id="during-rollback", marks=pytest.mark.slow),
+    # the store flapping at the commit (kill_child.FLAPPING): a step whose commit fails is
+    # retried, never half applied, and a kill while it waits loses nothing committed
+    pytest.param("commit-flapping", 10, id="store-flapping-at-commit"),
+    pytest.param("commit-down", 1, id="store-down-at-commit", marks=pytest.mark.slow),
 ]
 
 
@@ -66,6 +72,10 @@ def test_a_kill_at_any_boundary_loses_no_update_and_reuses_no_version(tmp_path: 
     assert newest is not None
     on_disk = adapters(data)
     committed = scores(data)
+    if boundary == "commit-flapping":  # the third step landed through the flapping, then the kill
+        assert [s.step for s in steps_before] == [1, 2, 3] and max(int(n[1:]) for n in on_disk) == newest.version
+    elif boundary == "commit-down":  # killed while the third step waited: published, not recorded
+        assert [s.step for s in steps_before] == [1, 2] and max(int(n[1:]) for n in on_disk) > newest.version
 
     restart = life(data, "restart", "-", every)
     assert restart.returncode == 0, restart.stderr[-3000:]
@@ -118,6 +128,13 @@ def arm_in_process(boundary: str, backend: Any, store: Store) -> None:
             raise Killed(boundary)
 
         setattr(backend, boundary, then_die)
+    elif boundary.startswith("commit-"):  # the store flapping (kill_child.FLAPPING)
+        from kill_child import flap
+
+        def kill() -> None:
+            raise Killed(boundary)
+
+        flap(boundary, store, kill)
     else:
         orig_record = store.record_training_step
 
@@ -129,7 +146,8 @@ def arm_in_process(boundary: str, backend: Any, store: Store) -> None:
 
 
 @pytest.mark.parametrize("platform", ["tinker", "fireworks", pytest.param("modal", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("boundary", ["train_step", "publish", "commit", "rollback"])
+@pytest.mark.parametrize("boundary", ["train_step", "publish", "commit", "rollback", "commit-flapping",
+                                      pytest.param("commit-down", marks=pytest.mark.slow)])
 async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     tmp_path: Path, tokenizer, boundary: str, platform: str
 ):
@@ -201,6 +219,8 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     steps_before = probe.training_steps()
     probe.close()
     assert newest is not None
+    if boundary.startswith("commit-"):  # through the flapping (commit-flapping) or killed waiting
+        assert [s.step for s in steps_before] == ([1, 2, 3] if boundary == "commit-flapping" else [1, 2])
     index = data / "tinker-states.json"
     states_before = json.loads(index.read_text()) if index.exists() else {}
     weights_before = adapters(data / "volume" / "engine") if platform == "modal" else {}
