@@ -95,6 +95,29 @@ def test_every_spool_file_is_private_whatever_the_umask(tmp_path: Path):
     assert modes == {"spool.log": 0o600, "spool.pos": 0o600, "spool.lock": 0o600}
 
 
+def test_a_crash_inside_the_reset_then_another_outage_and_crash_loses_no_record(tmp_path: Path):
+    """A kill between the reset's truncation of the log and its rewrite of the position leaves
+    an empty log beside a stale position. The next run spools past that offset and is killed
+    before any replay: the run after it must replay every record, not skip up to the stale
+    position."""
+    sp = Spool.open(tmp_path / "s", 1 << 20)
+    for i in range(4):
+        sp.append("close", {"session_id": f"old{i}", "reason": "x"})
+    stale = sp.size
+    sp.close()
+    (tmp_path / "s" / LOG).write_bytes(b"")  # the reset truncated the log, then the kill
+    (tmp_path / "s" / "spool.pos").write_text(str(stale))
+    sp = Spool.open(tmp_path / "s", 1 << 20)
+    assert sp.depth == 0
+    for i in range(8):
+        sp.append("close", {"session_id": f"new{i}", "reason": "x"})
+    assert sp.size > stale
+    sp.close()  # killed again before the store came back
+    sp = Spool.open(tmp_path / "s", 1 << 20)
+    assert [e.data["session_id"] for e in sp.pending()] == [f"new{i}" for i in range(8)]
+    sp.close()
+
+
 def test_the_size_limit_refuses_a_record(tmp_path: Path):
     sp = Spool.open(tmp_path / "s", 200)
     sp.append("close", {"session_id": "a", "reason": "x"})
