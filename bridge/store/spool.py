@@ -108,7 +108,10 @@ class Spool:
         os.chmod(path, 0o600)
         self._log = os.fdopen(fd, "a+b", buffering=0)
         self.size = os.fstat(fd).st_size
-        self.pos = min(_read_pos(self.dir / POS), self.size)
+        self.pos = _read_pos(self.dir / POS)
+        if self.pos > self.size:  # a kill inside `_reset`: the log is empty, its position stale
+            _write_pos(self.dir / POS, 0)
+            self.pos = 0
         good, depth, oldest = self.pos, 0, None
         for e in _scan(path, self.pos):
             good, depth = e.end, depth + 1
