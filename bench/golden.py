@@ -135,7 +135,8 @@ def forget_learning(data_dir: Path) -> None:
     db.close()
 
 
-async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, seed: int) -> None:
+async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, seed: int,
+                  overrides: dict[str, Any]) -> None:
     from clawbridge.backends.local import LocalBackend
     from clawbridge.demo import scenario as scenarios
     from clawbridge.demo.rounds import threads
@@ -148,7 +149,7 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
     # one row at a time: a row's arithmetic can depend on the rows batched beside it (the last
     # bits of fp32 matrix products), and which requests meet in a batch depends on timing
     # and no prefix cache: whether a prompt's prefill reuses another's KV depends on what ran before
-    settings = demo_settings(sc, data_dir, model=model, seed=seed, engine_max_batch=1, prefix_cache_mb=0)
+    settings = demo_settings(sc, data_dir, model=model, seed=seed, engine_max_batch=1, prefix_cache_mb=0, **overrides)
     backend = LocalBackend.from_settings(settings, threads=threads())
     await backend.start()
     store = Store.open(settings.db_url)
@@ -170,7 +171,8 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
         await backend.close()
 
 
-def replay(run_dir: Path, model: str, scenario: str, steps: int, seed: int, out: Path) -> None:
+def replay(run_dir: Path, model: str, scenario: str, steps: int, seed: int, out: Path,
+           overrides: dict[str, Any]) -> None:
     import shutil
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -184,7 +186,7 @@ def replay(run_dir: Path, model: str, scenario: str, steps: int, seed: int, out:
         data = Path(tmp) / "data"
         shutil.copytree(run_dir, data)
         forget_learning(data)
-        asyncio.run(_replay(data, model, scenario, steps, seed))
+        asyncio.run(_replay(data, model, scenario, steps, seed, overrides))
     out.write_text(json.dumps(trace, indent=1) + "\n")
     n = sum(1 for t in trace if t["call"] == "train_step")
     decisions = [t["decision"]["decision"] for t in trace if t["call"] == "evaluate"]
@@ -226,6 +228,17 @@ def compare(a: Path, b: Path) -> int:
     return 0
 
 
+def _overrides(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, text = pair.partition("=")
+        try:
+            out[key] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key] = text
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -242,6 +255,8 @@ def main() -> int:
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--scenario", default="concise")
     rp.add_argument("--out", type=Path, required=True)
+    rp.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="Settings over the demo's (flat names; values read as JSON, else text).")
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
     c.add_argument("b", type=Path)
@@ -250,7 +265,7 @@ def main() -> int:
         record(args.model, args.rounds, args.seed, args.scenario, args.out)
         return 0
     if args.cmd == "replay":
-        replay(args.run_dir, args.model, args.scenario, args.steps, args.seed, args.out)
+        replay(args.run_dir, args.model, args.scenario, args.steps, args.seed, args.out, _overrides(args.set))
         return 0
     return compare(args.a, args.b)
 
