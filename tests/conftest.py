@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from clawbridge.local_gpu import models
+from clawbridge.store import Store
 from pg import PgCluster, find_pg_bin
 
 
@@ -96,3 +97,22 @@ def pg_cluster() -> Iterator[PgCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store's URL on each backend: SQLite in the test's folder, a schema on the throwaway
+    PostgreSQL (tests that need another layout define their own)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'clawbridge.db'}"
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    return cluster.create_schema()
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    s = Store.open(db_url)
+    try:
+        yield s
+    finally:
+        s.close()

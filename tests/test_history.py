@@ -5,37 +5,19 @@ and the migration that carries a data directory whose history was JSON in `meta`
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pytest
 import sqlalchemy as sa
 from alembic import command
 from clawbridge.store import GateRecord, History, PolicyVersionRow, Preference, Store
 from clawbridge.store.base import alembic_config
-from pg import PgCluster
 
 FIXTURE = Path(__file__).parent / "fixtures" / "history_0006"
 OLD_KEYS = ("gate.decisions", "policy.rollbacks", "policy.blends", "learning.preferences")
 TWIN = "twin"
 REASON_REJECTED = "validation vs serving: 0% vs 100% (-100 pts, p=0.000)"
 REASON_ACCEPTED = "no probe group is worse beyond the margin, and each is within it of v0"
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'clawbridge.db'}"
-    cluster: PgCluster = request.getfixturevalue("pg_cluster")
-    return cluster.create_schema()
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store.open(db_url)
-    yield s
-    s.close()
 
 
 def _expect_fixture(h: History) -> None:

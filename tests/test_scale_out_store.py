@@ -16,23 +16,6 @@ from clawbridge.store import Store, StoreInUse, TurnRecord
 from pg import PgCluster
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'clawbridge.db'}"
-    cluster: PgCluster = request.getfixturevalue("pg_cluster")
-    return cluster.create_schema()
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store.open(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
 class Proxy:
     """What `serving.proxy.Proxy` does around a request on a shared store, without HTTP or a
     model: look the conversation up, admit, attach the next state, record the turns with their
