@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from clawbridge.recipes import LearningRecipe, recipe_for, trained_model
 from clawbridge.types import LossSpec, Method, OptimSpec
 from pydantic import (
     BaseModel,
@@ -289,6 +290,10 @@ class Settings(BaseSettings):
     def optim(self) -> OptimSpec:
         return self.training.optim
 
+    def recipe(self) -> LearningRecipe:
+        """The learning recipe of the model these settings train (what `load` put beneath them)."""
+        return recipe_for(self.backend, trained_model(self.backend, self.model, self.cloud.model_dump()))
+
     def flat(self) -> dict[str, Any]:
         """Every setting by its flat name (JSON values): what a config file of these settings holds."""
         dumped = self.model_dump(mode="json")
@@ -296,7 +301,8 @@ class Settings(BaseSettings):
 
     @classmethod
     def load(cls, config_file: Path | None = None, **overrides: Any) -> Settings:
-        """Flags (`overrides`, by flat name; None means not given) > environment > config file > defaults."""
+        """Flags (`overrides`, by flat name; None means not given) > environment > config file > the
+        model's learning recipe (`recipes.recipe_for`: what `clawbridge up` learns with) > defaults."""
         file_values: dict[str, Any] = {}
         if config_file is not None:
             text = config_file.read_text()
@@ -309,7 +315,17 @@ class Settings(BaseSettings):
             if not isinstance(file_values, dict):
                 raise ValueError(f"{config_file}: settings are a mapping of names to values")
         merged = _deep_update(nest(file_values), environment_values())
-        return cls(**_deep_update(merged, nest({k: v for k, v in overrides.items() if v is not None})))
+        merged = _deep_update(merged, nest({k: v for k, v in overrides.items() if v is not None}))
+        return cls(**_deep_update(nest(dict(learning_recipe(merged).values)), merged))
+
+
+def learning_recipe(values: Mapping[str, Any]) -> LearningRecipe:
+    """The learning recipe of the model `values` (nested, as given: file, environment, flags)
+    train, on their backend (`recipes.recipe_for`); the defaults fill what they do not say."""
+    backend = values.get("backend", Settings.model_fields["backend"].default)
+    model = values.get("model", Settings.model_fields["model"].default)
+    cloud = {**{k: f.default for k, f in CloudSettings.model_fields.items()}, **values.get("cloud", {})}
+    return recipe_for(backend, trained_model(backend, model, cloud))
 
 
 def _fields_by_flat_name() -> dict[str, str | None]:

@@ -77,6 +77,7 @@ def up_cmd(
     learning_rate: float | None = typer.Option(None, "--lr", help=f"LoRA learning rate (default {_default('learning_rate'):g})."),
     resume: bool | None = typer.Option(None, "--resume/--no-resume", help="Continue from the latest checkpoint."),
     budget_usd: float | None = typer.Option(None, "--budget-usd", help="Stop training (never serving) at this spend."),
+    print_settings: bool = typer.Option(False, "--print-settings", help="Print the settings this start would use (JSON, flat names) and the learning recipe beneath them, and exit."),
 ) -> None:
     """Serve the policy over the OpenAI API, capture every turn, learn in the background."""
     import logging
@@ -104,7 +105,15 @@ def up_cmd(
     except ValueError as e:  # a config file that is no mapping, or names a setting twice
         typer.echo(f"clawbridge up: {e}", err=True)
         raise typer.Exit(2) from None
+    if print_settings:
+        import json
+
+        typer.echo(f"# learning recipe: {settings.recipe().describe()}", err=True)
+        typer.echo(json.dumps(settings.flat(), indent=2, sort_keys=True, default=str))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("clawbridge").info("learning with %s; settings: clawbridge up --print-settings",
+                                         settings.recipe().describe())
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migrations at open: not news
     from clawbridge import server
     from clawbridge.store import StoreInUse

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any, Self
 
 from clawbridge.config import FLAT, Settings, nest, problems
+from clawbridge.recipes import MEASURED
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# The preference demo's settings (`clawbridge demo`): the recipe measured best on the built-in
-# scenarios (docs/learning.md), and what the demo's stack needs. `clawbridge up` ships the
-# settings' own defaults; docs/configuration.md tables where the two differ.
+# The preference demo's settings (`clawbridge demo`): the learning recipe `clawbridge up` gives the
+# embedded model (`recipes.MEASURED`, measured on the built-in scenarios), and what the demo's
+# stack needs. docs/configuration.md tables where the demo and `clawbridge up` differ.
 DEMO_RECIPE: dict[str, Any] = {
     # the demo's stack: a free loopback port, the offline rules judge reading the simulated replies
     "host": "127.0.0.1", "port": 0, "judge": "rules",
@@ -27,27 +28,7 @@ DEMO_RECIPE: dict[str, Any] = {
     # answers come in bursts of short prompts (a gate's probe, a measurement): more rows a decode
     # step finish them sooner, where an agent's long prompts would hold too much KV (docs/engine.md)
     "engine_max_batch": 64,
-    # the learning recipe
-    "method": "combine",
-    "batch_size": 8,  # a step every eight conversations: five steps within the demo's minutes
-    "learning_rate": 1e-3,  # a higher rate cost candidates the general probe; a lower one moved nothing
-    "warmup_steps": 0,
-    "lora_rank": 16,
-    "kl_anchor": 0.0,
-    "teacher": "base",
-    "rewrites": 4,  # the teacher's answers to the hint, one trained as a demonstration per hinted turn
-    "w_rewrite": 2.0,  # a rewrite's tokens pushed up twice as hard as an approved answer's
-    "w_negative": 0.0,  # pushing the corrected answers down drifted the model into non-answers
-    "opd_topk": 20,  # each hinted sample learns the teacher's whole top-20 distribution
-    "opd_draws": 1,  # ... on one fresh answer of the trained policy (on-policy whatever serves)
-    "opd_draw_max_lift": 0.0,  # only draws the hint is against distil (docs/methods.md)
-    "opd_topk_rewrite": True,
-    "gate": "on",
-    "gate_probes": 16,  # the general probe within the demo's minutes: 16 questions for every candidate,
-    "gate_probes_max": 100,  # ... 100 in all unless those hold it back
-    "gate_samples": 1,
-    "gate_patience": 3,  # training goes on from up to three held-back candidates while v0 serves
-    "gate_blend": (0.75, 0.5),  # a held-back lineage's last candidate, blended toward the base, may serve
+    **MEASURED,  # the learning recipe
 }
 
 # The tools demo's settings (`clawbridge demo --scenario tools`, docs/agents.md).
