@@ -111,8 +111,9 @@ def seed_unseeded(cls: type) -> None:
     cls.sample = sample
 
 
-LEARNED = ("judgments", "samples", "training_steps", "groups", "episodes", "leases")
-CAPTURED = {"sessions", "turns", "next_states", "alembic_version", "meta", "policy_versions"}
+LEARNED = ("judgments", "samples", "training_steps", "leases")
+# what was captured; an episode's outcome is the agent's report (captured), its group's settling learned
+CAPTURED = {"sessions", "turns", "next_states", "alembic_version", "meta", "policy_versions", "groups", "episodes"}
 
 
 def forget_learning(data_dir: Path) -> None:
@@ -130,6 +131,7 @@ def forget_learning(data_dir: Path) -> None:
         for t in tables:
             if t not in CAPTURED and not t.startswith("sqlite_"):
                 db.execute(f'delete from "{t}"')
+        db.execute("update groups set state = 'closed', reason = null where state in ('trained', 'dropped')")
         db.execute("delete from policy_versions where version > 0")
         db.execute("delete from meta where key not like 'capture.%' and key not like 'store.%'")
     db.close()
@@ -145,6 +147,9 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
     from clawbridge.server import bind_learner
     from clawbridge.store import Store
 
+    if scenario_name == "tools":
+        await _replay_tools(data_dir, model, steps, seed, overrides)
+        return
     sc = scenarios.load(scenario_name)
     # one row at a time: a row's arithmetic can depend on the rows batched beside it (the last
     # bits of fp32 matrix products), and which requests meet in a batch depends on timing
@@ -161,6 +166,41 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
         while (n := await learner.parts.collector.run_once(limit=1)) > 0:
             settled += n
         print(f"collector: {settled} samples settled", file=sys.stderr)
+        for k in range(steps):
+            result = await learner.parts.trainer.step_once()
+            print(f"step {k + 1}: {result}", file=sys.stderr)
+            if result is None:
+                break
+    finally:
+        store.close()
+        await backend.close()
+
+
+async def _replay_tools(data_dir: Path, model: str, steps: int, seed: int, overrides: dict[str, Any]) -> None:
+    """The tools demo's episodes learned again: every settled group's samples, then the steps."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.demo.rounds import threads
+    from clawbridge.demo.tools import tools_settings
+    from clawbridge.demo.tools_scenario import load as load_tools
+    from clawbridge.learning.learner import Learner
+    from clawbridge.server import bind_learner
+    from clawbridge.store import Store
+
+    sc = load_tools("tools")
+    assert sc is not None
+    settings = tools_settings(sc, data_dir, model=model, seed=seed, engine_max_batch=1,
+                              prefix_cache_mb=0, **overrides)
+    backend = LocalBackend.from_settings(settings, threads=threads())
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        learner = Learner(settings)
+        bind_learner(learner, backend, store)
+        assert learner.parts is not None
+        settled = 0
+        while (n := await learner.parts.episodes.run_once(limit=1)) > 0:
+            settled += n
+        print(f"episodes: {settled} groups settled", file=sys.stderr)
         for k in range(steps):
             result = await learner.parts.trainer.step_once()
             print(f"step {k + 1}: {result}", file=sys.stderr)

@@ -28,6 +28,7 @@ import uvicorn
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import Teacher, build_judges
 from clawbridge.judges.pairwise import PairwiseJudge
+from clawbridge.learning.baking import Retirement, Twin
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import Gate, GateProbe, probe_scorer
@@ -150,8 +151,17 @@ def build_learning(
         judges=judges,
         collector=Collector(learning, backend, store, judges, teacher, method=training.method),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
-        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed),
+        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed,
+                        retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)),
     )
+
+
+def build_retirement(settings: GateSettings, backend: Backend, renderer: Renderer, *, seed: int) -> Retirement:
+    """What retires an applied preference's instruction once the weights carry it (`baking`): the
+    twin answers the user's recent prompts as the gate's probes are answered."""
+    params = SamplingParams(max_tokens=settings.gate_max_tokens, temperature=settings.gate_temperature, seed=seed)
+    return Retirement(Twin(backend, renderer, params, settings.retire_samples), settings.retire_share,
+                      settings.restore_share)
 
 
 def build_gate(

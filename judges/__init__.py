@@ -14,7 +14,7 @@ from clawbridge.judges.clients import (
     TransientJudgeError,
 )
 from clawbridge.judges.factory import Judges, build_judges
-from clawbridge.judges.hints import HintJudge, teacher_messages
+from clawbridge.judges.hints import HintJudge, teacher_messages, teacher_view
 from clawbridge.judges.prm import PRMJudge
 from clawbridge.judges.rules import RulesJudge
 from clawbridge.judges.teacher import Teacher
@@ -48,4 +48,5 @@ __all__ = [
     "Vote",
     "build_judges",
     "teacher_messages",
+    "teacher_view",
 ]

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
+from clawbridge.chat.instructions import instructed
 from clawbridge.judges.clients import JudgeClient
 from clawbridge.judges.prompts import judge_messages
 from clawbridge.judges.types import HintJudgment, HintVote, Message, TurnContext
@@ -44,6 +45,14 @@ def teacher_messages(messages: Sequence[Message], hint: str) -> list[dict[str, A
     else:
         first["content"] = f"{content}\n\n{line}" if content else line
     return out
+
+
+def teacher_view(messages: Sequence[Message], hint: str | None, instruction: str | None = None) -> list[dict[str, Any]]:
+    """The teacher's prompt for a turn: the instruction the turn was served with
+    (`chat.instructions.instructed`) and then the user's hint (`teacher_messages`), both in the
+    system message, in that order: the standing preferences first, this answer's feedback after."""
+    asked = instructed(messages, instruction)
+    return teacher_messages(asked, hint) if hint else asked
 
 
 class HintJudge:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from clawbridge.chat.renderer import Renderer
-from clawbridge.judges.hints import teacher_messages
+from clawbridge.judges.hints import teacher_view
 from clawbridge.judges.types import TurnContext
 from clawbridge.protocol import Backend, ScoreModel
 
@@ -36,12 +36,15 @@ class Teacher:
         self._cache: OrderedDict[tuple[object, ...], list[float]] = OrderedDict()
         self._cache_size = cache_size
 
-    def prompt_ids(self, turn: TurnContext, hint: str) -> list[int]:
-        return self.renderer.render(teacher_messages(turn.messages, hint), turn.tools)
+    def prompt_ids(self, turn: TurnContext, hint: str | None) -> list[int]:
+        """The teacher's prompt: the turn's, with the instruction it was served with and the hint
+        (`teacher_view`)."""
+        return self.renderer.render(teacher_view(turn.messages, hint, turn.instruction), turn.tools)
 
-    async def logprobs(self, turn: TurnContext, hint: str) -> list[float]:
-        """log p_teacher(completion_ids[i] | prompt + hint, completion_ids[:i]). Cached for the
-        last few (prompt, hint, completion) so scoring candidates and training share one call."""
+    async def logprobs(self, turn: TurnContext, hint: str | None) -> list[float]:
+        """log p_teacher(completion_ids[i] | prompt + instruction + hint, completion_ids[:i]).
+        Cached for the last few (prompt, hint, completion) so scoring candidates and training
+        share one call."""
         if not turn.completion_ids:
             raise ValueError("the teacher needs the turn's completion ids")
         prompt = self.prompt_ids(turn, hint)

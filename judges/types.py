@@ -24,6 +24,7 @@ class TurnContext:
     completion_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()  # log pi_old of completion_ids, as sampled
     temperature: float = 1.0  # the sampling temperature the logprobs were taken at
+    instruction: str | None = None  # the applied preferences it was served with (the teacher is asked with them)
 
 
 @dataclass(frozen=True)

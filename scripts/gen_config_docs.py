@@ -13,8 +13,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from clawbridge.config import FLAT, SECTIONS, field_info
+from clawbridge.config import FLAT, SECTIONS, Settings, field_info
 from clawbridge.demo.recipe import DEMO_RECIPE, Recipe, following
+from clawbridge.recipes import BY_SIZE, MEASURED
 from pydantic import SecretStr
 from pydantic_core import PydanticUndefined
 
@@ -27,7 +28,8 @@ descriptions there, then run the script. tests/test_docs.py checks this page is 
 
 Every setting has one flat name (the first column) and comes from, highest first: a flag of
 `clawbridge up` (where one exists), the environment variable `CLAWBRIDGE_<NAME>`, a settings file
-(`clawbridge up --config FILE`, YAML or JSON), then the default. `PORT` also sets the port. In a
+(`clawbridge up --config FILE`, YAML or JSON), the model's [learning recipe](#learning-recipes),
+then the default. `clawbridge up --print-settings` prints what a start would use. `PORT` also sets the port. In a
 settings file a key is the flat name, or the setting under its section (`training: {batch_size: 8}`;
 each table says its section); an unknown key fails naming it. A list is JSON in the environment (`CLAWBRIDGE_GATE_BLEND='[0.75, 0.5]'`).
 
@@ -40,17 +42,47 @@ In code a setting is read from its section: `settings.training.batch_size`, `set
 """
 
 DEMO = """
+## Learning recipes
+
+The defaults in the tables above are model-blind. What `clawbridge up` learns with is chosen by
+the model it trains and the platform it trains on (`bridge/recipes.py`), beneath whatever the
+user sets; it says which at start (`learning with ...`):
+
+- **the embedded model on the local backend: the recipe `make demo` measured**
+  ([measurements](measurements.md)), adapted to real use (answers of `default_max_tokens`, a
+  decode batch of `engine_max_batch` rows, not the demo's 40 tokens and 64 rows);
+- **another model whose name gives its size** (`Qwen3-4B`, `Llama-3.2-1B`): the same recipe
+  with the learning rate and the LoRA rank chosen for that size (below). **Not measured.**
+- **anything else**: the defaults above, also not measured.
+
+Top-k distillation (`opd_topk`, `opd_draws`, `opd_draw_max_lift`, `opd_topk_rewrite`) needs a
+backend whose loss sees the teacher's logits, so the cloud backends leave those at their defaults.
+
+RECIPE_TABLE
+
 ## `clawbridge up` and `clawbridge demo`
 
-`clawbridge up` runs with the defaults above, declared in `bridge/config.py`. `clawbridge demo`
-trains with its own recipe: `DEMO_RECIPE` in `bridge/demo/recipe.py` (and the values that follow
-the demo's rounds, rank, max_tokens and temperature, `following` there), which a scenario's
-`recipe:` block overrides by these same names (`clawbridge demo --print-settings` prints the
-result). Where the two differ:
+`clawbridge demo` trains with the embedded model's recipe plus what its stack needs:
+`DEMO_RECIPE` in `bridge/demo/recipe.py` (and the values that follow the demo's rounds, rank,
+max_tokens and temperature, `following` there), which a scenario's `recipe:` block overrides by
+these same names (`clawbridge demo --print-settings` prints the result). Where the demo differs
+from `clawbridge up` on the embedded model:
 
 | setting | section | `clawbridge up` | `clawbridge demo` |
 | --- | --- | --- | --- |
 """
+
+
+def recipe_table() -> str:
+    """The recipe's settings by model size (`recipes.MEASURED`, `recipes.BY_SIZE`)."""
+    sizes = [f"up to {upto:g}B" if upto != float("inf") else "larger" for upto, _, _ in BY_SIZE]
+    rows = ["| setting | embedded (measured) | " + " | ".join(sizes) + " |",
+            "| --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+    for name, value in MEASURED.items():
+        sized = {"learning_rate": [lr for _, lr, _ in BY_SIZE], "lora_rank": [r for *_, r in BY_SIZE],
+                 "lora_alpha": [r for *_, r in BY_SIZE]}.get(name, [value] * len(BY_SIZE))
+        rows.append(f"| `{name}` | `{shown(value)}` | " + " | ".join(f"`{shown(v)}`" for v in sized) + " |")
+    return "\n".join(rows)
 
 
 TITLES = {"serving": "Serving", "judging": "Judges", "learning": "Advantages", "training": "Training",
@@ -99,9 +131,10 @@ def up_flags() -> dict[str, str]:
 def demo_differences() -> list[tuple[str, Any, Any]]:
     """(flat name, `clawbridge up`'s default, the demo's value) where they differ."""
     demo = {**DEMO_RECIPE, **following(Recipe.model_validate({}), DEMO_RECIPE)}
+    up = Settings.load(config_file=None).flat()  # the embedded model's: defaults and its recipe
     out = []
     for name, value in demo.items():
-        default = field_info(name).default
+        default = up[name]
         if shown(value) != shown(default):
             out.append((name, default, value))
     return out
@@ -120,7 +153,7 @@ def render() -> str:
             flag = f"`{flags[name]}`" if name in flags else ""
             parts.append(f"| `{name}` | `CLAWBRIDGE_{name.upper()}` | {flag} | {type_name(f.annotation)} "
                          f"| {default_text(name)} | {desc} |")
-    parts.append(DEMO.rstrip("\n"))
+    parts.append(DEMO.replace("RECIPE_TABLE", recipe_table()).rstrip("\n"))
     for name, default, value in demo_differences():
         sec = FLAT[name]
         parts.append(f"| `{name}` | {f'`{sec}`' if sec else ''} | `{shown(default)}` | `{shown(value)}` |")

@@ -26,6 +26,7 @@ from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, Teacher, TurnContext
 from clawbridge.judges import Judgment as JudgeReward
 from clawbridge.learning.advantages import Advantages, anchored, sample_advantages, scale_negatives
+from clawbridge.learning.baking import student_view
 from clawbridge.learning.rewrite import write_rewrite
 from clawbridge.protocol import Backend
 from clawbridge.store import JudgeVote, Judgment, Rewrite, Sample, Store, StoredTurn
@@ -84,7 +85,7 @@ def turn_context(turn: StoredTurn) -> TurnContext:
     return TurnContext(
         messages=turn.messages, response=turn.response, next_state=turn.next_state or [],
         tools=turn.tools, completion_ids=tuple(turn.completion_ids), logprobs=tuple(turn.logprobs),
-        temperature=turn.sampling.temperature,
+        temperature=turn.sampling.temperature, instruction=turn.instruction,
     )
 
 
@@ -171,11 +172,15 @@ class Collector:
         signal = combine_signal(judgments)
         self.stats.judged += 1
         self.stats.rewards.append(signal.reward)
+        # a turn served under the applied preferences trains from the student's view (`baking`):
+        # the prompt without the instruction, its logprobs re-scored there; its teacher is asked
+        # with the instruction, so the turn distils it whether or not the user corrected it
+        turn = await student_view(turn, self.teacher.renderer, self.backend)
         teacher_lp: list[float] | None = None
-        if signal.hint is not None and self.method != "binary":
+        if (signal.hint is not None or turn.instruction) and self.method != "binary":
             teacher_lp = await self.teacher.logprobs(self.context(turn), signal.hint)
         advantages = sample_advantages(
-            self.method, signal.reward, signal.hint is not None, teacher_lp, turn.logprobs,
+            self.method, signal.reward, teacher_lp is not None, teacher_lp, turn.logprobs,
             w_opd=self.settings.w_opd, w_rl=self.settings.w_rl, clip=self.settings.opd_clip,
         )
         if advantages is not None and self.settings.w_negative != 1.0:

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from clawbridge.config import TrainingSettings
 from clawbridge.judges import Teacher
+from clawbridge.learning.baking import student_view
 from clawbridge.learning.collector import turn_context
 from clawbridge.learning.rewrite import Draw, redraw_params, scored
 from clawbridge.protocol import Backend, DistillsTopK
@@ -74,21 +75,29 @@ class Distillation:
         self.backend = backend
         self.store = store
         self.teacher = teacher if settings.opd_topk > 0 else None
+        self.renderer = teacher.renderer if teacher is not None else None
 
     async def datums(self, sample: Sample) -> list[Datum]:
-        """What the sample trains (`to_datums`); with top-k distillation on, a hinted sample's
-        datums carry the teacher prompt, and `opd_draws` fresh answers join them."""
-        if self.settings.opd_topk <= 0 or not sample.hint:
-            return to_datums(sample)
+        """What the sample trains (`to_datums`): a turn served under an instruction from the
+        student's view (`baking.student_view`: the prompt without it, log pi_old re-scored there
+        by the policy about to train, so the PPO ratio starts at 1). With top-k distillation on,
+        a hinted or instructed sample's datums carry the teacher prompt, and `opd_draws` fresh
+        answers join them."""
         turn = await self.store.run(self.store.get_turn, sample.turn_id)
-        if turn is None:
+        if turn is not None and turn.instruction:
+            if self.renderer is None:
+                raise ValueError("a turn served under an instruction needs the trainer built with the teacher's renderer")
+            turn = await student_view(turn, self.renderer, self.backend)
+            sample = replace(sample, prompt_ids=turn.prompt_ids, logprobs=turn.logprobs)
+        if self.settings.opd_topk <= 0 or not (sample.hint or (turn is not None and turn.instruction)) or turn is None:
             return to_datums(sample)
         teacher = self.teacher_prompt(turn, sample.hint)
         drawn = await self.fresh_draws(sample, turn, teacher) if self.settings.opd_draws > 0 else []
         return to_datums(sample, teacher, distil_rewrite=self.settings.opd_topk_rewrite) + drawn
 
-    def teacher_prompt(self, turn: StoredTurn, hint: str) -> list[int]:
-        """The teacher's prompt: the turn's prompt with the hint, exactly as the collector scored it."""
+    def teacher_prompt(self, turn: StoredTurn, hint: str | None) -> list[int]:
+        """The teacher's prompt: the turn's prompt with its instruction and the hint, exactly as
+        the collector scored it."""
         if self.teacher is None:
             raise ValueError("opd_topk > 0 needs the trainer built with the teacher (build_learning does)")
         return self.teacher.prompt_ids(turn_context(turn), hint)

@@ -85,6 +85,16 @@ class GateProbe:
 
 
 @dataclass(frozen=True)
+class Asked:
+    """What the user has asked for: `wanted`, every applied or learned preference (the twin is
+    asked with it); `served`, the instruction served now (the applied ones: the candidate and
+    the serving version answer the probes with it, as the user gets them)."""
+
+    wanted: str | None = None
+    served: str | None = None
+
+
+@dataclass(frozen=True)
 class GateDecision:
     candidate: int
     serving: int
@@ -183,13 +193,14 @@ class Gate:
 
     def alias(self, version: int, same_as: int) -> None:
         """`version` holds `same_as`'s weights (a restored copy): reuse its scores."""
-        if (same_as, None) in self._scores:
-            self._scores[(version, None)] = self._scores[(same_as, None)]
-            self.answers[(version, None)] = self.answers[(same_as, None)]
+        for (v, instruction) in [k for k in self._scores if k[0] == same_as]:
+            self._scores[(version, instruction)] = self._scores[(v, instruction)]
+            self.answers[(version, instruction)] = self.answers[(v, instruction)]
 
     def forget(self, version: int) -> None:
-        self._scores.pop((version, None), None)
-        self.answers.pop((version, None), None)
+        for key in [k for k in self._scores if k[0] == version]:
+            self._scores.pop(key, None)
+            self.answers.pop(key, None)
 
     async def _answer(self, prompt_ids: Sequence[int], version: int) -> str:
         key = ",".join(map(str, prompt_ids))
@@ -218,14 +229,16 @@ class Gate:
 
     async def evaluate(
         self, candidate: int, serving: int, base: int = 0, recent: Sequence[Recent] = (),
-        asked: str | None = None,
+        asked: Asked = Asked(),
     ) -> GateDecision:
         """`recent`: the user's own recent prompts, replayed on both versions and compared by the
-        pairwise judge (when there is one). `asked`: the standing preferences' instruction (the
-        twin's; None: nothing asked, the twin is plain v0)."""
+        pairwise judge (when there is one). `asked`: what the user asked for (`Asked`: the twin
+        is asked with `wanted`, None: the twin is plain v0; the candidate and the serving version
+        answer with `served`)."""
         t0 = time.monotonic()
         twin = self.reference == "twin"
-        instruction = asked if twin else None
+        instruction = asked.wanted if twin else None
+        served = asked.served
         if twin and instruction is not None:
             plain, prompted = await self.general_rates(instruction, base)
             self._tell_price(base, instruction, plain, prompted)
@@ -246,11 +259,11 @@ class Gate:
                            recent_p_vs_serving=fig.p_worse)
         total = sum(len(t) for t in self.tiers)
         tiers = 1
-        found = await self._measure(candidate, serving, base, tiers, instruction)
+        found = await self._measure(candidate, serving, base, tiers, instruction, served)
         while tiers < len(self.tiers) and needs_more_probes(
                 {**comparisons, **found[0]}, sum(len(t) for t in self.tiers[:tiers]) / total):
             tiers += 1
-            found = await self._measure(candidate, serving, base, tiers, instruction)
+            found = await self._measure(candidate, serving, base, tiers, instruction, served)
         comparisons.update(found[0])
         figures.update(found[1])
         figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:tiers]))
@@ -269,17 +282,19 @@ class Gate:
                     100 * plain, 100 * prompted, 100 * (self.rules.max_price or 0.0))
 
     async def _measure(
-        self, candidate: int, serving: int, base: int, tiers: int, instruction: str | None
+        self, candidate: int, serving: int, base: int, tiers: int, instruction: str | None, served: str | None = None,
     ) -> tuple[dict[str, Comparison], dict[str, float]]:
         """Each probe group's figures on the first `tiers` tiers against every reference its rows
-        name (`self.rules`), and the comparisons whose rule decides."""
+        name (`self.rules`), and the comparisons whose rule decides. The candidate and the serving
+        version answer with the `served` instruction."""
         comparisons: dict[str, Comparison] = {}
         figures: dict[str, float] = {}
         probes = [p for tier in self.tiers[:tiers] for p in tier]
-        cand = await self.scores(candidate, tiers)
+        cand = await self.scores(candidate, tiers, served)
         v0 = await self.scores(base, tiers, None, self.reference_samples)
-        refs: dict[Against, list[float]] = {"serving": v0 if base == serving else await self.scores(serving, tiers),
-                                            "v0": v0}
+        refs: dict[Against, list[float]] = {
+            "serving": v0 if base == serving and served is None else await self.scores(serving, tiers, served),
+            "v0": v0}
         if self.reference == "twin":
             refs["twin"] = v0 if instruction is None else await self.scores(base, tiers, instruction,
                                                                             self.reference_samples)

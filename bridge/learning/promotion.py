@@ -32,11 +32,12 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from clawbridge.config import TrainingSettings
-from clawbridge.learning import preferences
-from clawbridge.learning.gate import Gate, GateDecision, Recent
+from clawbridge.learning import baking, preferences
+from clawbridge.learning.gate import Asked, Gate, GateDecision, Recent
 from clawbridge.protocol import Backend, Blends, Restorable
 from clawbridge.store import GateRecord, History, PolicyVersionRow, Sample, Store
 from clawbridge.types import PolicyVersion
@@ -213,8 +214,10 @@ class Promotion:
     decisions of this process. Every method runs under the trainer's lock."""
 
     def __init__(self, settings: TrainingSettings, backend: Backend, store: Store, *, lock: asyncio.Lock,
-                 gate: Gate | None = None, optimizer: OptimizerAge | None = None) -> None:
+                 gate: Gate | None = None, optimizer: OptimizerAge | None = None,
+                 retirement: baking.Retirement | None = None) -> None:
         self.settings = settings
+        self.retirement = retirement
         self.backend = backend
         self.store = store
         self.lock = lock
@@ -240,11 +243,48 @@ class Promotion:
             self.backend.serve(self.held)
 
     async def promote(self, batch: Sequence[Sample], candidate: int, serving: int) -> int:
-        """The step's candidate, just published from `batch`: returns the version that serves next."""
-        asked = await learn_preferences(self.store, batch, candidate)
-        if self.gate is None:
-            return candidate
-        return await self._gate(candidate, serving, await self._recent(batch), asked)
+        """The step's candidate, just published from `batch`: returns the version that serves next.
+        When the newest weights serve, the applied preferences they carry alone are retired."""
+        known = await preferences_of(self.store)
+        asked = Asked(preferences.wanted_instruction(known), preferences.served_instruction(known))
+        served = candidate if self.gate is None else await self._gate(candidate, serving, await self._recent(batch), asked)
+        if served == self.backend.newest and self.retirement is not None:
+            await self._retire(batch, served)
+        return served
+
+    async def _retire(self, batch: Sequence[Sample], version: int) -> None:
+        """Measure what `version`'s weights alone carry of each applied or learned preference on
+        the batch's prompts (`baking.Retirement`); a preference they carry is learned (its
+        instruction stops), one a learned preference's version lost is applied again."""
+        assert self.retirement is not None
+        prefs = [p for p in await preferences_of(self.store) if p.state in ("applied", "learned")]
+        prompts = await self._prompts(batch)
+        if not prefs or not prompts:
+            return
+        reviewed = await self.retirement.review(prompts, [(p.text, p.state == "learned") for p in prefs])
+        changed = {}
+        for p, (c, learned) in zip(prefs, reviewed, strict=True):
+            share = "unmeasurable" if c.share is None else f"{c.share:.2f}"
+            log.info("preference %d %r: v%d's weights alone carry %s of its instruction (lift %.3f nats/token, "
+                     "%d tokens)%s", p.id, p.text, version, share, c.lift, c.tokens,
+                     "" if learned == (p.state == "learned") else (" -> learned, its instruction retired" if learned
+                                                                   else " -> applied again"))
+            if learned != (p.state == "learned"):
+                changed[p.id] = learned
+        if changed:
+            now = datetime.now(UTC)
+            await self.store.run(self.store.update_preferences,
+                                 lambda known: baking.retired(known, changed, version, now))
+
+    async def _prompts(self, batch: Sequence[Sample]) -> list[baking.Prompt]:
+        """The user's own prompts of the batch that an instruction would be served with (the last
+        message the user's)."""
+        out: list[baking.Prompt] = []
+        for sample in batch:
+            turn = await self.store.run(self.store.get_turn, sample.turn_id)
+            if turn is not None and turn.messages and turn.messages[-1].get("role") == "user":
+                out.append((turn.messages, turn.tools))
+        return out
 
     async def _recent(self, batch: Sequence[Sample]) -> list[Recent]:
         """The user's own recent prompts for the gate's pairwise comparison: those of the batch."""
@@ -257,7 +297,7 @@ class Promotion:
                 out.append((sample.prompt_ids, turn.messages))
         return out
 
-    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: str | None = None) -> int:
+    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: Asked = Asked()) -> int:
         """Judge the candidate against the serving version; returns the version that serves next.
         A rejected candidate (or a gate that failed: no evidence is no pass) is trained on from
         while `gate_patience` allows; then it is given up: first its blends (`gate_blend`), the
@@ -283,7 +323,7 @@ class Promotion:
         log.warning("gate: policy@v%d given up; v%d serves v%d's weights", candidate, restored, serving)
         return restored
 
-    async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: str | None) -> GateDecision:
+    async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked) -> GateDecision:
         """The gate's decision on `candidate`, recorded before it acts."""
         assert self.gate is not None
         try:
@@ -297,7 +337,7 @@ class Promotion:
         await record_decision(self.store, decision)
         return decision
 
-    async def _blends(self, candidate: int, serving: int, recent: Sequence[Recent], asked: str | None) -> int | None:
+    async def _blends(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked) -> int | None:
         """Before `candidate` is given up: its delta scaled by each `gate_blend` alpha in turn
         (`backend.blend`, a fresh optimizer), judged like any candidate; the first accepted serves
         and training goes on from it. Returns its version; None when none passed (or the backend
@@ -378,7 +418,8 @@ class Promotion:
         async with self.lock:
             self.backend.serve(serving)
             try:
-                asked = preferences.instruction(preferences.standing(await preferences_of(self.store)))
+                known = await preferences_of(self.store)
+                asked = Asked(preferences.wanted_instruction(known), preferences.served_instruction(known))
                 return await self._gate(candidate, serving, asked=asked)
             finally:
                 self.backend.serve(None)

@@ -24,7 +24,7 @@ from typing import Literal
 
 from clawbridge.chat.messages import AssistantMessage
 from clawbridge.chat.renderer import Renderer
-from clawbridge.judges import teacher_messages
+from clawbridge.judges import teacher_view
 from clawbridge.judges.prompts import INTERNAL_CONTEXT_MARKER, message_text
 from clawbridge.judges.types import Message
 from clawbridge.learning.probes import is_echo
@@ -173,7 +173,9 @@ async def write_rewrite(
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
     params = redraw_params(turn)
-    prompt = renderer.render(teacher_messages(turn.messages, hint), turn.tools)
+    # the teacher is asked with the instruction the turn was served with too; `turn` is the
+    # student's view (`baking.student_view`): its prompt_ids are the prompt without it
+    prompt = renderer.render(teacher_view(turn.messages, hint, turn.instruction), turn.tools)
     completions: list[Completion] = await backend.sample(
         prompt, params, n=samples, version=teacher_version(teacher)
     )
@@ -183,7 +185,7 @@ async def write_rewrite(
              for c in completions]
 
     # the question blanked, for the relevance floor (None: no floor, or no question to blank)
-    blank = (renderer.render(teacher_messages(without_question(turn.messages, question[0]), hint), turn.tools)
+    blank = (renderer.render(teacher_view(without_question(turn.messages, question[0]), hint, turn.instruction), turn.tools)
              if question is not None and min_relevance > float("-inf") else None)
     lifted = rule == "lift" or min_lift > float("-inf")  # the surest needs no scores beyond the teacher's own
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from clawbridge.config import TrainingSettings
 from clawbridge.judges import Teacher
+from clawbridge.learning.baking import Retirement
 from clawbridge.learning.distillation import Distillation, to_datums
 from clawbridge.learning.gate import Gate
 from clawbridge.learning.promotion import (
@@ -83,7 +84,7 @@ class Trainer:
     def __init__(
         self, settings: TrainingSettings, backend: Backend, store: Store, *,
         lock: asyncio.Lock | None = None, gate: Gate | None = None, teacher: Teacher | None = None,
-        resumed: Resumed | None = None,
+        resumed: Resumed | None = None, retirement: Retirement | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -92,7 +93,8 @@ class Trainer:
         self.distillation = Distillation(settings, backend, store, teacher)
         # the warmup's clock: a checkpoint `resume` loaded brought the optimizer's moments back
         self.optimizer = OptimizerAge(settings.warmup_steps if resumed is not None and resumed.optimizer else 0)
-        self.promotion = Promotion(settings, backend, store, lock=self.lock, gate=gate, optimizer=self.optimizer)
+        self.promotion = Promotion(settings, backend, store, lock=self.lock, gate=gate, optimizer=self.optimizer,
+                                   retirement=retirement)
         self.dropped_stale = 0
         self.dropped_untrainable = 0
         self._failures: dict[tuple[int, ...], int] = {}  # batch -> permanent train_step failures in a row
