@@ -48,6 +48,9 @@ DEMO_RECIPE: dict[str, Any] = {
     "gate_samples": 1,
     "gate_patience": 3,  # training goes on from up to three held-back candidates while v0 serves
     "gate_blend": (0.75, 0.5),  # a held-back lineage's last candidate, blended toward the base, may serve
+    # the demo's conversations are answered by the weights alone: its figures are what training
+    # learns from uninstructed answers (docs/serving.md#the-users-preferences)
+    "instant_preferences": False,
 }
 
 # The tools demo's settings (`clawbridge demo --scenario tools`, docs/agents.md).
