@@ -44,8 +44,7 @@ def standing_instruction(data_dir: Path) -> str | None:
     """The twin's instruction of the recorded run: its standing preferences."""
     store = Store.open(f"sqlite:///{data_dir / 'clawbridge.db'}")
     try:
-        known = store.history().preferences
-        return preferences.instruction(preferences.standing(known))
+        return preferences.wanted_instruction(preferences.reheard(store.history().preferences))
     finally:
         store.close()
 

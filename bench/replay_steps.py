@@ -34,11 +34,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from clawbridge.backends.local import LocalBackend
+from clawbridge.chat.instructions import instructed
 from clawbridge.chat.renderer import Renderer
 from clawbridge.demo import scenario as scenarios
 from clawbridge.demo.runner import demo_settings
 from clawbridge.judges import Teacher
-from clawbridge.judges.hints import teacher_messages
 from clawbridge.learning import preferences
 from clawbridge.learning.collector import turn_context
 from clawbridge.learning.distillation import to_datums
@@ -89,8 +89,7 @@ def batches(data_dir: Path) -> tuple[list[list[Sample]], str | None]:
         by_step: dict[int, list[Sample]] = {}
         for s in samples:
             by_step.setdefault(int(s.step or 0), []).append(s)
-        known = store.history().preferences
-        asked = preferences.instruction(preferences.standing(known))
+        asked = preferences.wanted_instruction(preferences.reheard(store.history().preferences))
         return [by_step[st.step] for st in steps if st.step in by_step], asked
     finally:
         store.close()
@@ -151,7 +150,7 @@ async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scena
     probes = general_probes()[:n_probes]
 
     def wrap(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-        return teacher_messages(messages, asked) if asked else messages
+        return instructed(messages, asked)  # the twin, as the gate asks it
 
     got = await answers(backend, renderer, [(wrap([{"role": "user", "content": p.question}]), p) for p in probes],
                         params, draws)

@@ -67,6 +67,7 @@ class ServingSettings(_Section):
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request sets none.")
     default_turn_type: Literal["main", "side"] = Field("main", description="Turn type of untagged requests.")
     session_idle_timeout_s: float = Field(1800.0, gt=0, description="A session with no request for this long is closed.")
+    instant_preferences: bool = Field(True, description="Serve the user's applied preferences at once as a system instruction in the prompt of their main turns (docs/serving.md#the-users-preferences); false: the weights alone answer, whatever was applied.")
     shutdown_grace_s: float = Field(
         3.0, ge=1,
         description="On SIGTERM or Ctrl-C, streams in flight may finish for this long before they are ended "

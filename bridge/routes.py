@@ -3,6 +3,7 @@ format and errors are serving's, the work is learning's, and neither room import
 
     POST /v1/feedback         {"session_id", "turn_id", "reward", "hint"}   (learning.feedback)
     POST /v1/admin/rollback   {"version": K}                                (learning.learner)
+    GET  /v1/preferences, POST /v1/admin/preferences/{n}/confirm|forget      (learning.standing)
     POST /v1/groups, GET /v1/groups/{id}, POST /v1/groups/{id}/close,
     POST /v1/episodes/{id}/outcome                                          (learning.episodes)
 """
@@ -15,7 +16,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from clawbridge.learning import standing
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
+from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.serving import wire
 from clawbridge.serving.durable import Dropped
@@ -142,6 +145,46 @@ def rollback_route(learner: Learner) -> Route:
         return Response(json.dumps(out), media_type="application/json")
 
     return Route("/v1/admin/rollback", rollback, methods=["POST"])
+
+
+# --- preferences (learning.standing) ------------------------------------------------------------
+def preference_routes() -> list[Route]:
+    """The user's preferences: the list, and confirming (applied at once) or forgetting one (its
+    instruction stops at once, its samples not trained yet are dropped, and the rollback to the
+    version before it is offered). The served instruction is refreshed before the answer."""
+
+    async def listing(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        proxy.check_auth(request)
+        prefs = await proxy.store.run(proxy.store.preferences)
+        return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.text})
+
+    async def act(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        proxy.check_auth(request)
+        out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"])
+        return _json(out)
+
+    return [Route("/v1/preferences", listing, methods=["GET"]),
+            Route("/v1/admin/preferences/{pid}/{action}", act, methods=["POST"])]
+
+
+async def preference_action(proxy: Proxy, action: str, pid: Any) -> dict[str, Any]:
+    """Confirm or forget preference `pid`; OpenAI-style errors."""
+    if action not in standing.ACTIONS:
+        raise APIError(404, f"No action `{action}`: confirm or forget.", code="not_found")
+    try:
+        pref_id = int(pid)
+    except (TypeError, ValueError):
+        raise APIError(400, f"The preference must be a number, got {pid!r}.", param="id", code="invalid_value") from None
+    try:
+        out = await standing.act(proxy.store, action, pref_id, proxy.backend.version)
+    except KeyError:
+        raise APIError(404, f"No preference {pref_id}.", param="id", code="preference_not_found") from None
+    except PreferenceRefused as e:
+        raise APIError(409, str(e), param="id", code="preference_refused") from None
+    await proxy.standing.refresh()
+    return {**out, "instruction": proxy.standing.text}
 
 
 # --- groups and episodes (learning.episodes trains them) ----------------------------------------

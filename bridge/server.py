@@ -28,6 +28,7 @@ import uvicorn
 from clawbridge.chat.renderer import Renderer
 from clawbridge.judges import Teacher, build_judges
 from clawbridge.judges.pairwise import PairwiseJudge
+from clawbridge.learning import preferences
 from clawbridge.learning.baking import Retirement, Twin
 from clawbridge.learning.collector import Collector
 from clawbridge.learning.episodes import EpisodeLearner
@@ -38,9 +39,16 @@ from clawbridge.learning.lease import Coordinator
 from clawbridge.learning.probes import Probe, general_probes
 from clawbridge.learning.promotion import Resumed, pin_interrupted, resume
 from clawbridge.learning.trainer import Trainer
-from clawbridge.routes import SPOOL_HANDLERS, episode_routes, feedback_route, rollback_route
+from clawbridge.routes import (
+    SPOOL_HANDLERS,
+    episode_routes,
+    feedback_route,
+    preference_routes,
+    rollback_route,
+)
 from clawbridge.serving import anthropic, completions, responses
 from clawbridge.serving.app import create_app
+from clawbridge.serving.instructing import REFRESH_S
 from clawbridge.serving.proxy import Proxy, ProxyHooks
 from clawbridge.types import SamplingParams
 from clawbridge.ui import ui_routes
@@ -49,7 +57,7 @@ from clawbridge.ui.live import live_board
 if TYPE_CHECKING:
     from clawbridge.config import GateSettings, Settings
     from clawbridge.protocol import Backend
-    from clawbridge.store import Store
+    from clawbridge.store import Preference, Store
 
 log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0005
@@ -93,7 +101,7 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
     fields of the status line and /metrics."""
     return ProxyHooks(
         routes=[feedback_route(learner.wake), rollback_route(learner), *episode_routes(learner.wake),
-                *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
+                *preference_routes(), *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
         on_next_state=lambda _ns: learner.wake.set(),
         status_extra=learner.status,
         metrics_extra=learner.metrics,
@@ -103,6 +111,7 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
 
 def learner_task(learner: Learner) -> BackgroundTask:
     async def learn(running: Running, resumed: Resumed | None) -> None:
+        learner.on_preferences = serves_preferences(running.proxy)  # a preference heard is served at once
         bind_learner(learner, running.backend, running.store, running.renderer, resumed=resumed)
         await learner.run()
 
@@ -127,12 +136,14 @@ def bind_learner(learner: Learner, backend: Backend, store: Store, renderer: Ren
     server's own (`Running.renderer`); a new one only where no server runs (tools, tests).
     `resumed`: what `resume` loaded at the start (None: a fresh optimizer)."""
     learner.bind(build_learning(learner.settings, backend, store, renderer or Renderer(backend.tokenizer()),
-                                lock=learner.lock, probes=learner.extra_probes, resumed=resumed))
+                                lock=learner.lock, probes=learner.extra_probes, resumed=resumed,
+                                on_preferences=learner.on_preferences))
 
 
 def build_learning(
     settings: Settings, backend: Backend, store: Store, renderer: Renderer, *,
     lock: asyncio.Lock | None = None, probes: Sequence[GateProbe] = (), resumed: Resumed | None = None,
+    on_preferences: Callable[[Sequence[Preference]], None] | None = None,
 ) -> LearningParts:
     """The learner's parts, each built once: the teacher scorer shared by the collector, the
     episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
@@ -149,7 +160,8 @@ def build_learning(
     gate = build_gate(settings.gating, backend, renderer, pairwise, probes, seed=settings.seed)
     return LearningParts(
         judges=judges,
-        collector=Collector(learning, backend, store, judges, teacher, method=training.method),
+        collector=Collector(learning, backend, store, judges, teacher, method=training.method,
+                            on_preferences=on_preferences),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
         trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed,
                         retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)),
@@ -162,6 +174,15 @@ def build_retirement(settings: GateSettings, backend: Backend, renderer: Rendere
     params = SamplingParams(max_tokens=settings.gate_max_tokens, temperature=settings.gate_temperature, seed=seed)
     return Retirement(Twin(backend, renderer, params, settings.retire_samples), settings.retire_share,
                       settings.restore_share)
+
+
+def serves_preferences(proxy: Proxy) -> Callable[[Sequence[Preference]], None]:
+    """What the collector calls when a hearing changed the preferences: the proxy serves the
+    applied ones from the next request on (docs/serving.md#the-users-preferences)."""
+    def changed(prefs: Sequence[Preference]) -> None:
+        proxy.standing.text = preferences.served_instruction(prefs)
+
+    return changed
 
 
 def build_gate(
@@ -198,7 +219,7 @@ def serving_extras(settings: Settings) -> dict[str, Any]:
     """What `clawbridge up` adds to the server: the learning loop, when training is on
     (`{"hooks": ..., "background": [...]}` for `serve`); without it `up` serves and captures."""
     if not settings.train:  # the page still shows what is captured (docs/ui.md)
-        return {"hooks": ProxyHooks(routes=ui_routes(live_board(None)))}
+        return {"hooks": ProxyHooks(routes=[*preference_routes(), *ui_routes(live_board(None))])}
     learner = Learner(settings)
     return {"hooks": learner_hooks(learner), "background": [learner_task(learner)]}
 
@@ -292,6 +313,14 @@ async def _status_loop(proxy: Proxy, every_s: float, tty: bool) -> None:
             last = time.monotonic()
 
 
+async def _standing_loop(proxy: Proxy, every_s: float) -> None:
+    """The served instruction read again from the store: what another proxy on a shared store
+    (or `clawbridge preferences` against it) changed is served here within `every_s`."""
+    while True:
+        await asyncio.sleep(every_s)
+        await proxy.standing.refresh()
+
+
 async def _expire_loop(proxy: Proxy, every_s: float) -> None:
     store = proxy.store
     while True:
@@ -343,6 +372,12 @@ async def serve(
     proxy: Proxy = app.state.proxy
     if coordinator is not None:
         proxy.hooks.status_extra = _with_trainer(coordinator, proxy.hooks.status_extra)
+
+    async def applied() -> str | None:  # the instruction the store's preferences serve
+        return preferences.served_instruction(await store.run(store.preferences))
+
+    proxy.standing.source = applied
+    await proxy.standing.refresh()
     # what a previous run spooled goes in first, so the sessions read back include it
     await proxy.durable.start()
     await proxy.restore_sessions()  # open conversations continue across a restart
@@ -391,6 +426,7 @@ async def serve(
     if coordinator is not None:
         tasks.append(asyncio.create_task(coordinator.run()))
     tasks.append(asyncio.create_task(_expire_loop(proxy, min(60.0, settings.serving.session_idle_timeout_s / 4))))
+    tasks.append(asyncio.create_task(_standing_loop(proxy, REFRESH_S)))
     if not quiet:
         tasks.append(asyncio.create_task(_status_loop(proxy, 1.0, sys.stdout.isatty())))
     if started is not None:

@@ -121,22 +121,24 @@ def test_the_price_line_names_the_points_and_the_gates_maximum():
                                          "interval": [2.0, 20.0], "probes": 50, "asked": "Be brief."}
 
 
-def test_the_twin_is_asked_what_the_trainer_derives_from_the_scenarios_corrections():
-    """The demo's twin and the gate's read one function: the trainer keeps the hints it trains
-    (the rules judge's hint is the whole correction) as standing preferences."""
+def test_the_twin_is_asked_what_the_collector_hears_in_the_scenarios_corrections():
+    """The demo's twin and the gate's read one function: the collector hears the hints (the
+    rules judge's hint is the whole correction) and applies each correction heard twice, every
+    built-in scenario's corrections being about the form of an answer."""
     from clawbridge.demo.teachability import instruction
     from clawbridge.learning import preferences
 
     for name in scenario.builtin_names():
         sc = scenario.load(name)
         # the simulated user corrects conversation i with unsatisfied[i % n]: the first seen first
-        trained = [(sc.reply(False, i, prompt="What is rain?"), f"turn-{i}") for i in range(12)]
-        standing = preferences.standing(preferences.merge([], trained, 1))
-        assert instruction(sc) == preferences.instruction(standing), name
+        heard = [(sc.reply(False, i, prompt="What is rain?"), f"turn-{i}") for i in range(12)]
+        known = preferences.merge([], heard, 1)
+        assert all(p.kind == "length" and p.state == "applied" for p in known), (name, known)
+        assert instruction(sc) == preferences.wanted_instruction(known) == preferences.served_instruction(known), name
         assert instruction(sc).splitlines() == sorted(list(dict.fromkeys(sc.replies.unsatisfied))[:3]), name
-        # the same preferences first seen in the other order are asked the same way
+        # the same preferences first heard in the other order are asked the same way
         backwards = [(sc.reply(False, i, prompt="What is rain?"), f"turn-{i}") for i in reversed(range(12))]
-        assert preferences.instruction(preferences.standing(preferences.merge([], backwards, 1))) == instruction(sc)
+        assert preferences.wanted_instruction(preferences.merge([], backwards, 1)) == instruction(sc)
 
 
 def test_yes_and_no_in_a_keyword_list_are_words(tmp_path: Path):

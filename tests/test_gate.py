@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from clawbridge.learning.gate import Gate, GateProbe
+from clawbridge.learning.gate import Asked, Gate, GateProbe
 from clawbridge.learning.gate_rules import Comparison, GroupRule, decide, needs_more_probes
 from clawbridge.learning.stats import GroupFigures
 from clawbridge.types import SamplingParams
@@ -130,7 +130,7 @@ def _run(case: dict[str, Any]) -> dict[str, Any]:
                 reference_samples=case["reference_samples"], margin=case["margin"], alpha=case["alpha"],
                 alpha_base=case["alpha_base"], reference=case["reference"], max_price=case["max_price"],
                 non_inferiority=case["non_inferiority"], pairwise=pairwise, reserve=reserve)  # type: ignore[arg-type]
-    d = asyncio.run(gate.evaluate(candidate, case["serving"], recent=recent, asked=case["asked"]))
+    d = asyncio.run(gate.evaluate(candidate, case["serving"], recent=recent, asked=Asked(case["asked"])))
     record = d.record()
     record["figures"] = {k: v for k, v in d.figures.items() if k != "seconds"}
     record["calls"] = hashlib.sha256("\n".join(backend.calls).encode()).hexdigest()[:16]

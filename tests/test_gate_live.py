@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clawbridge.learning.gate import Gate, GateProbe, question_seed
+from clawbridge.learning.gate import Asked, Gate, GateProbe, question_seed
 from clawbridge.learning.trainer import Trainer
 from clawbridge.types import SamplingParams
 from helpers.gate import PROMPTS, _answers, _as_gate, _plain, _wrecked
@@ -102,17 +102,17 @@ async def test_against_the_twin_a_price_is_shown_capped_and_paid_only_with_conse
         assert (await Trainer(settings.training, backend, store).step_once()).version == 1  # type: ignore[union-attr]
         asked = "Always answer 'I don't know'."
 
-        capped = await Gate(backend, renderer, probes, params=params, max_price=0.15).evaluate(1, 0, asked=asked)
+        capped = await Gate(backend, renderer, probes, params=params, max_price=0.15).evaluate(1, 0, asked=Asked(asked))
         assert capped.decision == "rejected" and "gate_max_price" in capped.reason, capped
         assert capped.figures["probe_v0"] == 1.0 and capped.figures["probe_twin"] == 0.0
         assert capped.figures["price_points"] == 100.0 and capped.record()["asked"] == asked
 
-        consented = await Gate(backend, renderer, probes, params=params, max_price=1.0).evaluate(1, 0, asked=asked)
+        consented = await Gate(backend, renderer, probes, params=params, max_price=1.0).evaluate(1, 0, asked=Asked(asked))
         assert consented.decision == "accepted", consented
         assert consented.reference == "twin" and consented.figures["probe_candidate"] == 0.0
         assert consented.figures["probe_twin"] == 0.0 and consented.figures["price_points"] == 100.0
 
-        strict = await Gate(backend, renderer, probes, params=params, reference="v0").evaluate(1, 0, asked=asked)
+        strict = await Gate(backend, renderer, probes, params=params, reference="v0").evaluate(1, 0, asked=Asked(asked))
         assert strict.decision == "rejected" and strict.reference == "v0" and strict.instruction is None
 
 
@@ -150,8 +150,8 @@ async def test_the_price_is_told_once_even_when_the_demo_measured_it_first(tmp_p
         gate = Gate(backend, renderer, probes, params=params)
         assert await gate.general_scores(0, "Be brief.", gate.reference_samples) == [1.0] * len(PROMPTS)
         with caplog.at_level(logging.WARNING, logger="clawbridge.learning.gate"):
-            await gate.evaluate(1, 0, asked="Be brief.")
-            await gate.evaluate(1, 0, asked="Be brief.")
+            await gate.evaluate(1, 0, asked=Asked("Be brief."))
+            await gate.evaluate(1, 0, asked=Asked("Be brief."))
         told = [r.getMessage() for r in caplog.records if "of general answers" in r.getMessage()]
         assert len(told) == 1 and "'Be brief.' cost 0 points" in told[0], told
 

@@ -5,6 +5,7 @@ and the migration that carries a data directory whose history was JSON in `meta`
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -125,4 +126,4 @@ def test_preferences_keep_their_order_and_update_in_place(store: Store) -> None:
     store.save_preferences(first)
     more = [Preference("brief", 2, ("a", "c"), 1), first[1], Preference("in French", 1, ("d",), 2)]
     store.save_preferences(more)
-    assert store.history().preferences == tuple(more)
+    assert store.history().preferences == tuple(replace(p, id=i + 1) for i, p in enumerate(more))

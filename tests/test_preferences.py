@@ -17,11 +17,10 @@ def test_hints_that_say_the_same_thing_count_as_one_preference():
     more = prefs.merge(known, [(f"Say it in French {i}.", str(i)) for i in range(3)] + [("Use a bulleted list.", "d")], 2)
     # four of the five words of "say it in french 0" are in "... 1": the same wish, counted once
     assert [p.count for p in more] == [2, 2, 3]
-    # the two most frequent (a tie goes to the first seen), asked in a canonical (sorted) order
-    assert [p.text for p in prefs.standing(more, keep=2)] == [
-        "Too long. Please answer in one short sentence, under 20 words.", "Say it in French 0."]
-    assert prefs.instruction(prefs.standing(more, keep=2)) == (
-        "Say it in French 0.\nToo long. Please answer in one short sentence, under 20 words.")
+    # each heard at least twice and about the form of an answer: applied, asked in a canonical (sorted) order
+    assert [p.state for p in more] == ["applied"] * 3
+    assert prefs.served_instruction(more) == (
+        "Say it in French 0.\nToo long. Please answer in one short sentence, under 20 words.\nUse a bulleted list.")
     assert prefs.instruction([]) is None
     assert prefs.merge([], [("   ", "x")], 1) == []
 

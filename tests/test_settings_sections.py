@@ -145,12 +145,16 @@ def test_the_built_in_scenarios_train_with_the_settings_they_always_had():
     built["concise_opd_rounds7_seed3"] = _flat(demo_settings(sc, Path("demo-data"), model="tiny-random", seed=3,
                                                              method="opd"))
     added = {k: _flat(Settings())[k] for k in set(_flat(Settings())) - set(golden["concise"])}
-    assert set(added) == {"spool_dir", "spool_max_mb", "spool_full", "store_write_timeout_s"}  # settings added since
+    assert set(added) == {"spool_dir", "spool_max_mb", "spool_full", "store_write_timeout_s",
+                          "instant_preferences"}  # settings added since
+    # the preference demos answer with the weights alone, as they always did: no instruction served
+    as_before = {"instant_preferences": False}
     for name, want in golden.items():
         got = built[name]
         assert {k: got.get(k) for k in want} == want, name
         assert set(got) == set(want) | set(added), name
-        assert {k: got[k] for k in added} == added, name  # a new setting at its default
+        kept = {**added, **(as_before if name != "tools" else {})}
+        assert {k: got[k] for k in added} == kept, name  # a new setting at its default, or as the demo ran
 
 
 def test_a_recipe_is_demo_knobs_and_validated_setting_overrides():

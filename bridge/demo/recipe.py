@@ -29,6 +29,9 @@ DEMO_RECIPE: dict[str, Any] = {
     # step finish them sooner, where an agent's long prompts would hold too much KV (docs/engine.md)
     "engine_max_batch": 64,
     **MEASURED,  # the learning recipe
+    # the demo's conversations are answered by the weights alone: its figures are what training
+    # learns from uninstructed answers (docs/serving.md#the-users-preferences)
+    "instant_preferences": False,
 }
 
 # The tools demo's settings (`clawbridge demo --scenario tools`, docs/agents.md).

@@ -111,8 +111,9 @@ class SimulatedUser:
             resp = await self.client.chat.completions.create(
                 model=self.model, messages=messages,  # type: ignore[arg-type]
                 max_tokens=max_tokens, temperature=r.temperature, n=n, seed=seed,
+                # the weights alone are measured: never the user's preferences as an instruction
                 extra_headers={"X-Session-Id": f"eval-{uuid.uuid4().hex[:12]}",
-                               "X-Train": "false", "X-Session-Done": "true"},
+                               "X-Train": "false", "X-Session-Done": "true", "X-Instructions": "off"},
             )
         return [(c.message.content or "", c.finish_reason) for c in resp.choices]
 

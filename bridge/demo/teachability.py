@@ -14,7 +14,7 @@ ten-minute run what it can show:
   by itself; the gate judges a candidate against the twin, so paying it is not harm
   (docs/methods.md#harm-is-judged-against-what-you-asked-for).
 
-The instruction is the standing preferences the trainer derives from the scenario's corrections
+The instruction is the preferences the collector applies from the scenario's corrections
 (`learning.preferences`), the same function, so the demo's twin and the gate's cannot drift.
 Verdicts and lines are pure; asking goes through an `Ask` the caller supplies (the demo's is the
 served model over the HTTP API).
@@ -42,10 +42,11 @@ Ask = Callable[[str, list[dict[str, str]], int], Awaitable[list[tuple[str, "str 
 
 
 def instruction(sc: Scenario) -> str:
-    """What the twin is asked with: the standing preferences the trainer keeps when every hint it
-    trains is one of the scenario's corrections (the rules judge's hint is the user's reply)."""
-    known = preferences.merge([], [(text, f"unsatisfied[{i}]") for i, text in enumerate(sc.replies.unsatisfied)], 0)
-    asked = preferences.instruction(preferences.standing(known))
+    """What the twin is asked with: the preferences the collector applies when it has heard each
+    of the scenario's corrections twice (the rules judge's hint is the user's reply)."""
+    heard = [(text, f"unsatisfied[{i}]#{k}") for k in range(preferences.HEARINGS)
+             for i, text in enumerate(sc.replies.unsatisfied)]
+    asked = preferences.wanted_instruction(preferences.merge([], heard, 0))
     assert asked is not None  # a scenario has at least one correction
     return asked
 

@@ -2,6 +2,7 @@
 
     turn with a next state ──► sample `pending` (one per turn and method, created first)
                           ──► judges (only the kinds still missing) ──► judgments stored
+                          ──► the hint heard as the user's preference (learning.preferences)
                           ──► teacher logprobs: backend.score on the hint-augmented prompt
                           ──► (rewrites > 0) the teacher's own answer as a demonstration
                           ──► advantages ──► sample `judged` (or `dropped`, with the reason)
@@ -25,11 +26,13 @@ from clawbridge.config import LearningSettings
 from clawbridge.judges import HintJudgment as JudgeHint
 from clawbridge.judges import Judges, Teacher, TurnContext
 from clawbridge.judges import Judgment as JudgeReward
+from clawbridge.learning import preferences
 from clawbridge.learning.advantages import Advantages, anchored, sample_advantages, scale_negatives
 from clawbridge.learning.baking import student_view
 from clawbridge.learning.rewrite import write_rewrite
 from clawbridge.protocol import Backend
-from clawbridge.store import JudgeVote, Judgment, Rewrite, Sample, Store, StoredTurn
+from clawbridge.store import JudgeVote, Judgment, Preference, Rewrite, Sample, Store, StoredTurn
+from clawbridge.store.records import utcnow
 from clawbridge.types import Method
 
 log = logging.getLogger(__name__)
@@ -103,10 +106,17 @@ class CollectorStats:
         return sum(recent) / len(recent) if recent else None
 
 
+def asked_of(turn: StoredTurn) -> str | None:
+    """The turn's own question: its last user message's text."""
+    asked = [m for m in turn.messages if m.get("role") == "user"]
+    content = asked[-1].get("content") if asked else None
+    return content if isinstance(content, str) else None
+
+
 class Collector:
     def __init__(
         self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher, *,
-        method: Method,
+        method: Method, on_preferences: Callable[[Sequence[Preference]], None] | None = None,
     ) -> None:
         self.settings = settings
         self.method = method
@@ -115,6 +125,24 @@ class Collector:
         self.judges = judges
         self.teacher = teacher  # OPD's hinted scoring, shared with the hint judge's ranking
         self.stats = CollectorStats()
+        # told the preferences whenever a hearing changed them (the proxy's served instruction)
+        self.on_preferences = on_preferences
+
+    async def hear(self, turn: StoredTurn, hint: str) -> Preference | None:
+        """The user's correction heard: the hint (less what quotes the turn's question) counts for
+        the preference it says, once per turn (`preferences.merge` skips a turn heard before, so a
+        sample settled again after a crash hears nothing twice); read, merged and written in one
+        store transaction. Returns the preference it counted for (None: it said nothing)."""
+        text = preferences.unquoted(hint, asked_of(turn))
+        if not text:
+            return None
+        version = self.backend.version
+        before = await self.store.run(self.store.preferences)
+        after = await self.store.run(
+            self.store.update_preferences, lambda known: preferences.merge(known, [(text, turn.id)], version, utcnow()))
+        if self.on_preferences is not None and tuple(after) != before:
+            self.on_preferences(after)
+        return next((p for p in after if turn.id in p.turns), None)
 
     async def run_once(self, limit: int = 32) -> int:
         """One pass: finish pending samples (a restart, or explicit feedback), then open
@@ -170,6 +198,12 @@ class Collector:
         if turn.next_state is not None:
             judgments += await self._judge_missing(turn, {j.kind for j in judgments})
         signal = combine_signal(judgments)
+        if signal.hint is not None:
+            heard = await self.hear(turn, signal.hint)
+            if heard is not None and heard.state == "dropped":  # the user dropped it: its samples never train
+                await store.run(store.mark_samples, [sample_id], "dropped", f"the user dropped preference {heard.id}")
+                self.stats.dropped += 1
+                return
         self.stats.judged += 1
         self.stats.rewards.append(signal.reward)
         # a turn served under the applied preferences trains from the student's view (`baking`):

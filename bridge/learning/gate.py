@@ -14,7 +14,7 @@ truly-satisfied check on a validation split; an agent's recent prompts with a ju
 
 **Harm is judged against what the user asked for** (`reference="twin"`, the default). The user's
 preferences can cost answers by themselves: the base model asked for them (its **prompted twin**:
-the standing preferences as its system instruction, the instruction the OPD teacher gets) may
+the user's preferences as the system instruction they are served with, `chat.instructions`) may
 answer fewer general questions than plain v0. That difference is the **price** of the
 preferences, shown wherever versions are, and held to gate_max_price (`GateRules`).
 
@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from clawbridge.judges.hints import teacher_messages
+from clawbridge.chat.instructions import instructed
 from clawbridge.learning.gate_rules import (
     GENERAL,
     Against,
@@ -176,7 +176,7 @@ class Gate:
 
     async def _score(self, probe: GateProbe, answerer: Answerer, samples: int) -> tuple[float, str]:
         version, instruction = answerer
-        messages = list(probe.messages) if instruction is None else teacher_messages(probe.messages, instruction)
+        messages = instructed(probe.messages, instruction)  # the twin: the instruction as served
         prompt = self.renderer.render(messages)
         params = dataclasses.replace(self.params, seed=question_seed(self.params.seed, message_key(probe.messages)))
         comps = await self.backend.sample(prompt, params, n=probe.samples or samples, version=version)

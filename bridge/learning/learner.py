@@ -35,7 +35,7 @@ from clawbridge.protocol import BackendError
 
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
-    from clawbridge.store import Store
+    from clawbridge.store import Preference, Store
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,9 @@ class Learner:
         # several proxies on one store: why this process may not publish now (another holds the
         # trainer lease: `learning.lease.Coordinator.elsewhere`); None: it may
         self.elsewhere: Callable[[], str | None] = lambda: None
+        # told the preferences whenever the collector's hearing changed them (the composition
+        # root serves the applied ones at once)
+        self.on_preferences: Callable[[Sequence[Preference]], None] | None = None
 
     def bind(self, parts: LearningParts) -> None:
         self.parts = parts

@@ -1,7 +1,7 @@
 """What happens to a candidate once a step has published it: which version serves next
 (docs/methods.md, "The gate"), and the restarts and rollbacks that change what serves.
 
-    the step's hints join the standing preferences (the gate's twin is asked with them)
+    the preferences the user wants (heard by the collector) are what the gate's twin is asked with
     ─► no gate: the candidate serves at once
     ─► the gate judges it against the serving version, the decision is recorded, then:
          accepted ─► it serves
@@ -58,14 +58,6 @@ async def record_decision(store: Store, decision: GateDecision) -> None:
     await store.run(store.record_gate_decision, GateRecord.of(decision.record()))
 
 
-async def preferences_of(store: Store) -> list[preferences.Preference]:
-    return list((await history_of(store)).preferences)
-
-
-async def record_preferences(store: Store, known: Sequence[preferences.Preference]) -> None:
-    await store.run(store.save_preferences, known)
-
-
 async def resume_point(store: Store) -> dict[str, Any] | None:
     """The latest checkpoint: {"path", "step", "version"}; None before the first."""
     ck: dict[str, Any] | None = await store.run(store.get_meta, CHECKPOINT_KEY)
@@ -88,21 +80,11 @@ def blend_name(of: int, alpha: float) -> str:
 
 # --- standing preferences -----------------------------------------------------------------------
 
-async def learn_preferences(store: Store, batch: Sequence[Sample], version: int) -> str | None:
-    """Add the hints trained into `version` to the standing preferences; returns the twin's
-    instruction: what the user has asked for so far (None: nothing yet)."""
-    known = await preferences_of(store)
-    hints = []
-    for x in batch:
-        if x.hint:
-            turn = await store.run(store.get_turn, x.turn_id)
-            asked = [m for m in turn.messages if m.get("role") == "user"] if turn is not None else []
-            content = asked[-1].get("content") if asked else None
-            hints.append((preferences.unquoted(x.hint, content if isinstance(content, str) else None), x.turn_id))
-    if hints:
-        known = preferences.merge(known, hints, version)
-        await record_preferences(store, known)
-    return preferences.instruction(preferences.standing(known))
+async def what_was_asked(store: Store) -> Asked:
+    """What the user asked for, as the gate asks it: the twin with every applied or learned
+    preference the collector heard, the candidate with the instruction served now."""
+    known = await store.run(store.preferences)
+    return Asked(preferences.wanted_instruction(known), preferences.served_instruction(known))
 
 
 # --- restarts -----------------------------------------------------------------------------------
@@ -245,8 +227,7 @@ class Promotion:
     async def promote(self, batch: Sequence[Sample], candidate: int, serving: int) -> int:
         """The step's candidate, just published from `batch`: returns the version that serves next.
         When the newest weights serve, the applied preferences they carry alone are retired."""
-        known = await preferences_of(self.store)
-        asked = Asked(preferences.wanted_instruction(known), preferences.served_instruction(known))
+        asked = await what_was_asked(self.store)
         served = candidate if self.gate is None else await self._gate(candidate, serving, await self._recent(batch), asked)
         if served == self.backend.newest and self.retirement is not None:
             await self._retire(batch, served)
@@ -418,9 +399,7 @@ class Promotion:
         async with self.lock:
             self.backend.serve(serving)
             try:
-                known = await preferences_of(self.store)
-                asked = Asked(preferences.wanted_instruction(known), preferences.served_instruction(known))
-                return await self._gate(candidate, serving, asked=asked)
+                return await self._gate(candidate, serving, asked=await what_was_asked(self.store))
             finally:
                 self.backend.serve(None)
 

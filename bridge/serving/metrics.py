@@ -64,6 +64,8 @@ class Metrics:
             ("clawbridge_completion_tokens", "Tokens generated", lambda: c.completion_tokens),
             ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
             ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
+            ("clawbridge_preferences_applied", "The user's preferences served as an instruction now",
+             lambda: len((proxy.standing.text or "").splitlines())),
         ):
             Gauge(name, doc, registry=self.registry).set_function(fn)
         if proxy.hooks.metrics_extra is not None:

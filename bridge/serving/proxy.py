@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from clawbridge.chat.messages import PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend, NamesItsDtype, SuggestsMaxTokens
-from clawbridge.serving import wire
+from clawbridge.serving import instructing, wire
 from clawbridge.serving.durable import Durable, Handler, SpoolConfig
 from clawbridge.serving.errors import context_length_exceeded
 from clawbridge.serving.sessions import (
@@ -55,8 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # Bodies larger than this are parsed and tokenised off the event loop (an agent's usual request,
-# tens of KB, renders in well under a millisecond from the prompt cache: a thread hop would cost
-# more than it saves).
+# tens of KB, renders in well under a millisecond from the prompt cache: a thread hop costs more).
 OFF_LOOP_BYTES = 256 * 1024
 T = TypeVar("T")
 
@@ -145,6 +144,7 @@ class Draft:
     # the ids its turns are written under, one per choice; empty: fresh ones. A wire format that
     # names its answer after its turn (a Responses API `resp_...`) chooses them at admission.
     turn_ids: Sequence[str] = ()
+    instruction: str | None = None  # the user's standing preferences in its prompt (`instructing`)
 
 
 class Proxy:
@@ -172,6 +172,7 @@ class Proxy:
         # the store's writes, or the spool while the store cannot take them (`durable`)
         self.durable = Durable(store, spool, landed=self._landed)
         self.durable.handlers.update(self.hooks.spool_handlers)
+        self.standing = instructing.Standing()  # the instruction served now (the root sets its source)
 
     # --- the edge ---------------------------------------------------------------------------
 
@@ -224,12 +225,14 @@ class Proxy:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
-    def render(self, ask: Ask, cache: bool = True) -> list[int]:
-        """The prompt's token ids (`cache=False`: without the renderer's cache, so it may run off
-        the loop)."""
+    def render(self, ask: Ask, cache: bool = True, instruction: str | None = None) -> tuple[list[int], str | None]:
+        """The prompt's token ids, with `instruction` where it fits, and the instruction they carry
+        (`cache=False`: without the renderer's cache, so it may run off the loop)."""
         ctx = self.backend.context_length
         try:
-            return self.renderer.render(ask.messages, ask.tools, ask.req.tool_choice, use_cache=cache, limit=ctx)
+            return instructing.render(
+                lambda ms: self.renderer.render(ms, ask.tools, ask.req.tool_choice, use_cache=cache, limit=ctx),
+                ask.messages, instruction, ctx)
         except PromptTooLong as e:
             raise context_length_exceeded(ctx, e.tokens, ask.name("messages")) from None
         except RenderError as e:
@@ -243,11 +246,15 @@ class Proxy:
             raise APIError(503, "The store is down and the spool full: try again later.",
                            type="server_error", code="store_unavailable")
         req = ask.req
+        tag = self._tag(request, ask)
+        instruction = None if ask.prompt is not None else instructing.chosen(
+            ask.messages, tag.turn_type or self.sessions.default_turn_type, request.headers.get(instructing.HEADER),
+            self.settings.serving.instant_preferences, self.standing.text)
         if ask.prompt is not None:
             prompt = ask.prompt
         else:
             big = ask.size > OFF_LOOP_BYTES
-            prompt = await self.off_loop(ask.size, self.render, ask, not big)
+            prompt, instruction = await self.off_loop(ask.size, self.render, ask, not big, instruction)
         if req.model != self.model_name:
             raise APIError(
                 404,
@@ -257,19 +264,7 @@ class Proxy:
             )
         if req.stream and req.n > 1:
             raise APIError(400, "n > 1 is supported without streaming only.", param="n")
-        headers = {k: v for k in TAG_HEADERS if (v := request.headers.get(k)) is not None}
-        if "x-session-id" in headers:
-            headers["x-session-id"] = wire.session_id(headers["x-session-id"], "X-Session-Id") or ""
-        path_sid = request.path_params.get("session_id")
-        if path_sid is not None:
-            path_sid = wire.session_id(path_sid, "session_id")
-        try:
-            tag = read_tag(headers, ask.keys, path_sid)
-        except ValueError as e:
-            raise APIError(400, str(e), param="turn_type") from None
         messages = ask.messages
-        if not tag.session_id and agent_housekeeping(messages):  # no user is talking: side
-            tag = dataclasses.replace(tag, turn_type="side")
         ctx = self.backend.context_length
         if len(prompt) >= ctx:
             raise context_length_exceeded(ctx, len(prompt), ask.name("messages"))
@@ -301,8 +296,24 @@ class Proxy:
             messages=messages, tools=ask.tools, prompt_ids=prompt, params=params,
             version=self.backend.version,  # pinned at admission; the backend keeps it
             adm=adm, request_params=ask.request_params, logprobs=req.logprobs,
-            t0=time.perf_counter(), next_state=adm.next_state,
+            t0=time.perf_counter(), next_state=adm.next_state, instruction=instruction,
         )
+
+    def _tag(self, request: Request, ask: Ask) -> TurnTag:
+        """What the request says of itself; an agent's housekeeping with no session is a side turn."""
+        headers = {k: v for k in TAG_HEADERS if (v := request.headers.get(k)) is not None}
+        if "x-session-id" in headers:
+            headers["x-session-id"] = wire.session_id(headers["x-session-id"], "X-Session-Id") or ""
+        path_sid = request.path_params.get("session_id")
+        if path_sid is not None:
+            path_sid = wire.session_id(path_sid, "session_id")
+        try:
+            tag = read_tag(headers, ask.keys, path_sid)
+        except ValueError as e:
+            raise APIError(400, str(e), param="turn_type") from None
+        if not tag.session_id and agent_housekeeping(ask.messages):  # no user is talking: side
+            tag = dataclasses.replace(tag, turn_type="side")
+        return tag
 
     async def _continuation(self, tag: TurnTag, look: Lookup) -> Continuation | None:
         """What the shared store knows of the conversation this request continues (several
@@ -322,11 +333,9 @@ class Proxy:
             return None
 
     def attach_next_state(self, d: Draft) -> None:
-        """Write the next state this request carried for its session's previous turn (once).
-        Called by `record` just before this request's own turn is written, so both share one
-        commit of the group-commit writer (an attach at admission would commit alone and compete
-        with the render for the interpreter); and when the request ends (`pipeline.Endpoint`),
-        where it is a no-op unless the request ended without a turn."""
+        """Write the next state this request carried for its session's previous turn (once): from
+        `record`, just before the request's own turn (one group commit for both), and when the
+        request ends (`pipeline.Endpoint`: a no-op unless it ended without a turn)."""
         ns, d.next_state = d.next_state, None
         if ns is not None:
             self._spawn(self._attach(ns))
@@ -384,7 +393,7 @@ class Proxy:
                 tagged=not d.adm.untagged, train=d.adm.train, session_source=d.adm.source,
                 ttft_ms=ttft_ms, total_ms=total_ms,
                 id=d.turn_ids[i] if i < len(d.turn_ids) else new_turn_id(),
-                prompt_key=d.adm.fps[-1] if d.adm.fps else None, reply_key=keys[i],
+                prompt_key=d.adm.fps[-1] if d.adm.fps else None, reply_key=keys[i], instruction=d.instruction,
             )
             for i, (c, reply, fin) in enumerate(zip(comps, replies, finishes, strict=True))
         ]
@@ -425,9 +434,8 @@ class Proxy:
     # --- sampling ---------------------------------------------------------------------------
 
     async def sample(self, d: Draft, n: int, request: Request | None = None) -> list[Completion]:
-        """The n completions of a non-streamed answer. The client may leave while they are
-        generated: then generation stops for nobody (as a stream's does) and ClientDisconnect is
-        raised, so nothing is recorded (no answer was delivered)."""
+        """The n completions of a non-streamed answer. A client that leaves meanwhile stops the
+        generation (as a stream's does) and ClientDisconnect is raised: nothing is recorded."""
         sampling = asyncio.ensure_future(self.backend.sample(d.prompt_ids, d.params, n=n, version=d.version))
         if request is None:
             return await sampling
@@ -469,7 +477,7 @@ class Proxy:
         out: dict[str, Any] = {
             "model": self.model_name,
             "backend": self.backend.name,
-            "version": self.backend.version,
+            "version": self.backend.version, "instruction": self.standing.text,  # the preferences served now
             **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
             "uptime_s": round(time.time() - self.started, 1),
             **asdict(c),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens

@@ -33,7 +33,7 @@ from clawbridge.types import TurnType
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
 _KEYS_PER_SESSION = 8  # fingerprints kept per session: the last few replies, to allow branching
 _TRUE = {"1", "true", "yes", "on"}
-TAG_HEADERS = ("x-session-id", "x-turn-type", "x-session-done", "x-train", "x-session-user")
+TAG_HEADERS = ("x-session-id", "x-turn-type", "x-session-done", "x-train", "x-session-user", "x-instructions")
 
 
 @dataclass(frozen=True)

@@ -400,7 +400,7 @@ class Browse:
 
     def progress(self) -> JSON:
         """Versions with their reactions, gate decisions and rollbacks; the steps; the hints; and
-        the stored preferences (`store.Preference`s, first seen first: the page marks the standing ones)."""
+        the stored preferences (`store.Preference`s, first heard first, each in its state)."""
         with self._conn() as conn:
             vs = versions(conn)
             react = self.reactions(conn)

@@ -85,6 +85,7 @@ def turn_from_row(r: Any, judged: frozenset[str], messages: list[JSONObject]) ->
         created_at=r.created_at,
         prompt_key=r.prompt_key,
         reply_key=r.reply_key,
+        instruction=r.instruction,
         next_state=r.next_state,
         next_state_at=r.next_state_at,
         judged_kinds=judged,
@@ -161,6 +162,7 @@ def turn_row(
         "created_at": rec.created_at,
         "prompt_key": rec.prompt_key,
         "reply_key": rec.reply_key,
+        "instruction": rec.instruction,
     }
 
 

@@ -89,6 +89,7 @@ def _turn_json(tu: StoredTurn, judgments: list[JSONObject], samples: list[JSONOb
         "version": tu.version,
         "messages": tu.messages,
         "tools": tu.tools,
+        "instruction": tu.instruction,
         "request_params": tu.request_params,
         "sampling": asdict(tu.sampling),
         "prompt_ids": list(tu.prompt_ids),

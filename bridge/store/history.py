@@ -9,10 +9,10 @@ a row updated in place when a new hint says the same thing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from clawbridge.store import schema as t
@@ -45,12 +45,27 @@ class GateRecord:
                 "reason": self.reason, "figures": self.figures, "reference": self.reference, "asked": self.asked}
 
 
+PreferenceState = Literal["heard", "applied", "learned", "superseded", "dropped"]
+
+
 @dataclass(frozen=True)
 class Preference:
-    text: str  # the shortest wording seen
-    count: int  # trained samples whose hint said it
-    turns: tuple[str, ...]  # where it came from: the newest turn ids
-    first_version: int  # the policy version trained from it first
+    """A preference the user has asked for (`learning.preferences` decides its state)."""
+
+    text: str  # the shortest wording heard
+    count: int  # judged turns whose hint said it
+    turns: tuple[str, ...]  # the turns whose hint counted for it (each counts once), oldest first
+    first_version: int  # the policy version serving when it was first heard
+    id: int = 0  # its number, 1, 2, ... in the order first heard (`clawbridge preferences forget N`); 0: not stored yet
+    state: PreferenceState = "heard"
+    kind: str | None = None  # the form of an answer it is about (length, format, ...); None: something else
+    confirmed: bool = False  # the user confirmed it (it applies without being heard twice)
+    count_since: int = 0  # hearings since it was last superseded (it applies again at two)
+    state_at: datetime | None = None  # since when it is in its state
+    applied_at: datetime | None = None  # when it was last applied
+    applied_version: int | None = None  # the policy version serving when it was last applied
+    learned_version: int | None = None  # the version whose weights alone keep it (state "learned")
+    dropped_at: datetime | None = None  # when the user dropped it
 
 
 @dataclass(frozen=True)
@@ -83,22 +98,35 @@ class History:
 
 
 def read_history(conn: sa.Connection) -> History:
-    g, pv, p = t.gate_decisions.c, t.policy_versions.c, t.preferences.c
+    g, pv = t.gate_decisions.c, t.policy_versions.c
     decisions = tuple(
         GateRecord(r.candidate, r.serving, r.decision, r.reason, dict(r.figures or {}), r.reference, r.asked,
                    r.created_at)
         for r in conn.execute(sa.select(t.gate_decisions).order_by(g.id)))
     origins = conn.execute(sa.select(pv.version, pv.copy_of, pv.blend_of, pv.blend_alpha)
                            .where(sa.or_(pv.copy_of.is_not(None), pv.blend_of.is_not(None)))).all()
-    prefs = tuple(Preference(r.text, r.n, tuple(r.turns), r.first_version)
-                  for r in conn.execute(sa.select(p.text, p.count.label("n"), p.turns, p.first_version)
-                                        .order_by(p.position)))
     return History(
         decisions=decisions,
         copies={r.version: r.copy_of for r in origins if r.copy_of is not None},
         blends={r.version: (r.blend_of, float(r.blend_alpha or 0.0)) for r in origins if r.blend_of is not None},
-        preferences=prefs,
+        preferences=read_preferences(conn),
     )
+
+
+PREFERENCE_COLUMNS = ("state", "kind", "confirmed", "count_since", "state_at", "applied_at", "applied_version",
+                      "learned_version", "dropped_at")
+
+
+def read_preferences(conn: sa.Connection) -> tuple[Preference, ...]:
+    p = t.preferences.c
+    rows = conn.execute(sa.select(t.preferences, p.count.label("n")).order_by(p.position))
+    return tuple(Preference(r.text, r.n, tuple(r.turns), r.first_version, id=r.position + 1,
+                            **{k: getattr(r, k) for k in PREFERENCE_COLUMNS}) for r in rows)
+
+
+def _row(pref: Preference) -> dict[str, Any]:
+    return {"text": pref.text, "count": pref.count, "turns": list(pref.turns), "first_version": pref.first_version,
+            **{k: getattr(pref, k) for k in PREFERENCE_COLUMNS}}
 
 
 def history_mark(conn: sa.Connection) -> tuple[Any, Any]:
@@ -120,22 +148,87 @@ class HistoryStore(StoreBase):
                 reason=record.reason, figures=record.figures, reference=record.reference, asked=record.asked,
                 created_at=record.created_at or utcnow()))
 
+    def preferences(self) -> tuple[Preference, ...]:
+        """The preferences alone, first heard first (what the served instruction is made of)."""
+        with self._read() as conn:
+            return read_preferences(conn)
+
     def save_preferences(self, prefs: Sequence[Preference]) -> None:
-        """The preferences as `learning.preferences.merge` left them: a known one keeps its
-        position (its row is updated when it changed), a new one is appended."""
-        p = t.preferences.c
+        """The preferences as `learning.preferences` left them: a known one keeps its position
+        (its row is updated when it changed), a new one is appended."""
         with self._write() as conn:
-            stored = {r.position: (r.text, r.n, tuple(r.turns), r.first_version)
-                      for r in conn.execute(sa.select(p.position, p.text, p.count.label("n"), p.turns,
-                                                      p.first_version))}
+            self._save_preferences(conn, prefs)
+
+    def update_preferences(self, change: Callable[[list[Preference]], list[Preference]]) -> list[Preference]:
+        """Read the preferences, `change` them (a pure function of the list) and write the result,
+        in one transaction that no other writer interleaves with (SQLite: BEGIN IMMEDIATE;
+        PostgreSQL: the table locked), so concurrent hearings, confirmations and forgets never
+        lose one another. Returns the list written."""
+        with self._write() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(sa.text("LOCK TABLE preferences IN SHARE ROW EXCLUSIVE MODE"))
+            out = change(list(read_preferences(conn)))
+            self._save_preferences(conn, out)
+            return out
+
+    def set_preference_state(self, pref_id: int, state: PreferenceState, version: int | None = None) -> Preference:
+        """Set preference `pref_id`'s state as the gate decides it: "learned" (the weights of
+        `version` alone keep it: its instruction is no longer served) or back to "applied" (a
+        later version lost it: it is served again). KeyError: no such preference."""
+        if state not in ("learned", "applied"):
+            raise ValueError(f"the gate sets a preference learned or applied, not {state!r}")
+
+        def change(prefs: list[Preference]) -> list[Preference]:
+            at = _index(prefs, pref_id)
             now = utcnow()
-            for i, pref in enumerate(prefs):
-                row = (pref.text, pref.count, tuple(pref.turns), pref.first_version)
-                if stored.get(i) == row:
-                    continue
-                values = {"text": pref.text, "count": pref.count, "turns": list(pref.turns),
-                          "first_version": pref.first_version, "updated_at": now}
-                if i in stored:
-                    conn.execute(t.preferences.update().where(p.position == i).values(**values))
-                else:
-                    conn.execute(t.preferences.insert().values(position=i, **values))
+            p = prefs[at]
+            if state == "learned":
+                prefs[at] = replace(p, state="learned", state_at=now, learned_version=version)
+            else:
+                prefs[at] = replace(p, state="applied", state_at=now, learned_version=None, applied_at=now,
+                                    applied_version=version if version is not None else p.applied_version)
+            return prefs
+
+        out = self.update_preferences(change)
+        return out[_index(out, pref_id)]
+
+    def forget_preference(self, pref_id: int) -> tuple[Preference, int]:
+        """The user drops preference `pref_id`: its instruction stops (state "dropped") and the
+        samples of the turns whose hint counted for it are no longer trained (those not trained
+        yet are dropped, with the reason). Returns the preference and how many samples were
+        dropped. KeyError: no such preference."""
+        with self._write() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.execute(sa.text("LOCK TABLE preferences IN SHARE ROW EXCLUSIVE MODE"))
+            prefs = list(read_preferences(conn))
+            at = _index(prefs, pref_id)
+            now = utcnow()
+            p = prefs[at] = replace(prefs[at], state="dropped", state_at=now, dropped_at=now, confirmed=False)
+            self._save_preferences(conn, prefs)
+            s = t.samples.c
+            dropped = conn.execute(
+                sa.update(t.samples)
+                .where(s.turn_id.in_(list(p.turns)), s.state.in_(("pending", "judged")))
+                .values(state="dropped", reason=f"the user dropped preference {pref_id}", updated_at=now)
+            ).rowcount if p.turns else 0
+        return p, int(dropped or 0)
+
+    def _save_preferences(self, conn: sa.Connection, prefs: Sequence[Preference]) -> None:
+        p = t.preferences.c
+        stored = {q.id: _row(q) for q in read_preferences(conn)}
+        now = utcnow()
+        for i, pref in enumerate(prefs):
+            row = _row(pref)
+            if stored.get(i + 1) == row:
+                continue
+            if i + 1 in stored:
+                conn.execute(t.preferences.update().where(p.position == i).values(**row, updated_at=now))
+            else:
+                conn.execute(t.preferences.insert().values(position=i, **row, updated_at=now))
+
+
+def _index(prefs: Sequence[Preference], pref_id: int) -> int:
+    at = next((i for i, p in enumerate(prefs) if p.id == pref_id), None)
+    if at is None:
+        raise KeyError(pref_id)
+    return at

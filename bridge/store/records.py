@@ -98,6 +98,10 @@ class TurnRecord:
     # is what a request that continues the conversation starts with): docs/scale-out.md
     prompt_key: bytes | None = None
     reply_key: bytes | None = None
+    # the user's standing preferences it was served with, as a system instruction in its prompt
+    # (`chat.instructions.instructed`): `messages` are as the client sent them, `prompt_ids` what
+    # was rendered with it; the student's view is the prompt rendered from `messages` alone
+    instruction: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

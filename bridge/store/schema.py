@@ -99,6 +99,10 @@ turns = sa.Table(
     # request's prefixes (docs/scale-out.md). NULL on turns recorded before.
     sa.Column("prompt_key", sa.LargeBinary),
     sa.Column("reply_key", sa.LargeBinary),
+    # The user's standing preferences the turn was served with (0008), put into its prompt as a
+    # system instruction (`chat.instructions.instructed`); `messages` stay as the client sent
+    # them and `prompt_ids` are what was rendered. NULL: served without one.
+    sa.Column("instruction", sa.Text),
     sa.Index(None, "session_id", "idx"),
     sa.Index(None, "created_at"),
     sa.Index(None, "reply_key"),
@@ -202,8 +206,9 @@ gate_decisions = sa.Table(
     sa.Index(None, "candidate"),
 )
 
-# The user's preferences (0007): what the trained hints asked for, in the order first seen
-# (`position`); a hint that says what a known one says counts for it (its row is updated).
+# The user's preferences (0007): what the judged hints asked for, in the order first heard
+# (`position`); a hint that says what a known one says counts for it (its row is updated). Each
+# has a state (0008: heard, applied, learned, superseded, dropped; learning.preferences).
 preferences = sa.Table(
     "preferences",
     metadata,
@@ -213,6 +218,15 @@ preferences = sa.Table(
     sa.Column("turns", sa.JSON, nullable=False),
     sa.Column("first_version", sa.Integer, nullable=False),
     sa.Column("updated_at", UTCDateTime(), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False, server_default="heard"),
+    sa.Column("kind", sa.String(16)),
+    sa.Column("confirmed", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("count_since", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("state_at", UTCDateTime()),
+    sa.Column("applied_at", UTCDateTime()),
+    sa.Column("applied_version", sa.Integer),
+    sa.Column("learned_version", sa.Integer),
+    sa.Column("dropped_at", UTCDateTime()),
 )
 
 meta = sa.Table(

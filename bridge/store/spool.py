@@ -292,6 +292,7 @@ def turn_to_json(rec: TurnRecord) -> JSONObject:
         "created_at": rec.created_at.isoformat(),
         "prompt_key": None if rec.prompt_key is None else _b64(rec.prompt_key),
         "reply_key": None if rec.reply_key is None else _b64(rec.reply_key),
+        "instruction": rec.instruction,
     }
 
 
@@ -309,6 +310,7 @@ def turn_from_json(d: JSONObject) -> TurnRecord:
         total_ms=d["total_ms"], created_at=datetime.fromisoformat(d["created_at"]),
         prompt_key=None if d["prompt_key"] is None else _unb64(d["prompt_key"]),
         reply_key=None if d["reply_key"] is None else _unb64(d["reply_key"]),
+        instruction=d.get("instruction"),  # None in a spool written before turns kept it
     )
 
 
