@@ -79,13 +79,13 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
 
     async def preference(action: str, pref_id: int) -> JSON:
         try:
-            out = await standing.act(proxy.store, action, pref_id, proxy.backend.version)
+            out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh,
+                                     learner.lock if learner is not None else None)
         except KeyError:
             raise RouteError(404, f"No preference {pref_id}.", "preference_not_found", "id") from None
         except PreferenceRefused as e:
             raise RouteError(409, str(e), "preference_refused", "id") from None
-        await proxy.standing.refresh()  # served (or no longer) from the next request on
-        return {**out, "instruction": proxy.standing.text}
+        return {**out, "instruction": proxy.standing.text}  # served (or no longer) from the next request on
 
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     return Board(proxy.store, key, status,
