@@ -157,7 +157,7 @@ def preference_routes(learner: Learner | None = None) -> list[Route]:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         prefs = await proxy.store.run(proxy.store.preferences)
-        return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.text})
+        return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.served})
 
     async def act(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
@@ -184,7 +184,7 @@ async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.L
         raise APIError(404, f"No preference {pref_id}.", param="id", code="preference_not_found") from None
     except PreferenceRefused as e:
         raise APIError(409, str(e), param="id", code="preference_refused") from None
-    return {**out, "instruction": proxy.standing.text}
+    return {**out, "instruction": proxy.standing.served}
 
 
 # --- groups and episodes (learning.episodes trains them) ----------------------------------------

@@ -101,6 +101,9 @@ def test_a_correction_heard_twice_is_served_at_once_where_a_user_talks_and_forge
         {"id": "call1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call1", "content": "snow is frozen water"}]
     assert user.served("tool", tool) is None
+    proxy.standing.enabled = False  # instant_preferences: false (the setting the proxy is built with)
+    assert user.served("disabled", question) is None
+    proxy.standing.enabled = True
     with pytest.raises(openai.BadRequestError, match="X-Instructions"):
         user.ask("bad", question, **{"X-Instructions": "maybe"})
     with httpx.Client(base_url=live.url, timeout=30) as h:

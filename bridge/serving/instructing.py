@@ -38,20 +38,32 @@ _OFF, _ON = frozenset({"off", "false", "0", "no"}), frozenset({"on", "true", "1"
 
 
 class Standing:
-    """The instruction served now (None: nothing applied), and where to read it again from."""
+    """The applied preferences' instruction (None: nothing applied), where to read it again from,
+    and whether it is served at all (`instant_preferences`)."""
 
-    def __init__(self, source: Callable[[], Awaitable[str | None]] | None = None) -> None:
+    def __init__(self, enabled: bool = True, source: Callable[[], Awaitable[str | None]] | None = None) -> None:
         self.text: str | None = None
+        self.enabled = enabled
         self.source = source  # the store's applied preferences, as the composition root reads them
+        self._failing = False
+
+    @property
+    def served(self) -> str | None:
+        """What a user's turn is served with now."""
+        return self.text if self.enabled else None
 
     async def refresh(self) -> str | None:
-        """Read it again from the store (a failure keeps the last one: serving never waits on it)."""
+        """Read it again from the store (a failure keeps the last one: serving never waits on it;
+        logged once until a read succeeds again)."""
         if self.source is not None:
             try:
                 self.text = await self.source()
+                self._failing = False
             except Exception:
-                log.warning("could not read the preferences from the store; serving the last instruction",
-                            exc_info=True)
+                if not self._failing:
+                    log.warning("could not read the preferences from the store; serving the last instruction",
+                                exc_info=True)
+                self._failing = True
         return self.text
 
 

@@ -54,7 +54,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
                      "requests": c.requests, "in_flight": c.in_flight, "errors_5xx": c.errors_5xx,
                      "sessions_open": len(proxy.sessions), "spend": spend(settings.data_dir),
                      "learner": None if learner is None else learner_status(learner),
-                     "instruction": proxy.standing.text,  # the preferences served now
+                     "instruction": proxy.standing.served,  # the preferences served now
                      "spool": proxy.durable.status()}
         return out
 
@@ -85,7 +85,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
             raise RouteError(404, f"No preference {pref_id}.", "preference_not_found", "id") from None
         except PreferenceRefused as e:
             raise RouteError(409, str(e), "preference_refused", "id") from None
-        return {**out, "instruction": proxy.standing.text}  # served (or no longer) from the next request on
+        return {**out, "instruction": proxy.standing.served}  # served (or no longer) from the next request on
 
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     return Board(proxy.store, key, status,
