@@ -161,6 +161,9 @@ def test_which_requests_get_the_instruction() -> None:
     assert instructing.chosen(user, "main", "off", True, CORRECTION) is None
     assert instructing.chosen(user, "side", None, True, CORRECTION) is None
     assert instructing.chosen(tool, "main", None, True, CORRECTION) is None
+    internal = {"role": "user", "content": [{"type": "text", "text": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ..."}]}
+    assert instructing.chosen([*tool, internal], "main", None, True, CORRECTION) is None  # OpenClaw after a tool
+    assert instructing.chosen([*user, internal], "main", None, True, CORRECTION) == CORRECTION
     assert instructing.chosen(user, "main", None, False, CORRECTION) is None  # instant_preferences off
     assert instructing.chosen(user, "main", None, True, None) is None
     with pytest.raises(APIError, match="X-Instructions"):

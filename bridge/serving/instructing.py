@@ -6,7 +6,8 @@ a system instruction (`chat.instructions.instructed`), so the next answer follow
 weights have learned it. It goes only where a user is talking to the model:
 
 - a main turn (never a side turn: an agent's housekeeping, a summary, a title),
-- whose last message is the user's (never a tool result, nor an assistant prefill),
+- whose last message is the user's (never a tool result, nor an assistant prefill; an agent's
+  internal-context message, OpenClaw's, does not count),
 - not opted out (`X-Instructions: off`: the weights alone, what benchmarks ask for),
 - with `instant_preferences` on;
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from clawbridge.chat.instructions import instructed
 from clawbridge.chat.messages import PromptTooLong
+from clawbridge.serving.sessions import history
 from clawbridge.serving.wire import APIError
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,8 @@ def chosen(messages: Sequence[Mapping[str, Any]], turn_type: str, header: str | 
     otherwise (see the module's list)."""
     if not wanted(header) or not enabled or not standing or turn_type != "main":
         return None
-    if not messages or messages[-1].get("role") != "user":
+    said = history(messages)  # an agent's internal context (OpenClaw's, rebuilt every request) is not the user
+    if not said or said[-1].get("role") != "user":
         return None
     return standing
 
