@@ -148,28 +148,29 @@ def rollback_route(learner: Learner) -> Route:
 
 
 # --- preferences (learning.standing) ------------------------------------------------------------
-def preference_routes() -> list[Route]:
+def preference_routes(learner: Learner | None = None) -> list[Route]:
     """The user's preferences: the list, and confirming (applied at once) or forgetting one (its
-    instruction stops at once, its samples not trained yet are dropped, and the rollback to the
-    version before it is offered). The served instruction is refreshed before the answer."""
+    instruction stops at once, its samples not trained yet are dropped once no training step runs
+    (the learner's lock), and the rollback to the version before it is offered)."""
 
     async def listing(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         prefs = await proxy.store.run(proxy.store.preferences)
-        return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.text})
+        return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.served})
 
     async def act(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
-        out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"])
+        out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"],
+                                      learner.lock if learner is not None else None)
         return _json(out)
 
     return [Route("/v1/preferences", listing, methods=["GET"]),
             Route("/v1/admin/preferences/{pid}/{action}", act, methods=["POST"])]
 
 
-async def preference_action(proxy: Proxy, action: str, pid: Any) -> dict[str, Any]:
+async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.Lock | None = None) -> dict[str, Any]:
     """Confirm or forget preference `pid`; OpenAI-style errors."""
     if action not in standing.ACTIONS:
         raise APIError(404, f"No action `{action}`: confirm or forget.", code="not_found")
@@ -178,13 +179,12 @@ async def preference_action(proxy: Proxy, action: str, pid: Any) -> dict[str, An
     except (TypeError, ValueError):
         raise APIError(400, f"The preference must be a number, got {pid!r}.", param="id", code="invalid_value") from None
     try:
-        out = await standing.act(proxy.store, action, pref_id, proxy.backend.version)
+        out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh, lock)
     except KeyError:
         raise APIError(404, f"No preference {pref_id}.", param="id", code="preference_not_found") from None
     except PreferenceRefused as e:
         raise APIError(409, str(e), param="id", code="preference_refused") from None
-    await proxy.standing.refresh()
-    return {**out, "instruction": proxy.standing.text}
+    return {**out, "instruction": proxy.standing.served}
 
 
 # --- groups and episodes (learning.episodes trains them) ----------------------------------------

@@ -101,7 +101,7 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
     fields of the status line and /metrics."""
     return ProxyHooks(
         routes=[feedback_route(learner.wake), rollback_route(learner), *episode_routes(learner.wake),
-                *preference_routes(), *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
+                *preference_routes(learner), *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
         on_next_state=lambda _ns: learner.wake.set(),
         status_extra=learner.status,
         metrics_extra=learner.metrics,

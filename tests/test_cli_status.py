@@ -3,7 +3,8 @@ preferences, read from the store."""
 
 from __future__ import annotations
 
-from clawbridge.cli.status import print_preferences, print_status, print_versions
+from clawbridge.cli.preferences import print_preferences
+from clawbridge.cli.status import print_status, print_versions
 from clawbridge.config import Settings
 from clawbridge.learning import preferences as prefs
 from clawbridge.learning.gate import GateDecision
@@ -42,12 +43,15 @@ def test_the_price_and_the_preferences_are_shown_wherever_versions_are(tmp_path,
         store.record_policy_version(PolicyVersionRow(version=1, step=1))
         store.save_preferences(known)
         store.record_gate_decision(GateRecord.of(GateDecision(1, 0, "accepted", "ok", figures, "twin",
-                                                              prefs.instruction(prefs.standing(known))).record()))
+                                                              prefs.wanted_instruction(known)).record()))
     print_preferences(str(tmp_path), None)
     out = capsys.readouterr().out
-    assert "answer in ONE short sentence" in out and "t1 t3" in out and "Use bullet points." in out  # the shortest wording
-    assert "price: 12 pts of general answers (v0 62%, asked for these 2 50%)" in out
+    # heard twice and about length: applied; heard once: heard (the shortest wording kept)
+    assert "answer in ONE short sentence" in out and "applied" in out and "length" in out
+    assert "Use bullet points." in out and "heard" in out and "served as an instruction now: answer in ONE" in out
+    assert "price: 12 pts of general answers (v0 62%, asked for it 50%)" in out
     print_versions(str(tmp_path), None)
     assert "twin 50%, v0 62%: price 12 pts" in capsys.readouterr().out
     print_status(str(tmp_path), None)
-    assert "12 pts of general answers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "12 pts of general answers" in out and "1 applied · 1 heard; served now: answer in ONE short sentence" in out

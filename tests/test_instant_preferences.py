@@ -101,6 +101,9 @@ def test_a_correction_heard_twice_is_served_at_once_where_a_user_talks_and_forge
         {"id": "call1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call1", "content": "snow is frozen water"}]
     assert user.served("tool", tool) is None
+    proxy.standing.enabled = False  # instant_preferences: false (the setting the proxy is built with)
+    assert user.served("disabled", question) is None
+    proxy.standing.enabled = True
     with pytest.raises(openai.BadRequestError, match="X-Instructions"):
         user.ask("bad", question, **{"X-Instructions": "maybe"})
     with httpx.Client(base_url=live.url, timeout=30) as h:
@@ -124,6 +127,20 @@ def test_a_correction_heard_twice_is_served_at_once_where_a_user_talks_and_forge
         missing = h.post("/v1/admin/preferences/9/confirm")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "preference_not_found"
 
+    # the same from the command line, against the running server
+    from clawbridge.cli.main import app
+    from typer.testing import CliRunner
+
+    forgot = CliRunner().invoke(app, ["preferences", "forget", "1", "--url", live.url])
+    assert forgot.exit_code == 0 and "#1 is dropped" in forgot.output, forgot.output
+    assert proxy.standing.text is None
+    confirmed = CliRunner().invoke(app, ["preferences", "confirm", "1", "--url", live.url])
+    assert confirmed.exit_code == 0 and "#1 is applied" in confirmed.output and proxy.standing.text == CORRECTION
+    unknown = CliRunner().invoke(app, ["preferences", "forget", "7", "--url", live.url])
+    assert unknown.exit_code == 1 and "No preference 7" in unknown.output
+    listed = CliRunner().invoke(app, ["preferences", "--data-dir", str(live.settings.data_dir)], env={"COLUMNS": "250"})
+    assert listed.exit_code == 0 and "applied" in listed.output and f"served as an instruction now: {CORRECTION}" in listed.output
+
 
 def test_a_prompt_that_fits_only_without_the_instruction_is_served_without_it(tokenizer: Any) -> None:
     renderer = Renderer(tokenizer)
@@ -144,6 +161,9 @@ def test_which_requests_get_the_instruction() -> None:
     assert instructing.chosen(user, "main", "off", True, CORRECTION) is None
     assert instructing.chosen(user, "side", None, True, CORRECTION) is None
     assert instructing.chosen(tool, "main", None, True, CORRECTION) is None
+    internal = {"role": "user", "content": [{"type": "text", "text": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>> ..."}]}
+    assert instructing.chosen([*tool, internal], "main", None, True, CORRECTION) is None  # OpenClaw after a tool
+    assert instructing.chosen([*user, internal], "main", None, True, CORRECTION) == CORRECTION
     assert instructing.chosen(user, "main", None, False, CORRECTION) is None  # instant_preferences off
     assert instructing.chosen(user, "main", None, True, None) is None
     with pytest.raises(APIError, match="X-Instructions"):

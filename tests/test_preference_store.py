@@ -69,8 +69,10 @@ def test_forgetting_drops_the_instruction_and_the_samples_not_trained_yet(store:
     other = turn(store, "d")
     samples = [store.create_sample(t, "combine", advantages=(1.0, 1.0))[0] for t in [*turns, other]]
     store.mark_samples([samples[0]], "trained", step=1)  # trained already: stays trained
-    p, dropped = store.forget_preference(1)
-    assert p.state == "dropped" and p.dropped_at is not None and dropped == 2
+    p = store.forget_preference(1)
+    assert p.state == "dropped" and p.dropped_at is not None
+    assert prefs.served_instruction(store.preferences()) is None  # at once, before any sample is touched
+    assert store.drop_preference_samples(1) == 2
     states = {s.turn_id: (s.state, s.reason) for s in store.get_samples(samples)}
     assert states[turns[0]] == ("trained", None)
     assert states[turns[1]] == states[turns[2]] == ("dropped", "the user dropped preference 1")
@@ -129,7 +131,8 @@ async def test_the_collector_hears_each_judged_correction_once_and_a_dropped_one
         collector.on_preferences = lambda known: told.append(prefs.served_instruction(known))
         await collector.run_once()
         [p] = store.preferences()
-        assert (p.text, p.count, p.state, p.turns) == (REPLIES[1], 2, "applied", (tids[1], tids[4]))
+        # (samples settle concurrently: the turns in the order they were heard)
+        assert (p.text, p.count, p.state, set(p.turns)) == (REPLIES[1], 2, "applied", {tids[1], tids[4]})
         assert told[-1] == REPLIES[1]
         again = store.get_turn(tids[1])
         assert again is not None and await collector.hear(again, REPLIES[1]) == p  # a re-run hears nothing
@@ -143,3 +146,31 @@ async def test_the_collector_hears_each_judged_correction_once_and_a_dropped_one
     finally:
         await backend.close()
         store.close()
+
+
+async def test_forget_stops_the_instruction_at_once_and_drops_samples_only_between_training_steps(
+        store: Store) -> None:
+    """A step commits its batch as trained all or nothing, so a forget waits for the learner's
+    lock before it drops samples; the instruction stops before that, at once."""
+    import asyncio
+
+    from clawbridge.learning import standing
+
+    turns = [turn(store, s) for s in "ab"]
+    for t in turns:
+        hear(store, BRIEF, t)
+    samples = [store.create_sample(t, "combine", advantages=(1.0, 1.0))[0] for t in turns]
+    step = asyncio.Lock()
+    stopped: list[str | None] = []
+
+    async def served() -> None:
+        stopped.append(prefs.served_instruction(await store.run(store.preferences)))
+
+    async with step:  # a training step runs
+        forgetting = asyncio.create_task(standing.forget(store, 1, serving=2, stopped=served, lock=step))
+        await asyncio.sleep(0.5)
+        assert stopped == [None] and not forgetting.done()
+        assert {s.state for s in store.get_samples(samples)} == {"judged"}
+    out = await forgetting
+    assert out.samples_dropped == 2 and out.rollback_to == 0 and out.preference.state == "dropped"
+    assert standing.forgotten_view(out)["rollback_command"] == "clawbridge rollback 0"

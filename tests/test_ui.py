@@ -102,7 +102,7 @@ def test_with_a_key_the_page_asks_for_it_once_and_keeps_a_cookie_not_the_key(sto
 def test_without_a_key_a_loopback_page_is_open(store: Store, tmp_path: Path) -> None:
     with serve(board_for(store, tmp_path, None)) as app:
         now = httpx.get(f"{app.url}/ui/api/now").json()
-    assert now["status"]["live"] is False and now["actions"] == {"rollback": False, "pause": False}
+    assert now["status"]["live"] is False and now["actions"] == {"rollback": False, "pause": False, "preferences": False}
     assert now["waiting"] == {"samples_being_judged": 0, "samples_to_train": 0, "turns_to_judge": 0,
                               "turns_window": 1000}
 
@@ -195,9 +195,10 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
     # figures the page has never heard of are shown too
     store.record_gate_decision(GateRecord(1, 0, "accepted", "no worse than the twin",
                                           {"probe_candidate": 0.6, "probe_twin": 0.58, "probe_p_vs_twin": 0.4}, "twin"))
-    store.save_preferences([  # as learning.preferences keeps them: the 3 most frequent stand
-        Preference(t, n, ("turn-x",), 1)
-        for t, n in (("be brief", 5), ("no lists", 1), ("use metric units", 3), ("say please", 2))])
+    store.save_preferences([  # as learning.preferences keeps them: each in its state
+        Preference(t, n, ("turn-x",), 1, state=s, kind=k)  # type: ignore[arg-type]
+        for t, n, s, k in (("be brief", 5, "applied", "length"), ("no lists", 1, "heard", "format"),
+                           ("use metric units", 3, "heard", None), ("say please", 2, "dropped", None))])
     with serve(board_for(store, tmp_path, None)) as app:
         out = httpx.get(f"{app.url}/ui/api/progress").json()
     vs = {v["version"]: v for v in out["versions"]}
@@ -209,8 +210,11 @@ def test_versions_carry_reactions_the_gate_s_figures_and_rollbacks(store: Store,
     assert vs[2]["restores"] == 0 and vs[2]["gate"] is None
     assert out["steps"][0]["step"] == 1 and out["steps"][0]["metrics"]["loss"] == 0.1
     assert {h["hint"] for h in out["hints"]} == {"be brief"}
-    assert [(p["text"], p["standing"]) for p in out["preferences"]] == [
-        ("be brief", True), ("use metric units", True), ("say please", True), ("no lists", False)]
+    # the applied first, then the heard (most heard first), then the dropped; with the reason
+    assert [(p["id"], p["text"], p["state"]) for p in out["preferences"]] == [
+        (1, "be brief", "applied"), (3, "use metric units", "heard"), (2, "no lists", "heard"),
+        (4, "say please", "dropped")]
+    assert out["preferences"][1]["note"] == "not about the form of an answer: applied only if you confirm it"
 
 
 def test_the_change_token_moves_with_every_thing_the_page_shows(store: Store, tmp_path: Path) -> None:
@@ -252,7 +256,11 @@ def test_actions_validate_their_bodies(store: Store, tmp_path: Path) -> None:
         calls.append(("pause", paused))
         return {"paused": paused}
 
-    board = board_for(store, tmp_path, KEY, rollback=rollback, pause=pause)
+    async def preference(action: str, pref_id: int) -> dict[str, Any]:
+        calls.append((action, pref_id))
+        return {"id": pref_id, "state": "dropped"}
+
+    board = board_for(store, tmp_path, KEY, rollback=rollback, pause=pause, preference=preference)
     with serve(board) as app:
         def post(path: str, body: Any) -> httpx.Response:
             return httpx.post(app.url + path, json=body, headers=BEARER)
@@ -263,9 +271,12 @@ def test_actions_validate_their_bodies(store: Store, tmp_path: Path) -> None:
         assert httpx.post(app.url + "/ui/api/rollback", json={"version": 1}).status_code == 401
         assert post("/ui/api/rollback", {"version": 1}).json()["restored"] == 1
         assert post("/ui/api/training", {"paused": True}).json() == {"paused": True}
+        for bad in ({}, {"id": 0, "action": "forget"}, {"id": "1", "action": "forget"}, {"id": 1, "action": "delete"}):
+            assert post("/ui/api/preferences", bad).status_code == 400
+        assert post("/ui/api/preferences", {"id": 2, "action": "forget"}).json()["state"] == "dropped"
         now = httpx.get(app.url + "/ui/api/now", headers=BEARER).json()
-    assert calls == [("rollback", 1), ("pause", True)]
-    assert now["actions"] == {"rollback": True, "pause": True}
+    assert calls == [("rollback", 1), ("pause", True), ("forget", 2)]
+    assert now["actions"] == {"rollback": True, "pause": True, "preferences": True}
 
 
 def test_the_kept_reaction_sums_match_a_fresh_sum_as_samples_settle(store: Store, tmp_path: Path) -> None:

@@ -224,3 +224,16 @@ def test_the_page_signs_in_shows_hostile_text_as_text_updates_live_and_rolls_bac
                    lambda: browser.find_elements(By.CSS_SELECTOR, f'#versions tr[data-version="{serving + 1}"]'))
         assert "a copy of v0" in new[0].text and "serving" in new[0].text
         assert browser.execute_script("return window.__pwned") is None
+
+        # the correction was heard as a preference, shown as text: markup is never applied (no
+        # Confirm), and Forget drops it, with its confirmation
+        def preference() -> Any:
+            return browser.find_element(By.CSS_SELECTOR, '#preferences li[data-preference="1"]')
+
+        wait("the preference", lambda: "Answer in one short sentence" in preference().text)
+        assert "never applied: it reads like code or markup" in preference().text
+        assert not preference().find_elements(By.CSS_SELECTOR, "button.confirm, b, script")
+        preference().find_element(By.CSS_SELECTOR, "button.forget").click()
+        assert "#1" in accept_confirm(browser)
+        wait("the preference dropped", lambda: "dropped" in preference().text)
+        assert browser.execute_script("return window.__pwned") is None

@@ -259,18 +259,6 @@ def versions_cmd(
     print_versions(data_dir, db)
 
 
-@app.command("preferences")
-def preferences_cmd(
-    data_dir: str | None = typer.Option(None, "--data-dir"),
-    db: str | None = typer.Option(None),
-) -> None:
-    """What you have asked for: the hints trained so far, merged, counted, with the turns they came
-    from; the standing ones are the gate's twin's instruction, and their measured price."""
-    from clawbridge.cli.status import print_preferences
-
-    print_preferences(data_dir, db)
-
-
 @app.command("rollback")
 def rollback_cmd(
     version: str = typer.Argument(..., help="The version to serve again: 3 or v3 (0: the base model)."),
@@ -286,8 +274,10 @@ def rollback_cmd(
 
 # --- OpenClaw: config, install (the integration engineer's commands) ------------------------------
 
-from clawbridge.cli.spool import spool_app  # noqa: E402 - beside the other sub-commands
+from clawbridge.cli.preferences import preferences_app  # noqa: E402 - beside the other sub-commands
+from clawbridge.cli.spool import spool_app  # noqa: E402
 
+app.add_typer(preferences_app, name="preferences")
 app.add_typer(spool_app, name="spool")
 
 openclaw_app = typer.Typer(help="Use clawbridge as an OpenClaw model provider (docs/openclaw.md).")

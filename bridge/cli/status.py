@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from clawbridge.store import GateRecord, PolicyVersionRow
+    from clawbridge.store import GateRecord, PolicyVersionRow, Preference
 
 
 def _store(data_dir: str | None, db: str | None):  # type: ignore[no-untyped-def]
@@ -29,7 +29,8 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         st = store.stats()
         steps = store.training_steps()
         lease = store.lease("trainer") if store.shared else None  # several proxies: docs/scale-out.md
-        decisions = store.history().decisions
+        history = store.history()
+    decisions = history.decisions
     t = Table("", "", title="clawbridge status")
     t.add_row("sessions (done)", f"{st.sessions} ({st.sessions_done})")
     t.add_row("turns: main / side / untagged / opted out", f"{st.main_turns} / {st.side_turns} / {st.untagged_turns} / {st.opted_out_turns}")
@@ -38,6 +39,7 @@ def print_status(data_dir: str | None, db: str | None) -> None:
     t.add_row("samples", " · ".join(f"{k} {v}" for k, v in st.samples.items()))
     t.add_row("training steps", str(st.steps))
     t.add_row("policy version", f"v{st.latest_version}")
+    t.add_row("preferences", preferences_line(history.preferences))
     if lease is not None:
         t.add_row("trainer (lease)", f"{lease.holder}, claimed until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC")
     spend = read_spend(Settings.load(data_dir=data_dir, db=db).data_dir / "costs.json")
@@ -57,6 +59,19 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         m = steps[-1].metrics
         t.add_row("last step", f"#{steps[-1].step}: loss {m.get('loss', 0):.4f}, mean reward {m.get('mean_reward', 0):+.2f}")
     Console().print(t)
+
+
+def preferences_line(known: Sequence[Preference]) -> str:
+    """How many preferences are in each state, and what is served as an instruction now."""
+    from clawbridge.learning.preferences import served_instruction
+
+    if not known:
+        return "none heard yet"
+    counts = {s: sum(p.state == s for p in known) for s in ("applied", "learned", "heard", "superseded", "dropped")}
+    served = served_instruction(known)
+    return (" · ".join(f"{n} {s}" for s, n in counts.items() if n)
+            + (f"; served now: {' / '.join(served.splitlines())}" if served else "; none served now")
+            + " (clawbridge preferences)")
 
 
 def version_origin(row: PolicyVersionRow) -> str:
@@ -105,25 +120,6 @@ def price_label(record: GateRecord | None) -> str:
 def _n(asked: str | None) -> str:
     n = len((asked or "").splitlines())
     return "it" if n == 1 else f"these {n}"
-
-
-def print_preferences(data_dir: str | None, db: str | None) -> None:
-    from clawbridge.learning import preferences as prefs
-
-    with _store(data_dir, db) as store:
-        history = store.history()
-    known, decisions = history.preferences, history.decisions
-    if not known:
-        Console().print("no preferences yet: none of the trained samples carried a hint")
-        return
-    standing = prefs.standing(known)
-    t = Table("standing", "preference", "hints", "first trained into", "from turns (newest)",
-              title="what you have asked for (the gate's twin is asked with the standing ones)")
-    for p in known:
-        t.add_row("yes" if p in standing else "", p.text, str(p.count), f"v{p.first_version}", " ".join(p.turns))
-    Console().print(t)
-    if priced := price_label(newest_priced(decisions)):
-        Console().print(f"price: {priced}")
 
 
 def print_versions(data_dir: str | None, db: str | None) -> None:

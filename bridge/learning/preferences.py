@@ -72,7 +72,9 @@ def unquoted(hint: str, question: str | None) -> str:
 def refusal(p: Preference) -> str | None:
     """Why `p` can never be applied, even when confirmed (None: it can)."""
     if (why := hostile(p.text)) is not None:
-        return f"it reads like {'an injection' if why == 'injection' else f'a {why}'}, which is never applied"
+        like = {"injection": "an instruction injection", "secret": "a secret or a key", "url": "a link",
+                "code": "code or markup"}.get(why, why)
+        return f"it reads like {like}, which is never applied"
     if len(p.text) > MAX_CHARS:
         return f"it is longer than {MAX_CHARS} characters"
     return None

@@ -10,6 +10,9 @@ rollback to the version that served before any of its samples could train
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,24 +38,36 @@ async def confirm(store: Store, pref_id: int, version: int) -> Preference:
     return next(p for p in out if p.id == pref_id)
 
 
-async def forget(store: Store, pref_id: int, serving: int) -> Forgotten:
-    """Drop preference `pref_id` (KeyError: none such): its instruction stops, its samples not
-    trained yet are dropped, and the rollback to the version before it is offered when a version
-    newer than that serves."""
-    p, dropped = await store.run(store.forget_preference, pref_id)
+async def forget(store: Store, pref_id: int, serving: int, stopped: Callable[[], Awaitable[Any]] | None = None,
+                 lock: asyncio.Lock | None = None) -> Forgotten:
+    """Drop preference `pref_id` (KeyError: none such): its instruction stops at once
+    (`stopped`: the caller serves without it from now on), then its samples not trained yet are
+    dropped once no training step runs (`lock`: the learner's, so no batch in training loses a
+    sample under it), and the rollback to the version before it is offered when a version newer
+    than that serves."""
+    p = await store.run(store.forget_preference, pref_id)
+    if stopped is not None:
+        await stopped()
+    async with lock or contextlib.nullcontext():
+        dropped = await store.run(store.drop_preference_samples, pref_id)
     return Forgotten(p, dropped, p.first_version if serving > p.first_version else None)
 
 
 ACTIONS = ("confirm", "forget")
 
 
-async def act(store: Store, action: str, pref_id: int, serving: int) -> dict[str, Any]:
+async def act(store: Store, action: str, pref_id: int, serving: int, changed: Callable[[], Awaitable[Any]],
+              lock: asyncio.Lock | None = None) -> dict[str, Any]:
     """`confirm` or `forget` preference `pref_id` while `serving` serves; its JSON view.
-    ValueError: no such action; KeyError: no such preference; PreferenceRefused: it cannot apply."""
+    `changed` is awaited as soon as the preferences changed (the caller refreshes what it serves);
+    `lock`: the learner's (`forget`). ValueError: no such action; KeyError: no such preference;
+    PreferenceRefused: it cannot apply."""
     if action == "confirm":
-        return view(await confirm(store, pref_id, serving))
+        out = view(await confirm(store, pref_id, serving))
+        await changed()
+        return out
     if action == "forget":
-        return forgotten_view(await forget(store, pref_id, serving))
+        return forgotten_view(await forget(store, pref_id, serving, changed, lock))
     raise ValueError(f"no action {action!r}: {' or '.join(ACTIONS)}")
 
 

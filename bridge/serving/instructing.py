@@ -6,7 +6,8 @@ a system instruction (`chat.instructions.instructed`), so the next answer follow
 weights have learned it. It goes only where a user is talking to the model:
 
 - a main turn (never a side turn: an agent's housekeeping, a summary, a title),
-- whose last message is the user's (never a tool result, nor an assistant prefill),
+- whose last message is the user's (never a tool result, nor an assistant prefill; an agent's
+  internal-context message, OpenClaw's, does not count),
 - not opted out (`X-Instructions: off`: the weights alone, what benchmarks ask for),
 - with `instant_preferences` on;
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from clawbridge.chat.instructions import instructed
 from clawbridge.chat.messages import PromptTooLong
+from clawbridge.serving.sessions import history
 from clawbridge.serving.wire import APIError
 
 log = logging.getLogger(__name__)
@@ -38,20 +40,32 @@ _OFF, _ON = frozenset({"off", "false", "0", "no"}), frozenset({"on", "true", "1"
 
 
 class Standing:
-    """The instruction served now (None: nothing applied), and where to read it again from."""
+    """The applied preferences' instruction (None: nothing applied), where to read it again from,
+    and whether it is served at all (`instant_preferences`)."""
 
-    def __init__(self, source: Callable[[], Awaitable[str | None]] | None = None) -> None:
+    def __init__(self, enabled: bool = True, source: Callable[[], Awaitable[str | None]] | None = None) -> None:
         self.text: str | None = None
+        self.enabled = enabled
         self.source = source  # the store's applied preferences, as the composition root reads them
+        self._failing = False
+
+    @property
+    def served(self) -> str | None:
+        """What a user's turn is served with now."""
+        return self.text if self.enabled else None
 
     async def refresh(self) -> str | None:
-        """Read it again from the store (a failure keeps the last one: serving never waits on it)."""
+        """Read it again from the store (a failure keeps the last one: serving never waits on it;
+        logged once until a read succeeds again)."""
         if self.source is not None:
             try:
                 self.text = await self.source()
+                self._failing = False
             except Exception:
-                log.warning("could not read the preferences from the store; serving the last instruction",
-                            exc_info=True)
+                if not self._failing:
+                    log.warning("could not read the preferences from the store; serving the last instruction",
+                                exc_info=True)
+                self._failing = True
         return self.text
 
 
@@ -72,7 +86,8 @@ def chosen(messages: Sequence[Mapping[str, Any]], turn_type: str, header: str | 
     otherwise (see the module's list)."""
     if not wanted(header) or not enabled or not standing or turn_type != "main":
         return None
-    if not messages or messages[-1].get("role") != "user":
+    said = history(messages)  # an agent's internal context (OpenClaw's, rebuilt every request) is not the user
+    if not said or said[-1].get("role") != "user":
         return None
     return standing
 

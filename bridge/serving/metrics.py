@@ -65,7 +65,7 @@ class Metrics:
             ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
             ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
             ("clawbridge_preferences_applied", "The user's preferences served as an instruction now",
-             lambda: len((proxy.standing.text or "").splitlines())),
+             lambda: len((proxy.standing.served or "").splitlines())),
         ):
             Gauge(name, doc, registry=self.registry).set_function(fn)
         if proxy.hooks.metrics_extra is not None:

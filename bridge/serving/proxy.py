@@ -172,7 +172,7 @@ class Proxy:
         # the store's writes, or the spool while the store cannot take them (`durable`)
         self.durable = Durable(store, spool, landed=self._landed)
         self.durable.handlers.update(self.hooks.spool_handlers)
-        self.standing = instructing.Standing()  # the instruction served now (the root sets its source)
+        self.standing = instructing.Standing(settings.serving.instant_preferences)  # the root sets its source
 
     # --- the edge ---------------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ class Proxy:
         tag = self._tag(request, ask)
         instruction = None if ask.prompt is not None else instructing.chosen(
             ask.messages, tag.turn_type or self.sessions.default_turn_type, request.headers.get(instructing.HEADER),
-            self.settings.serving.instant_preferences, self.standing.text)
+            self.standing.enabled, self.standing.text)
         if ask.prompt is not None:
             prompt = ask.prompt
         else:
@@ -477,7 +477,7 @@ class Proxy:
         out: dict[str, Any] = {
             "model": self.model_name,
             "backend": self.backend.name,
-            "version": self.backend.version, "instruction": self.standing.text,  # the preferences served now
+            "version": self.backend.version, "instruction": self.standing.served,  # the preferences served now
             **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
             "uptime_s": round(time.time() - self.started, 1),
             **asdict(c),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens

@@ -192,26 +192,33 @@ class HistoryStore(StoreBase):
         out = self.update_preferences(change)
         return out[_index(out, pref_id)]
 
-    def forget_preference(self, pref_id: int) -> tuple[Preference, int]:
-        """The user drops preference `pref_id`: its instruction stops (state "dropped") and the
-        samples of the turns whose hint counted for it are no longer trained (those not trained
-        yet are dropped, with the reason). Returns the preference and how many samples were
-        dropped. KeyError: no such preference."""
+    def forget_preference(self, pref_id: int) -> Preference:
+        """The user drops preference `pref_id`: its instruction stops (state "dropped"; its
+        samples: `drop_preference_samples`). KeyError: no such preference."""
+
+        def change(prefs: list[Preference]) -> list[Preference]:
+            at, now = _index(prefs, pref_id), utcnow()
+            prefs[at] = replace(prefs[at], state="dropped", state_at=now, dropped_at=now, confirmed=False)
+            return prefs
+
+        out = self.update_preferences(change)
+        return out[_index(out, pref_id)]
+
+    def drop_preference_samples(self, pref_id: int) -> int:
+        """The samples of the turns whose hint counted for preference `pref_id` and that are not
+        trained yet are dropped, with the reason; returns how many. Run it where no training step
+        is under way (the learner's lock): a step commits its batch as trained all or nothing."""
+        p = self.preferences()[_index(self.preferences(), pref_id)]
+        if not p.turns:
+            return 0
+        s = t.samples.c
         with self._write() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(sa.text("LOCK TABLE preferences IN SHARE ROW EXCLUSIVE MODE"))
-            prefs = list(read_preferences(conn))
-            at = _index(prefs, pref_id)
-            now = utcnow()
-            p = prefs[at] = replace(prefs[at], state="dropped", state_at=now, dropped_at=now, confirmed=False)
-            self._save_preferences(conn, prefs)
-            s = t.samples.c
             dropped = conn.execute(
                 sa.update(t.samples)
                 .where(s.turn_id.in_(list(p.turns)), s.state.in_(("pending", "judged")))
-                .values(state="dropped", reason=f"the user dropped preference {pref_id}", updated_at=now)
-            ).rowcount if p.turns else 0
-        return p, int(dropped or 0)
+                .values(state="dropped", reason=f"the user dropped preference {pref_id}", updated_at=utcnow())
+            ).rowcount
+        return int(dropped or 0)
 
     def _save_preferences(self, conn: sa.Connection, prefs: Sequence[Preference]) -> None:
         p = t.preferences.c

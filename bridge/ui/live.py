@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import read_spend
+from clawbridge.learning import standing
+from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
 from clawbridge.ui.routes import Board, RouteError
 from starlette.applications import Starlette
@@ -52,6 +54,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
                      "requests": c.requests, "in_flight": c.in_flight, "errors_5xx": c.errors_5xx,
                      "sessions_open": len(proxy.sessions), "spend": spend(settings.data_dir),
                      "learner": None if learner is None else learner_status(learner),
+                     "instruction": proxy.standing.served,  # the preferences served now
                      "spool": proxy.durable.status()}
         return out
 
@@ -74,10 +77,21 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
         learner.ready.set()  # the train loop looks again: a resume trains a batch already waiting
         return {"object": "training", "paused": paused, "reason": learner.paused}
 
+    async def preference(action: str, pref_id: int) -> JSON:
+        try:
+            out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh,
+                                     learner.lock if learner is not None else None)
+        except KeyError:
+            raise RouteError(404, f"No preference {pref_id}.", "preference_not_found", "id") from None
+        except PreferenceRefused as e:
+            raise RouteError(409, str(e), "preference_refused", "id") from None
+        return {**out, "instruction": proxy.standing.served}  # served (or no longer) from the next request on
+
     key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
     return Board(proxy.store, key, status,
                  rollback=rollback if learner is not None else None,
-                 pause=pause if learner is not None else None)
+                 pause=pause if learner is not None else None,
+                 preference=preference)
 
 
 def live_board(learner: Learner | None) -> Callable[[Request], Board]:

@@ -11,6 +11,7 @@
     GET  /ui/api/sessions/{id} ?after=INDEX&limit=N: one conversation
     POST /ui/api/rollback      {"version": K}: serve vK's weights again (the admin rollback)
     POST /ui/api/training      {"paused": true|false}: pause or resume training steps
+    POST /ui/api/preferences   {"id": N, "action": "confirm"|"forget"}: a preference applied or dropped
 
 Data routes answer JSON and take the API key as a bearer header or the page's cookie. The page
 itself is static: it fills in every value with `textContent` and SVG text nodes, never markup,
@@ -28,7 +29,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-from clawbridge.learning import preferences
+from clawbridge.learning import standing
 from clawbridge.store import Preference, Store
 from clawbridge.store.browse import BadCursor, Browse
 from clawbridge.ui import auth
@@ -67,6 +68,7 @@ class Board:
     status: Callable[[], Awaitable[JSON]]
     rollback: Callable[[int], Awaitable[JSON]] | None = None
     pause: Callable[[bool], JSON] | None = None
+    preference: Callable[[str, int], Awaitable[JSON]] | None = None  # (action, id): confirm or forget
     poll_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -93,13 +95,13 @@ def _page(name: str, status: int = 200, extra: dict[str, str] | None = None) -> 
                     headers={**SECURITY_HEADERS, **(extra or {})})
 
 
-def standing_view(known: Sequence[Preference]) -> list[JSON]:
-    """The stored preferences, each marked whether it stands (what the gate's twin is asked with
-    and the price is measured for; learning.preferences), most frequent first."""
-    stands = {id(p) for p in preferences.standing(known)}
-    rows = [{"text": p.text, "count": p.count, "first_version": p.first_version, "turns": list(p.turns),
-             "standing": id(p) in stands} for p in known]
-    return sorted(rows, key=lambda r: (not r["standing"], -r["count"]))
+STATE_ORDER = {"applied": 0, "learned": 1, "heard": 2, "superseded": 3, "dropped": 4}
+
+
+def preferences_view(known: Sequence[Preference]) -> list[JSON]:
+    """The stored preferences with their state and why (learning.standing): the applied ones
+    (served as an instruction now) first, then the learned, heard, superseded and dropped."""
+    return sorted((standing.view(p) for p in known), key=lambda r: (STATE_ORDER.get(r["state"], 9), -r["count"]))
 
 
 def _int(request: Request, name: str, default: int) -> int:
@@ -185,14 +187,15 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
         token = await store.run(board.browse.token)
         waiting = await store.run(board.browse.memo, "waiting", token, board.browse.waiting)
         return _json({"status": status, "waiting": waiting, "token": token, "poll_s": board.poll_s,
-                      "actions": {"rollback": board.rollback is not None, "pause": board.pause is not None}})
+                      "actions": {"rollback": board.rollback is not None, "pause": board.pause is not None,
+                                  "preferences": board.preference is not None}})
 
     async def progress(request: Request, board: Board) -> Response:
         b = board.browse
 
         def read() -> JSON:
             out = b.memo("progress", b.token(), b.progress)
-            return {**out, "preferences": standing_view(out["preferences"])}
+            return {**out, "preferences": preferences_view(out["preferences"])}
 
         return _json(await board.store.run(read))
 
@@ -225,6 +228,17 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
             raise RouteError(400, "`paused` must be true or false", "invalid_value", "paused")
         return _json(board.pause(paused))
 
+    async def preference(request: Request, board: Board) -> Response:
+        if board.preference is None:
+            raise RouteError(409, "No server is running on this data directory: the page is read-only.", "read_only")
+        body = await _body(request)
+        pid, action = body.get("id"), body.get("action")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid < 1:
+            raise RouteError(400, "`id` must be a preference's number (1 or more)", "invalid_value", "id")
+        if action not in standing.ACTIONS:
+            raise RouteError(400, "`action` must be confirm or forget", "invalid_value", "action")
+        return _json(await board.preference(action, pid))
+
     return [
         Route("/", root, methods=["GET"]),
         Route("/ui", page, methods=["GET"]),
@@ -237,4 +251,5 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
         Route("/ui/api/sessions/{sid}", guarded(session), methods=["GET"]),
         Route("/ui/api/rollback", guarded(rollback), methods=["POST"]),
         Route("/ui/api/training", guarded(training), methods=["POST"]),
+        Route("/ui/api/preferences", guarded(preference), methods=["POST"]),
     ]

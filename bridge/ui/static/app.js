@@ -48,7 +48,7 @@ async function api(path, body) {
 function renderNow(now) {
   const s = now.status, w = now.waiting, l = s.learner;
   setText("model", [s.model, s.backend && s.backend + " backend"].filter(Boolean).join(" · "));
-  setText("serving", "v" + s.version);
+  setText("serving", "v" + s.version + (s.instruction ? ` + ${s.instruction.split("\n").length} preference(s) as an instruction` : ""));
   setText("backend", s.live ? `${s.in_flight} in flight · ${s.requests} requests · ${s.sessions_open} open conversations`
                             : "no server running: the recorded data, read-only");
   const spool = s.spool;  // writes the store could not take (docs/operating.md#when-the-store-is-down)
@@ -309,14 +309,36 @@ function renderTurns(page) {
   $("newest").hidden = state.cursors.length <= 1;
 }
 
-function renderPreferences(prefs) {
+function renderPreferences(prefs, canAct) {
   const ul = $("preferences");
   ul.replaceChildren();
-  if (!prefs || !prefs.length) ul.append(el("li", { class: "muted" }, "None yet: a preference stands once samples with its hint are trained."));
+  if (!prefs || !prefs.length) ul.append(el("li", { class: "muted" }, "None yet: a preference is heard in the user's corrections."));
   for (const p of prefs || []) {
-    ul.append(el("li", { class: p.standing ? "" : "muted" }, el("q", {}, p.text),
-      ` — ${p.count} trained samples since v${p.first_version}` + (p.standing ? "" : " (not among the standing ones)")));
+    const li = el("li", { class: p.state === "applied" || p.state === "learned" ? "" : "muted", "data-preference": p.id },
+      `#${p.id} `, el("span", { class: "badge " + p.state }, p.state), " ", el("q", {}, p.text),
+      ` — ${p.kind || "not form"} · heard ${p.count}× · since ${when(p.since)} · ${p.note}`);
+    if (canAct && p.state !== "applied" && p.state !== "learned" && !p.note.startsWith("never")) {
+      const b = el("button", { type: "button", class: "confirm" }, "Confirm");
+      b.addEventListener("click", () => preferenceAction(p.id, "confirm"));
+      li.append(" ", b);
+    }
+    if (canAct && p.state !== "dropped") {
+      const b = el("button", { type: "button", class: "forget" }, "Forget");
+      b.addEventListener("click", () => preferenceAction(p.id, "forget"));
+      li.append(" ", b);
+    }
+    ul.append(li);
   }
+}
+
+async function preferenceAction(id, action) {
+  if (action === "forget" && !window.confirm(`Forget preference #${id}? Its instruction stops now and its samples not trained yet are dropped.`)) return;
+  try {
+    const out = await api("/ui/api/preferences", { id, action });
+    say(action === "confirm" ? `#${id} is applied: the next answers are served with it.`
+      : `#${id} is dropped; ${out.samples_dropped} samples dropped.` + (out.rollback_command ? ` To go back to the weights before it: ${out.rollback_command} (or "serve v${out.rollback_to} again" below).` : ""));
+    await refresh(true);
+  } catch (e) { say(`Could not ${action} #${id}: ` + e.message, true); }
 }
 
 function renderHints(hints) {
@@ -375,7 +397,7 @@ async function loadDashboard() {
   drawReward(progress.versions);
   drawGate(progress.versions);
   renderVersions(progress.versions, state.now && state.now.actions.rollback, state.now && state.now.status.version);
-  renderPreferences(progress.preferences);
+  renderPreferences(progress.preferences, state.now && state.now.actions.preferences);
   renderHints(progress.hints);
   renderTurns(page);
 }

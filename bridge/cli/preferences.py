@@ -1,0 +1,102 @@
+"""`clawbridge preferences`: what you have asked for, in which state, and confirming or forgetting one.
+
+The list reads the data directory's store; `confirm N` and `forget N` ask the running server
+(`POST /v1/admin/preferences/N/confirm|forget`), which serves the change from its next request on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+preferences_app = typer.Typer(
+    help="What you have asked for: each preference's state (heard, applied, learned, superseded, dropped), "
+         "and confirming or forgetting one (docs/methods.md#preferences-heard-applied-learned).",
+    invoke_without_command=True, no_args_is_help=False)
+_URL = typer.Option("http://127.0.0.1:30000", "--url", help="The running clawbridge server.")
+_KEY = typer.Option(None, "--api-key", envvar="CLAWBRIDGE_API_KEY", help="The server's bearer key.")
+
+
+@preferences_app.callback()
+def listing(
+    ctx: typer.Context,
+    data_dir: str | None = typer.Option(None, "--data-dir"),
+    db: str | None = typer.Option(None),
+) -> None:
+    """The preferences heard in your corrections: the applied ones are served as an instruction
+    now, the applied and learned ones are what the gate's twin is asked with, and their price."""
+    if ctx.invoked_subcommand is None:
+        print_preferences(data_dir, db)
+
+
+def print_preferences(data_dir: str | None, db: str | None) -> None:
+    from clawbridge.cli.status import _store, newest_priced, price_label
+    from clawbridge.learning import preferences, standing
+
+    with _store(data_dir, db) as store:
+        history = store.history()
+    known = history.preferences
+    if not known:
+        Console().print("no preferences yet: none of the judged corrections carried a hint")
+        return
+    t = Table("#", "state", "since", "preference", "kind", "heard", "first heard under", "why",
+              title="what you have asked for")
+    for p in known:
+        since = p.state_at.strftime("%Y-%m-%d %H:%M") if p.state_at else "-"
+        t.add_row(str(p.id), p.state, since, p.text, p.kind or "-", str(p.count), f"v{p.first_version}",
+                  standing.note(p))
+    Console().print(t)
+    served = preferences.served_instruction(known)
+    Console().print("served as an instruction now: " + (" / ".join(served.splitlines()) if served else "nothing"))
+    if priced := price_label(newest_priced(history.decisions)):
+        Console().print(f"price: {priced}")
+
+
+@preferences_app.command("confirm")
+def confirm_cmd(pref: int = typer.Argument(..., help="The preference's number (#)."), url: str = _URL,
+                api_key: str | None = _KEY) -> None:
+    """Apply preference N at once (a hostile or over-long one never applies)."""
+    out = _ask(url, api_key, pref, "confirm")
+    typer.echo(f"#{out['id']} is {out['state']}: {out['note']}")
+
+
+@preferences_app.command("forget")
+def forget_cmd(pref: int = typer.Argument(..., help="The preference's number (#)."), url: str = _URL,
+               api_key: str | None = _KEY) -> None:
+    """Drop preference N: its instruction stops at once, its samples not trained yet are dropped,
+    and the rollback to the version before it is offered."""
+    out = _ask(url, api_key, pref, "forget")
+    typer.echo(f"#{out['id']} is dropped: its instruction is no longer served; {out['samples_dropped']} of its "
+               "samples not trained yet were dropped")
+    if out.get("rollback_command"):
+        typer.echo(f"the weights may have learned it since v{out['rollback_to']}; to serve those again: "
+                   f"{out['rollback_command']}")
+
+
+def _ask(url: str, api_key: str | None, pref: int, action: str) -> dict[str, Any]:
+    import httpx
+    from clawbridge.sdk.client import root_url
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.post(f"{root_url(url)}/v1/admin/preferences/{pref}/{action}", headers=headers, timeout=60)
+    except httpx.ConnectError:
+        _fail(action, f"no clawbridge server at {url}: start it with `clawbridge up`, or pass --url")
+    if r.status_code == 200:
+        return dict(r.json())
+    try:
+        message = str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = r.text[:200]
+    if r.status_code == 401:
+        message += " Pass the server's key with --api-key (or CLAWBRIDGE_API_KEY)."
+    _fail(action, message)
+    raise AssertionError  # unreachable: _fail exits
+
+
+def _fail(action: str, message: str) -> None:
+    typer.echo(f"clawbridge preferences {action}: {message}", err=True)
+    raise typer.Exit(1)
