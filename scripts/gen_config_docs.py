@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from clawbridge.config import FLAT, SECTIONS, Settings, field_info
+from clawbridge.config import FLAT, SECTIONS, field_info
 from clawbridge.demo.recipe import DEMO_RECIPE, Recipe, following
 from clawbridge.recipes import BY_SIZE, MEASURED
 from pydantic import SecretStr
@@ -131,10 +131,9 @@ def up_flags() -> dict[str, str]:
 def demo_differences() -> list[tuple[str, Any, Any]]:
     """(flat name, `clawbridge up`'s default, the demo's value) where they differ."""
     demo = {**DEMO_RECIPE, **following(Recipe.model_validate({}), DEMO_RECIPE)}
-    up = Settings.load(config_file=None).flat()  # the embedded model's: defaults and its recipe
     out = []
     for name, value in demo.items():
-        default = up[name]
+        default = MEASURED.get(name, field_info(name).default)  # `up` on the embedded model: its recipe
         if shown(value) != shown(default):
             out.append((name, default, value))
     return out

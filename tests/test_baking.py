@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 from clawbridge.learning.baking import MIN_LIFT, carried, retired, verdict
-from clawbridge.store import Preference
+from clawbridge.store import Preference, Store
 
 
 def test_the_share_is_how_far_the_weights_came_from_the_base_to_the_twin():
@@ -59,3 +59,102 @@ def test_retired_changes_only_what_was_measured_and_leaves_a_dropped_one_alone()
     assert (out[0].state, out[0].learned_version, out[0].state_at) == ("learned", 5, now)
     assert (out[1].state, out[1].learned_version) == ("applied", None)
     assert out[2] == known[2]  # the user dropped it meanwhile: a measurement never brings it back
+
+
+# --- on the real engine path (tiny random model) --------------------------------------------------
+
+INSTRUCTION = "Answer in one short sentence."
+
+
+async def _instructed_turns(backend, renderer, store, n: int, reply: str = "ok", first: int = 0) -> list[str]:
+    """n turns served under INSTRUCTION as the proxy serves them: the prompt rendered with it, the
+    answer sampled there with its logprobs, the client's messages and the instruction recorded."""
+    from clawbridge.chat.instructions import instructed
+    from clawbridge.store import TurnRecord
+    from clawbridge.types import SamplingParams
+
+    ids = []
+    for i in range(first, first + n):
+        messages = [{"role": "user", "content": f"Tell me about topic number {i}."}]
+        prompt = renderer.render(instructed(messages, INSTRUCTION))
+        [c] = await backend.sample(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=i))
+        rec = TurnRecord(session_id=f"s{i}", messages=messages, prompt_ids=tuple(prompt), completion_ids=c.tokens,
+                         logprobs=c.logprobs, version=0, finish_reason=c.finish_reason, instruction=INSTRUCTION,
+                         response={"role": "assistant", "content": renderer.parse(c.tokens, c.finish_reason).content})
+        tid = store.record_turn(rec)
+        store.attach_next_state(tid, [{"role": "user", "content": reply}])
+        ids.append(tid)
+    return ids
+
+
+async def test_a_turn_served_under_an_instruction_distils_it_from_the_students_view(tmp_path):
+    """The user said nothing useful ("ok": no reward, no hint), yet the turn trains: its teacher is
+    asked with the instruction, its student sees the prompt without it, and its log pi_old is
+    re-scored there, so the PPO ratio starts at 1."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.chat.instructions import instructed
+    from clawbridge.learning.advantages import opd_advantages
+    from clawbridge.server import build_learning
+    from helpers.learning import settings_for
+
+    settings = settings_for(tmp_path, method="opd", w_negative=1.0, kl_anchor=0.0)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        renderer = Renderer(backend.tokenizer())
+        [tid] = await _instructed_turns(backend, renderer, store, 1)
+        parts = build_learning(settings, backend, store, renderer)
+        assert await parts.collector.run_once() == 1
+        [sample] = store.pending_samples(8, method="opd")
+        turn = store.get_turn(tid)
+        plain = renderer.render(turn.messages)
+        student = await backend.score(plain, turn.completion_ids, model="policy")
+        teacher = await backend.score(renderer.render(instructed(turn.messages, INSTRUCTION)), turn.completion_ids,
+                                      model="base")
+        assert sample.advantages == pytest.approx(opd_advantages(teacher, student, settings.learning.opd_clip))
+        assert any(sample.advantages)  # without the instruction "ok" is no signal: the sample would be dropped
+        [datum] = await parts.trainer.distillation.datums(sample)
+        assert list(datum.prompt_ids) == plain != list(turn.prompt_ids)  # the student's view
+        assert list(datum.logprobs) == pytest.approx(student)  # re-scored: ratio 1 at the first step
+        assert list(datum.logprobs) != pytest.approx(list(turn.logprobs))  # not the instructed prompt's
+    finally:
+        store.close()
+        await backend.close()
+
+
+async def test_the_twin_measures_what_the_newest_weights_carry_of_an_instruction(tmp_path):
+    """Before training the newest weights are the base's: they carry nothing of the instruction.
+    Trained on turns served under it, they come closer to the twin: KL(twin || new) falls below
+    KL(twin || base), so `carried` (their difference) turns positive. (The random model hardly
+    heeds an instruction, so its lift stays below what `share` measures against: the nats are
+    compared here.)"""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.learning.baking import Twin
+    from clawbridge.server import build_learning
+    from clawbridge.types import SamplingParams
+    from helpers.learning import settings_for
+
+    settings = settings_for(tmp_path, method="opd", w_negative=1.0, batch_size=8, learning_rate=2e-2, gate="off")
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        renderer = Renderer(backend.tokenizer())
+        twin = Twin(backend, renderer, SamplingParams(max_tokens=12, temperature=1.0, seed=0), samples=2)
+        prompts = [([{"role": "user", "content": f"Tell me about topic number {i}."}], None) for i in range(4)]
+        before = await twin.measure(prompts, INSTRUCTION)
+        assert before.lift > 0 and before.carried == pytest.approx(0.0, abs=1e-6)
+        parts = build_learning(settings, backend, store, renderer)
+        for k in range(3):  # three steps, each of eight turns served under the instruction
+            await _instructed_turns(backend, renderer, store, 8, first=8 * k)
+            assert await parts.collector.run_once() == 8
+            assert await parts.trainer.step_once() is not None
+        after = await twin.measure(prompts, INSTRUCTION)
+        assert after.lift == pytest.approx(before.lift)  # the twin's answers and the base's scores are kept
+        assert after.carried > 0.2 * after.lift
+    finally:
+        store.close()
+        await backend.close()

@@ -65,7 +65,8 @@ def test_flags_outrank_the_environment_which_outranks_the_config_file(
     assert s.training.batch_size == 2  # the flag
     assert s.judging.prm_votes == 7  # the environment over the file
     assert s.gating.gate_margin == 0.2 and s.learning.w_opd == 0.5  # the file (flat and nested)
-    assert s.training.max_staleness == 4  # the default
+    assert s.training.max_staleness == 5  # the embedded model's learning recipe (bridge/recipes.py)
+    assert s.training.checkpoint_every == 10  # the default
     as_json = tmp_path / "settings.json"
     as_json.write_text(json.dumps({"gate_probes": 9}))
     assert Settings.load(as_json).gating.gate_probes == 9
@@ -146,7 +147,7 @@ def test_the_built_in_scenarios_train_with_the_settings_they_always_had():
                                                              method="opd"))
     added = {k: _flat(Settings())[k] for k in set(_flat(Settings())) - set(golden["concise"])}
     assert set(added) == {"spool_dir", "spool_max_mb", "spool_full", "store_write_timeout_s",
-                          "instant_preferences"}  # settings added since
+                          "instant_preferences", "retire_share", "restore_share", "retire_samples"}  # settings added since
     # the preference demos answer with the weights alone, as they always did: no instruction served
     as_before = {"instant_preferences": False}
     for name, want in golden.items():

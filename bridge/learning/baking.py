@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-from clawbridge.chat.renderer import Renderer
 from clawbridge.chat.instructions import instructed
+from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend
 from clawbridge.store import Preference, StoredTurn
 from clawbridge.store.records import JSONObject

@@ -238,7 +238,7 @@ class Promotion:
         the batch's prompts (`baking.Retirement`); a preference they carry is learned (its
         instruction stops), one a learned preference's version lost is applied again."""
         assert self.retirement is not None
-        prefs = [p for p in await preferences_of(self.store) if p.state in ("applied", "learned")]
+        prefs = [p for p in await self.store.run(self.store.preferences) if p.state in ("applied", "learned")]
         prompts = await self._prompts(batch)
         if not prefs or not prompts:
             return
