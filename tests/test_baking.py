@@ -92,8 +92,8 @@ async def test_a_turn_served_under_an_instruction_distils_it_from_the_students_v
     asked with the instruction, its student sees the prompt without it, and its log pi_old is
     re-scored there, so the PPO ratio starts at 1."""
     from clawbridge.backends.local import LocalBackend
-    from clawbridge.chat.renderer import Renderer
     from clawbridge.chat.instructions import instructed
+    from clawbridge.chat.renderer import Renderer
     from clawbridge.learning.advantages import opd_advantages
     from clawbridge.server import build_learning
     from helpers.learning import settings_for
