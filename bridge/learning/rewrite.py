@@ -175,7 +175,7 @@ async def write_rewrite(
     params = redraw_params(turn)
     prompt = renderer.render(teacher_messages(turn.messages, hint), turn.tools)
     completions: list[Completion] = await backend.sample(
-        prompt, params, n=samples, version=teacher_version(teacher)
+        prompt, params, n=samples, version=teacher_version(teacher), priority="background"
     )
     question = question_of(turn.messages)
     draws = [Draw(tuple(c.tokens), tuple(c.logprobs), finished=c.finish_reason != "length",
