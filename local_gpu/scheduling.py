@@ -84,22 +84,18 @@ class Scheduling:
         """The waiting sequences to admit now, taken out of the queue (`Decoding._admit`
         prefills them).
 
-        With `user_first`: waiting user requests are admitted at once, ahead of any background
-        one, pausing background rows when no row is free (`_pause`); while a user's request
-        runs, no background request is admitted. Otherwise in arrival order, and while rows run
+        With `user_first`, while a user's request waits or runs, background rows are paused
+        (`_pause`: a decode step of many rows costs a CPU several times one row's) and only
+        users' requests are admitted, at once. Otherwise in arrival order, and while rows run
         and more wait than fit, only once a chunk of rows is free (`_admit_chunk`): a forward's
         fixed cost (~60 ms of the embedded model's on a CPU, whatever it computes) is then paid
         once for the chunk, not once for each sequence as the rows free one by one."""
         self._forget_cancelled()
-        if self.user_first:
-            users = [s for s in self._waiting if s.priority == "user"]
-            if users:
-                self._pause(len(users) - (self.max_batch - len(self._active)))
-                chosen = users[: self.max_batch - len(self._active)]
-                self._waiting = deque(s for s in self._waiting if s not in chosen)
-                return chosen
-            if any(s.priority == "user" for s in self._active):
-                return []
+        if self._users_in_flight():
+            self._pause()
+            chosen = [s for s in self._waiting if s.priority == "user"][: self.max_batch - len(self._active)]
+            self._waiting = deque(s for s in self._waiting if s not in chosen)
+            return chosen
         free = self.max_batch - len(self._active)
         if not self._waiting or free <= 0:
             return []
@@ -120,17 +116,16 @@ class Scheduling:
                 self._release(seq.version)
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
-    def _pause(self, count: int) -> None:
-        """Free the rows of the `count` background sequences admitted last (fewer if fewer run),
-        at this step boundary. They wait at the head of the queue, holding their version, and
-        resume later with one prefill of their prompt and what they drew (the prompt's KV is
-        in the prefix cache): the completion it draws uninterrupted (tests/test_user_first.py)."""
-        rows = [i for i, s in enumerate(self._active) if s.priority == "background"]
-        paused = set(rows[-count:]) if count > 0 else set()
+    def _pause(self) -> None:
+        """Free the rows of the background sequences running, at this step boundary. They wait
+        at the head of the queue, holding their version, and resume later with one prefill of
+        their prompt and what they drew (the prompt's KV is in the prefix cache): the completion
+        each draws uninterrupted (tests/test_user_first.py)."""
+        paused = [i for i, s in enumerate(self._active) if s.priority == "background"]
         if not paused:
             return
         keep = [i for i in range(len(self._active)) if i not in paused]
-        self._waiting.extendleft(reversed([self._active[i] for i in sorted(paused)]))
+        self._waiting.extendleft(reversed([self._active[i] for i in paused]))
         self._active = [self._active[i] for i in keep]
         with torch.inference_mode():
             self._batch.keep(keep)
