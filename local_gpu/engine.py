@@ -5,8 +5,8 @@ never mutated mid-forward. Sampling is continuously batched: new requests are pr
 (one forward for those admitted at once, `prefill.Prefill`) and merged into the running batch
 between decode steps (`kvbatch.KVBatch`, or `slotbatch.SlotBatch` with `static_cache`); other
 jobs run one per iteration between decode steps. A user's request goes first (`user_first`): it
-is admitted ahead of background ones (the learner's sampling), pausing a background row when the
-batch is full, and no job starts while it runs (a train step waits between micro-batches). A prompt that shares a prefix with a recent one
+is admitted ahead of background ones (the learner's sampling), the background rows are paused
+while it runs, and no job starts meanwhile (a train step waits between micro-batches). A prompt that shares a prefix with a recent one
 on the same version prefills only the rest (`prefixcache.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe
 futures and per-request queues.
 
