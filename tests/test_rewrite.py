@@ -393,8 +393,8 @@ async def test_draws_cut_at_max_tokens_are_scored_only_when_no_finished_draw_pas
         real_sample, real_score = backend.sample, backend.score
         scored_ids: list[tuple[int, ...]] = []
 
-        async def relabelled(prompt_ids, params, *, n=1, version=None):  # type: ignore[no-untyped-def]
-            got = await real_sample(prompt_ids, params, n=n, version=version)
+        async def relabelled(prompt_ids, params, *, n=1, version=None, priority="user"):  # type: ignore[no-untyped-def]
+            got = await real_sample(prompt_ids, params, n=n, version=version, priority=priority)
             return [replace(c, finish_reason="stop" if i in finished else "length") for i, c in enumerate(got)]
 
         async def recorded(prompt_ids, completion_ids, *, model="policy", temperature=1.0):  # type: ignore[no-untyped-def]
