@@ -53,7 +53,7 @@ from clawbridge.backends.tinker import (
     temperature_reason,
     version_state,
 )
-from clawbridge.protocol import BackendError, Routing, ScoreModel, UnknownVersion
+from clawbridge.protocol import BackendError, Priority, Routing, ScoreModel, UnknownVersion
 from clawbridge.types import (
     Completion,
     Datum,
@@ -194,8 +194,11 @@ class FireworksBackend(Routing):
         log.info("fireworks (%s): LoRA rank %d on %s ready", self.mode, self.lora_rank, self.base_model)
 
     async def sample(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
+        """`priority` is accepted and ignored: neither the training SDK's sampler nor a
+        deployment's takes one."""
         check_context(len(prompt_ids), params.max_tokens, self.context_length)
         if self.mode == "dedicated":
             out = await self._sample_deployment(prompt_ids, params, n)
@@ -252,7 +255,8 @@ class FireworksBackend(Routing):
         return out
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None,
+        priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         (c,) = await self.sample(prompt_ids, params, n=1, version=version)
         yield c.as_chunk()

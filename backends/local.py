@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from clawbridge.local_gpu import models, precision
 from clawbridge.local_gpu.engine import Engine
-from clawbridge.protocol import BackendError, ContextLengthExceeded, Routing, ScoreModel
+from clawbridge.protocol import BackendError, ContextLengthExceeded, Priority, Routing, ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,
@@ -56,6 +56,7 @@ class LocalBackend(Routing):
         static_cache: bool = False,
         prefix_cache_mb: int = 2048,
         merge_adapters: bool = True,
+        user_first: bool = True,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -81,6 +82,7 @@ class LocalBackend(Routing):
             static_cache=static_cache,
             prefix_cache_mb=prefix_cache_mb,
             merge_adapters=merge_adapters,
+            user_first=user_first,
         )
 
     @classmethod
@@ -97,6 +99,7 @@ class LocalBackend(Routing):
             engine_dtype=settings.engine.engine_dtype,
             max_batch=settings.engine.engine_max_batch,
             merge_adapters=settings.engine.engine_merge_adapters,
+            user_first=settings.engine.engine_user_first,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]
@@ -122,9 +125,10 @@ class LocalBackend(Routing):
         *,
         n: int = 1,
         version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
         self._check_length(prompt_ids, params)
-        return await self.engine.sample(prompt_ids, params, n=n, version=self.route(version))
+        return await self.engine.sample(prompt_ids, params, n=n, version=self.route(version), priority=priority)
 
     async def sample_stream(
         self,
@@ -132,9 +136,11 @@ class LocalBackend(Routing):
         params: SamplingParams,
         *,
         version: int | None = None,
+        priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params)
-        async for chunk in self.engine.sample_stream(prompt_ids, params, version=self.route(version)):
+        async for chunk in self.engine.sample_stream(prompt_ids, params, version=self.route(version),
+                                                     priority=priority):
             yield chunk
 
     async def score(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call
-from clawbridge.protocol import Routing, ScoreModel
+from clawbridge.protocol import Priority, Routing, ScoreModel
 from clawbridge.types import (
     Completion,
     Datum,
@@ -112,18 +112,21 @@ class ModalBackend(Routing):
         log.info("modal: engine for %s ready at policy@v%d", info["model_name"], self._version)
 
     async def sample(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
+        """`priority` goes with the call: the container's engine serves the user first."""
         from clawbridge.backends.tinker import check_context
 
         check_context(len(prompt_ids), params.max_tokens, self.context_length)
-        return list(await self._remote("sample", list(prompt_ids), params, n, self.route(version)))
+        return list(await self._remote("sample", list(prompt_ids), params, n, self.route(version), priority))
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None,
+        priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         # One chunk per call: a token stream across Modal would cost a round trip per chunk.
-        (c,) = await self.sample(prompt_ids, params, n=1, version=version)
+        (c,) = await self.sample(prompt_ids, params, n=1, version=version, priority=priority)
         yield c.as_chunk()
 
     async def score(

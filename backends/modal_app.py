@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import modal
+from clawbridge.protocol import Priority
 from clawbridge.types import (
     Completion,
     Datum,
@@ -102,9 +103,9 @@ class Engine:
 
     @modal.method()
     async def sample(self, prompt_ids: list[int], params: SamplingParams, n: int = 1,
-                     version: int | None = None) -> list[Completion]:
+                     version: int | None = None, priority: Priority = "user") -> list[Completion]:
         await self._ready()
-        return await self.backend.sample(prompt_ids, params, n=n, version=version)
+        return await self.backend.sample(prompt_ids, params, n=n, version=version, priority=priority)
 
     @modal.method()
     async def score(self, prompt_ids: list[int], completion_ids: list[int], model: str = "policy",

@@ -172,11 +172,13 @@ class RedactingBackend:
     async def start(self) -> None:
         await self.inner.start()
 
-    async def sample(self, prompt_ids: Sequence[int], params: Any, *, n: int = 1, version: int | None = None) -> Any:
-        return await self.inner.sample(self.prompt(prompt_ids), params, n=n, version=version)
+    async def sample(self, prompt_ids: Sequence[int], params: Any, *, n: int = 1, version: int | None = None,
+                     priority: Any = "user") -> Any:
+        return await self.inner.sample(self.prompt(prompt_ids), params, n=n, version=version, priority=priority)
 
-    def sample_stream(self, prompt_ids: Sequence[int], params: Any, *, version: int | None = None) -> Any:
-        return self.inner.sample_stream(self.prompt(prompt_ids), params, version=version)
+    def sample_stream(self, prompt_ids: Sequence[int], params: Any, *, version: int | None = None,
+                      priority: Any = "user") -> Any:
+        return self.inner.sample_stream(self.prompt(prompt_ids), params, version=version, priority=priority)
 
     async def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], **kw: Any) -> Any:
         return await self.inner.score(self.prompt(prompt_ids), completion_ids, **kw)

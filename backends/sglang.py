@@ -38,6 +38,7 @@ from clawbridge.local_gpu.sglang import (
 from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
+    Priority,
     Routing,
     ScoreModel,
     TransientBackendError,
@@ -171,12 +172,13 @@ class SGLangBackend(Routing):
             raise ContextLengthExceeded(len(prompt_ids), max_tokens, self.context_length)
 
     async def sample(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
         self._check_length(prompt_ids, params.max_tokens)
         async with self.router.admit(self.route(version)) as v:
             outs = await asyncio.gather(*(
-                self.client.generate(generate_payload(prompt_ids, params, lora_name(v), stream=False))
+                self.client.generate(generate_payload(prompt_ids, params, lora_name(v), stream=False, priority=priority))
                 for _ in range(n)
             ))
         return [self._completion(out, v, params.top_logprobs > 0) for out in outs]
@@ -192,12 +194,13 @@ class SGLangBackend(Routing):
         return Completion(tuple(ids), tuple(float(e[0]) for e in entries), finish_reason(meta), version, top)
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None,
+        priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params.max_tokens)
         async with self.router.admit(self.route(version)) as v:
             cursor = StreamCursor()
-            body = generate_payload(prompt_ids, params, lora_name(v), stream=True)
+            body = generate_payload(prompt_ids, params, lora_name(v), stream=True, priority=priority)
             async for out in self.client.generate_stream(body):
                 ids, lps, tops = cursor.delta(out)
                 meta = out["meta_info"]

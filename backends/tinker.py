@@ -42,6 +42,7 @@ from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
 from clawbridge.protocol import (
     BackendError,
     ContextLengthExceeded,
+    Priority,
     Routing,
     ScoreModel,
     UnknownVersion,
@@ -295,8 +296,9 @@ class TinkerBackend(Routing):
             raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")
         return v, self._samplers[v]
 
-    async def sample(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+    async def sample(  # `priority`: ignored, Tinker's sampling client takes none
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
         from tinker import types
 
@@ -327,7 +329,7 @@ class TinkerBackend(Routing):
         return replace(c, logprobs=tuple(lps))
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None, priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         # Tinker answers whole completions: one chunk.
         (c,) = await self.sample(prompt_ids, params, n=1, version=version)

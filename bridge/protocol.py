@@ -13,6 +13,12 @@ while a newer candidate is judged by the gate (which samples the candidate by nu
 by, `newest` the newest published version; they differ only while the gate holds a candidate.
 Every backend shares that routing (`Routing`); the platforms differ only in what `newest` is.
 
+Priority: who waits for a sample. `"user"` (the default, and what the HTTP serving path sends):
+someone is waiting for the answer. `"background"`: the learner's own sampling (the gate's probes
+and twin answers, fresh draws, rewrites, a judge on the backend). A backend that shares its
+compute between the two serves the user first (the local engine: docs/engine.md#the-user-first;
+SGLang's priority scheduling); one that cannot accepts the keyword and ignores it.
+
 Optional capabilities are protocols of their own (`Restorable`, `Screens`, `HostsJudge`,
 `SuggestsMaxTokens`): a caller asks `isinstance(backend, Restorable)`, never `getattr`.
 
@@ -44,6 +50,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ScoreModel = Literal["policy", "base"]
+Priority = Literal["user", "background"]
 
 
 class BackendError(Exception):
@@ -144,8 +151,10 @@ class Backend(Protocol):
         *,
         n: int = 1,
         version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
-        """n completions of the prompt, each with per-token behaviour logprobs."""
+        """n completions of the prompt, each with per-token behaviour logprobs. `priority`:
+        "background" for the learner's own sampling (see the module's docstring)."""
         ...
 
     def sample_stream(
@@ -154,6 +163,7 @@ class Backend(Protocol):
         params: SamplingParams,
         *,
         version: int | None = None,
+        priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         """One completion as chunks of tokens, as soon as they exist. Platforms that cannot
         stream yield a single chunk."""

@@ -182,6 +182,6 @@ class BackendJudgeClient:
             seed=seed,
             stop_token_ids=self.renderer.stop_token_ids,
         )
-        [completion] = await self.backend.sample(prompt, params, n=1, version=self.version)
+        [completion] = await self.backend.sample(prompt, params, n=1, version=self.version, priority="background")
         answer = self.renderer.parse(completion.tokens, completion.finish_reason)
         return answer.content or answer.reasoning_content or ""

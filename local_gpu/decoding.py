@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from clawbridge.local_gpu.prefill import prefill
 from clawbridge.local_gpu.prefixcache import PrefixCache
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.local_gpu.slotbatch import SlotBatch
+from clawbridge.protocol import Priority
 from clawbridge.types import (
     SamplingParams,
     TokenChunk,
@@ -37,10 +37,17 @@ class _Seq:
     emit: Callable[[TokenChunk | BaseException], None]
     generator: torch.Generator
     stop_ids: frozenset[int]
-    version: int = -1
+    priority: Priority = "user"
+    version: int = -1  # set (and held) from its admission on, also while paused
     tokens: list[int] = field(default_factory=list)
     text_checked: int = 0
     cancelled: bool = False
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """What a prefill computes: the prompt, and the tokens drawn before a pause (the
+        scheduler pauses a background row for a user's request; it resumes from here)."""
+        return self.prompt + tuple(self.tokens) if self.tokens else self.prompt
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,7 @@ class Decoding:
 
     context_length: int
     device: str
-    max_batch: int
     tokenizer: Any
-    _waiting: deque[_Seq]
     _active: list[_Seq]
     _batch: KVBatch | SlotBatch
     _prefixes: PrefixCache
@@ -67,29 +72,20 @@ class Decoding:
     _acquire: Callable[[int | None], int]
     _release: Callable[[int], None]
     _row: Callable[[int], str]
+    _admissions: Callable[[], list[_Seq]]
     _query_dtype: torch.dtype  # the attention's query dtype (the prefill's additive mask matches it)
 
     def _admit(self) -> None:
-        """Admit waiting sequences into the running batch, prefilled together per served version
-        (`prefill.Prefill`). While rows run and more wait than fit, admission waits until a
-        chunk of rows is free (`_admit_chunk`): a forward's fixed cost (~60 ms of the embedded
-        model's on a CPU, whatever it computes) is then paid once for the chunk, not once for
-        each sequence as the rows free one by one."""
-        free = self.max_batch - len(self._active)
-        if not self._waiting or free <= 0:
-            return
-        if self._active and len(self._waiting) > free and free < self._admit_chunk:
-            return
+        """Admit the sequences the scheduler chose (`_admissions`) into the running batch,
+        prefilled together per served version (`prefill.Prefill`)."""
         seqs: list[_Seq] = []
-        while self._waiting and len(seqs) < free:
-            seq = self._waiting.popleft()
-            if seq.cancelled:
-                continue
-            try:
-                seq.version = self._acquire(seq.requested_version)
-            except BaseException as exc:
-                seq.emit(exc)
-                continue
+        for seq in self._admissions():
+            if seq.version < 0:  # a paused sequence holds its version still
+                try:
+                    seq.version = self._acquire(seq.requested_version)
+                except BaseException as exc:
+                    seq.emit(exc)
+                    continue
             seqs.append(seq)
         groups: dict[str, list[_Seq]] = {}
         for seq in seqs:
@@ -97,19 +93,16 @@ class Decoding:
         for name, group in groups.items():
             self._prefill(name, group)
 
-    @property
-    def _admit_chunk(self) -> int:
-        return max(1, self.max_batch // 8)
-
     def _prefill(self, name: str, seqs: list[_Seq]) -> None:
         """One forward over the prompts of `seqs` (all on adapter `name`; the same prompt is
         computed once), each continuing its longest prefix cached on that version; their
         caches kept for later prompts, each sequence's first token drawn, and the sequences
         that go on added to the running batch."""
         version = seqs[0].version
+        contexts = [seq.context for seq in seqs]  # before drawing: a draw extends `context`
         prompts: dict[tuple[int, ...], int] = {}
-        for seq in seqs:
-            prompts.setdefault(seq.prompt, len(prompts))
+        for context in contexts:
+            prompts.setdefault(context, len(prompts))
         unique = list(prompts)
         tokens: list[int | None] = []
         try:
@@ -126,9 +119,9 @@ class Decoding:
                 for i, p in enumerate(unique):
                     self._prefixes.store(version, p, layout.row_cache(cache, i))
                 logits = out.logits[:, -1]
-                for seq in seqs:
-                    tokens.append(self._take(seq, logits[prompts[seq.prompt]]))
-                rows = [prompts[seq.prompt] for seq, t in zip(seqs, tokens, strict=True) if t is not None]
+                for seq, context in zip(seqs, contexts, strict=True):
+                    tokens.append(self._take(seq, logits[prompts[context]]))
+                rows = [prompts[c] for c, t in zip(contexts, tokens, strict=True) if t is not None]
                 if rows:
                     self._batch.add_rows(*layout.take(cache, rows), [t for t in tokens if t is not None])
         except BaseException as exc:

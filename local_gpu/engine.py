@@ -4,7 +4,9 @@ Every verb (sample, score, train_step, publish, save/load) runs on that thread, 
 never mutated mid-forward. Sampling is continuously batched: new requests are prefilled together
 (one forward for those admitted at once, `prefill.Prefill`) and merged into the running batch
 between decode steps (`kvbatch.KVBatch`, or `slotbatch.SlotBatch` with `static_cache`); other
-jobs run one per iteration between decode steps. A prompt that shares a prefix with a recent one
+jobs run one per iteration between decode steps. A user's request goes first (`user_first`): it
+is admitted ahead of background ones (the learner's sampling), the background rows are paused
+while it runs, and no job starts meanwhile (a train step waits between micro-batches). A prompt that shares a prefix with a recent one
 on the same version prefills only the rest (`prefixcache.PrefixCache`, `prefix_cache_mb`). Results reach asyncio callers through thread-safe
 futures and per-request queues.
 
@@ -53,7 +55,7 @@ from clawbridge.local_gpu.scheduling import Scheduling
 from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.local_gpu.training import Training
 from clawbridge.local_gpu.versions import VersionSlots
-from clawbridge.protocol import BackendError
+from clawbridge.protocol import BackendError, Priority
 from clawbridge.types import (
     Completion,
     Datum,
@@ -85,8 +87,10 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         cuda_graphs: bool = False,
         prefix_cache_mb: int = 2048,
         merge_adapters: bool = True,
+        user_first: bool = True,
     ) -> None:
         self.spec = spec
+        self.user_first = user_first  # a user's request ahead of background work (scheduling.py)
         self.merge_adapters = merge_adapters
         self.static_cache = static_cache or cuda_graphs
         self.cuda_graphs = cuda_graphs
@@ -214,11 +218,16 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
     # --- async API ---------------------------------------------------------------------------
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        version: int | None = None,
+        priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
-        seq = self._new_seq(prompt_ids, params, version, loop, chunks)
+        seq = self._new_seq(prompt_ids, params, version, priority, loop, chunks)
         self._put(seq)
         try:
             while True:
@@ -238,6 +247,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         *,
         n: int = 1,
         version: int | None = None,
+        priority: Priority = "user",
     ) -> list[Completion]:
         def nth(i: int) -> SamplingParams:
             if params.seed is None or i == 0:
@@ -247,7 +257,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         return list(
             await asyncio.gather(
                 *(
-                    collect(self.sample_stream(prompt_ids, nth(i), version=version))
+                    collect(self.sample_stream(prompt_ids, nth(i), version=version, priority=priority))
                     for i in range(n)
                 )
             )
@@ -328,6 +338,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         prompt_ids: Sequence[int],
         params: SamplingParams,
         version: int | None,
+        priority: Priority,
         loop: asyncio.AbstractEventLoop,
         chunks: asyncio.Queue[TokenChunk | BaseException],
     ) -> _Seq:
@@ -346,6 +357,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
             prompt=tuple(int(t) for t in prompt_ids),
             params=params,
             requested_version=version,
+            priority=priority,
             emit=emit,
             generator=torch.Generator().manual_seed(seed),
             stop_ids=self.stop_ids | frozenset(params.stop_token_ids),

@@ -1,6 +1,7 @@
 """The engine's scheduler loop, on its own thread: it takes requests and jobs from the inbox,
-runs one job per iteration between decode steps (waiting scores packed into one forward), admits
-waiting sequences, steps the running batch, and on close fails what is left."""
+runs one job per iteration between decode steps (waiting scores packed into one forward), chooses
+which waiting sequences to admit (a user's request first), steps the running batch, and on close
+fails what is left."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from clawbridge.local_gpu.decoding import _Job, _Seq
 from clawbridge.local_gpu.forwarding import EngineClosing
 from clawbridge.local_gpu.kvbatch import KVBatch
@@ -25,6 +27,8 @@ class Scheduling:
     """The scheduler thread's loop, mixed into `engine.Engine` (whose `__init__` sets the state
     below)."""
 
+    user_first: bool
+    max_batch: int
     _inbox: queue.Queue[_Seq | _Job | None]
     _waiting: deque[_Seq]
     _jobs: deque[_Job]
@@ -34,29 +38,108 @@ class Scheduling:
     _new_batch: Callable[[], KVBatch | SlotBatch]
     _admit: Callable[[], None]
     _decode_step: Callable[[], None]
+    _release: Callable[[int], None]
     _score: Callable[..., list[float]]
     _scores: Callable[..., list[list[float]]]
     _persisted: Callable[..., Any]
 
     def _run(self) -> None:
         while True:
-            idle = not (self._waiting or self._jobs or self._active)
-            try:
-                item = self._inbox.get(block=idle)
-                while True:
-                    if item is None:
-                        self._shutdown()
-                        return
-                    if isinstance(item, _Job):
-                        self._jobs.append(item)
-                    else:
-                        self._waiting.append(item)
-                    item = self._inbox.get_nowait()
-            except queue.Empty:
-                pass
-            if self._jobs:
+            if not self._drain(block=not (self._waiting or self._jobs or self._active)):
+                self._shutdown()
+                return
+            if self._jobs and not self._users_in_flight():
                 job = self._jobs.popleft()
                 self._run_scores([job, *self._more_scores(job)]) if self._scoring(job) else self._run_job(job)
+            self._admit()
+            if self._active:
+                self._decode_step()
+
+    def _drain(self, *, block: bool) -> bool:
+        """Move what the inbox holds into the queues (first waiting for an item if `block`);
+        False once the engine is closing."""
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                if isinstance(item, _Job):
+                    self._jobs.append(item)
+                else:
+                    self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    # --- the user first (docs/engine.md#the-user-first) ---------------------------------------
+
+    def _users_in_flight(self) -> bool:
+        """A user's request waits or runs. Never with `user_first` off: every request is then
+        served alike, in arrival order, and jobs interleave with decode steps."""
+        return self.user_first and any(
+            s.priority == "user" and not s.cancelled for s in (*self._waiting, *self._active)
+        )
+
+    def _admissions(self) -> list[_Seq]:
+        """The waiting sequences to admit now, taken out of the queue (`Decoding._admit`
+        prefills them).
+
+        With `user_first`, while a user's request waits or runs, background rows are paused
+        (`_pause`: a decode step of many rows costs a CPU several times one row's) and only
+        users' requests are admitted, at once. Otherwise in arrival order, and while rows run
+        and more wait than fit, only once a chunk of rows is free (`_admit_chunk`): a forward's
+        fixed cost (~60 ms of the embedded model's on a CPU, whatever it computes) is then paid
+        once for the chunk, not once for each sequence as the rows free one by one."""
+        self._forget_cancelled()
+        if self._users_in_flight():
+            self._pause()
+            chosen = [s for s in self._waiting if s.priority == "user"][: self.max_batch - len(self._active)]
+            self._waiting = deque(s for s in self._waiting if s not in chosen)
+            return chosen
+        free = self.max_batch - len(self._active)
+        if not self._waiting or free <= 0:
+            return []
+        if self._active and len(self._waiting) > free and free < self._admit_chunk:
+            return []
+        return [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+
+    @property
+    def _admit_chunk(self) -> int:
+        return max(1, self.max_batch // 8)
+
+    def _forget_cancelled(self) -> None:
+        """Drop cancelled sequences from the queue (a paused one gives its version back)."""
+        if not any(s.cancelled for s in self._waiting):
+            return
+        for seq in self._waiting:
+            if seq.cancelled and seq.version >= 0:
+                self._release(seq.version)
+        self._waiting = deque(s for s in self._waiting if not s.cancelled)
+
+    def _pause(self) -> None:
+        """Free the rows of the background sequences running, at this step boundary. They wait
+        at the head of the queue, holding their version, and resume later with one prefill of
+        their prompt and what they drew (the prompt's KV is in the prefix cache): the completion
+        each draws uninterrupted (tests/test_user_first.py)."""
+        paused = [i for i, s in enumerate(self._active) if s.priority == "background"]
+        if not paused:
+            return
+        keep = [i for i in range(len(self._active)) if i not in paused]
+        self._waiting.extendleft(reversed([self._active[i] for i in paused]))
+        self._active = [self._active[i] for i in keep]
+        with torch.inference_mode():
+            self._batch.keep(keep)
+
+    def _yield_to_users(self) -> None:
+        """Called by a train step between two micro-batches: while a user's request waits or
+        runs, admit and decode as the loop does (no job starts), so that a user waits for at
+        most the micro-batch in progress; then the step goes on where it was."""
+        while True:
+            if not self._drain(block=False):
+                self._inbox.put(None)  # for the loop, once the step has stopped
+                raise EngineClosing("the engine is closing")
+            if not self._users_in_flight():
+                return
             self._admit()
             if self._active:
                 self._decode_step()

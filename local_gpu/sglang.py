@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import aiohttp
 from clawbridge.protocol import (
     BackendError,
+    Priority,
     TransientBackendError,
 )
 from clawbridge.types import (
@@ -74,8 +75,15 @@ def sampling_params_payload(params: SamplingParams, max_new_tokens: int | None =
     return out
 
 
+# SGLang's request priority (honoured with `--enable-priority-scheduling`, larger values first, and
+# ignored without it): a user's request outranks a background one by more than SGLang's preemption
+# threshold (10), so it may also preempt a running one.
+PRIORITY: dict[Priority, int] = {"user": 20, "background": 0}
+
+
 def generate_payload(
-    prompt_ids: Sequence[int], params: SamplingParams, lora: str | None, *, stream: bool
+    prompt_ids: Sequence[int], params: SamplingParams, lora: str | None, *, stream: bool,
+    priority: Priority = "user",
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": list(prompt_ids),
@@ -85,6 +93,7 @@ def generate_payload(
         "top_logprobs_num": params.top_logprobs,
         "stream": stream,
         "rid": uuid.uuid4().hex,
+        "priority": PRIORITY[priority],
     }
     if lora is not None:
         body["lora_path"] = lora  # SGLang picks a loaded adapter by its name
@@ -104,6 +113,7 @@ def score_payload(
         "top_logprobs_num": 0,
         "stream": False,
         "rid": uuid.uuid4().hex,
+        "priority": PRIORITY["background"],  # only the learner scores
     }
     if lora is not None:
         body["lora_path"] = lora

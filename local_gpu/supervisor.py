@@ -81,13 +81,15 @@ def sglang_argv(
 ) -> tuple[str, ...]:
     """SGLang's launch command. With `lora_rank`, the server accepts adapters loaded at run time
     up to that rank on those modules (`policy@vK`); several versions share a batch while old
-    requests drain, hence max_loras_per_batch > 1."""
+    requests drain, hence max_loras_per_batch > 1; it serves a user's request ahead of the
+    learner's (priority scheduling, `sglang.PRIORITY`)."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", model_path,
             "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(tp),
             "--mem-fraction-static", str(mem_fraction), "--skip-server-warmup"]
     if lora_rank:
         argv += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules",
-                 *lora_targets, "--max-loras-per-batch", str(max_loras_per_batch)]
+                 *lora_targets, "--max-loras-per-batch", str(max_loras_per_batch),
+                 "--enable-priority-scheduling"]
     if context_length:
         argv += ["--context-length", str(context_length)]
     if served_model_name:

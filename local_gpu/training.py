@@ -66,6 +66,7 @@ class Training:
     _served: dict[int, str]
     _folders: dict[int, Path]
     _serve: Callable[[int, dict[str, torch.Tensor]], None]
+    _yield_to_users: Callable[[], None]
 
     def _score(
         self,
@@ -227,6 +228,7 @@ class Training:
             loss_sum += float(part.detach())
             clipped += float(terms.clipped.sum())
             kl += float(terms.approx_kl.sum())
+            self._yield_to_users()  # a user's request waits for one micro-batch, not the step
         max_norm = optim.grad_clip_norm if optim.grad_clip_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params(), max_norm))
         optimizer.step()

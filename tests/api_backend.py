@@ -14,6 +14,7 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from clawbridge.protocol import Priority
 from clawbridge.types import Completion, SamplingParams, TokenChunk
 
 MODEL = "tiny-random"
@@ -54,10 +55,10 @@ class RecordingBackend:
         return [*tok.encode(answer, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
 
     async def sample(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
-                     version: int | None = None) -> list[Completion]:
+                     version: int | None = None, priority: Priority = "user") -> list[Completion]:
         ids = self._script(prompt_ids)
         if ids is None:
-            comps = await self.real.sample(prompt_ids, params, n=n, version=version)
+            comps = await self.real.sample(prompt_ids, params, n=n, version=version, priority=priority)
         else:
             lps = await self.real.score(prompt_ids, ids, temperature=params.temperature)
             comps = [Completion(tuple(ids), tuple(lps), "stop", self.version) for _ in range(n)]
@@ -65,7 +66,7 @@ class RecordingBackend:
         return comps
 
     async def sample_stream(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                            version: int | None = None) -> AsyncIterator[TokenChunk]:
+                            version: int | None = None, priority: Priority = "user") -> AsyncIterator[TokenChunk]:
         ids = self._script(prompt_ids)
         tokens: list[int] = []
         lps: list[float] = []

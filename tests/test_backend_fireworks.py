@@ -55,6 +55,17 @@ async def test_policy_scores_come_from_forward_cross_entropy_and_match_sampling(
     assert await b.score(PROMPT, c.tokens) == pytest.approx(list(c.logprobs), abs=1e-4)
 
 
+async def test_a_background_request_is_accepted_and_sampled_as_a_users(tokenizer) -> None:
+    """Neither Fireworks sampler takes a priority: the protocol's keyword is accepted, and a
+    background request is the same call as a user's (serverless and on a deployment)."""
+    params = SamplingParams(max_tokens=5, seed=4)
+    for b in (await serverless(tokenizer), (await dedicated(tokenizer, loading_requests=0))[0]):
+        (user,) = await b.sample(PROMPT, params)
+        (background,) = await b.sample(PROMPT, params, priority="background")
+        [chunk] = [c async for c in b.sample_stream(PROMPT, params, priority="background")]
+        assert background.tokens == user.tokens == chunk.tokens
+
+
 async def test_serverless_publish_adds_a_version_and_keeps_the_base_for_scoring(tokenizer) -> None:
     b = await serverless(tokenizer)
     completion = (17, 401, 2032)

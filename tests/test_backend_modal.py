@@ -37,6 +37,27 @@ async def test_samples_and_scores_come_from_the_engine_in_the_modal_class(tokeni
     assert b.meter.snapshot()["by_activity"]["serve"]["gpu_seconds"] > 0  # type: ignore[index]
 
 
+async def test_a_background_request_reaches_the_engine_in_the_modal_class_as_background(
+    tokenizer, tmp_path, monkeypatch
+) -> None:
+    """The priority goes with the call: the container's engine serves its user first."""
+    b, _ = await started(tokenizer, tmp_path)
+    asked: list[str] = []
+    real = LocalBackend.sample
+
+    async def recorded(self, *args, priority="user", **kwargs):  # type: ignore[no-untyped-def]
+        asked.append(priority)
+        return await real(self, *args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(LocalBackend, "sample", recorded)
+    params = SamplingParams(max_tokens=3, seed=5)
+    (background,) = await b.sample(PROMPT, params, priority="background")
+    [chunk] = [c async for c in b.sample_stream(PROMPT, params, priority="background")]
+    (user,) = await b.sample(PROMPT, params)
+    assert asked == ["background", "background", "user"]
+    assert background.tokens == chunk.tokens == user.tokens
+
+
 async def test_a_train_step_on_modal_equals_the_local_backends(tokenizer, tmp_path) -> None:
     batch, optim = fixed_batch(), OptimSpec(learning_rate=1e-2)
     b, _ = await started(tokenizer, tmp_path / "modal")

@@ -40,6 +40,17 @@ async def test_sampling_returns_tokens_with_logprobs_that_score_reproduces(token
     assert b.meter.snapshot()["by_activity"]["serve"]["sampled_tokens"] == len(c.tokens)  # type: ignore[index]
 
 
+async def test_a_background_request_is_accepted_and_sampled_as_a_users(tokenizer) -> None:
+    """Tinker's sampling client has no priority: the protocol's keyword is accepted, and a
+    background request is the same call as a user's."""
+    b = await started(tokenizer)
+    params = SamplingParams(max_tokens=5, seed=4)
+    (user,) = await b.sample(PROMPT, params)
+    (background,) = await b.sample(PROMPT, params, priority="background")
+    [chunk] = [c async for c in b.sample_stream(PROMPT, params, priority="background")]
+    assert background.tokens == user.tokens == chunk.tokens
+
+
 async def test_train_step_with_summed_loss_equals_the_local_token_mean_update(tokenizer) -> None:
     batch, spec, optim = fixed_batch(), LossSpec(), OptimSpec(learning_rate=1e-2, grad_clip_norm=1.0)
     service = FakeTinkerService()

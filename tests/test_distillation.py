@@ -113,7 +113,16 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         turn = store.get_turn(hinted.turn_id)
         assert turn is not None
         teacher_ids = trainer.distillation.teacher_prompt(turn, "Answer in one word.")
+        priorities: list[str] = []
+        real_sample = backend.sample
+
+        async def sampled(*args, priority="user", **kwargs):  # type: ignore[no-untyped-def]
+            priorities.append(priority)
+            return await real_sample(*args, priority=priority, **kwargs)
+
+        backend.sample = sampled  # type: ignore[method-assign]
         [own, *drawn] = await trainer.distillation.datums(hinted)
+        assert priorities == ["background"]  # fresh draws wait behind a user's request
         assert own == to_datums(hinted, teacher_ids)[0]
         assert len(drawn) == 3 and all(d.teacher_prompt_ids == tuple(teacher_ids) for d in drawn)
         assert all(set(d.advantages) == {0.0} and d.prompt_ids == hinted.prompt_ids for d in drawn)

@@ -65,6 +65,7 @@ def test_relative_links_resolve(page: str):
 # and the scripts under bench/, which document their own flags in --help).
 OTHER_TOOLS_FLAGS = {
     "--autogenerate", "--max-loras-per-batch", "--mem-fraction-static", "--nproc-per-node",
+    "--enable-priority-scheduling",  # SGLang's (docs/engine.md#the-user-first)
     "--framework", "--target", "--local", "--chunk", "--compute-dtype", "--profile", "--repeats",
     "--tokens", "--quick", "--turns", "--methods", "--seeds", "--mixed", "--samples",
     "--message", "--session-id", "--prefix",  # openclaw agent, npm install (docs/openclaw.md)

@@ -211,10 +211,10 @@ class FirstCallsTool:
         return int(self.real.version)
 
     async def sample(self, prompt_ids: Any, params: SamplingParams, *, n: int = 1,
-                     version: int | None = None) -> list[Completion]:
+                     version: int | None = None, priority: str = "user") -> list[Completion]:
         self.calls += 1
         if self.calls > 1:
-            return await self.real.sample(prompt_ids, params, n=n, version=version)  # type: ignore[no-any-return]
+            return await self.real.sample(prompt_ids, params, n=n, version=version, priority=priority)  # type: ignore[no-any-return]
         tok = self.real.tokenizer()
         ids = [*tok.encode(self.CALL, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
         lps = await self.real.score(prompt_ids, ids, temperature=params.temperature)

@@ -51,8 +51,10 @@ class _Backend:
         self.questions = questions
         self.calls: list[str] = []
 
-    async def sample(self, prompt: Any, params: SamplingParams, n: int = 1, version: int | None = None) -> Any:
+    async def sample(self, prompt: Any, params: SamplingParams, n: int = 1, version: int | None = None,
+                     priority: str = "user") -> Any:
         assert version is not None
+        assert priority == "background"  # the gate's probes never go ahead of the user
         if prompt and isinstance(prompt[0], int):  # a recent prompt's ids (pairwise)
             self.calls.append(f"r{prompt[0]}@{version}/{params.seed}")
             return [_Completion((version,), "stop")]

@@ -123,9 +123,10 @@ async def test_every_probe_is_asked_with_its_own_seed_the_same_for_every_version
         asked: list[tuple[int | None, int | None]] = []
         sample = backend.sample
 
-        async def recorded(prompt: Any, p: SamplingParams, n: int = 1, version: int | None = None) -> Any:
+        async def recorded(prompt: Any, p: SamplingParams, n: int = 1, version: int | None = None,
+                           priority: str = "user") -> Any:
             asked.append((version, p.seed))
-            return await sample(prompt, p, n=n, version=version)
+            return await sample(prompt, p, n=n, version=version, priority=priority)
 
         backend.sample = recorded  # type: ignore[method-assign]
         probes = [GateProbe("probe", ({"role": "user", "content": q},), lambda _t, _f: 1.0) for q in PROMPTS]

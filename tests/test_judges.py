@@ -569,15 +569,16 @@ class AnsweringBackend:
         self._tok = tokenizer
         self.answer = tuple(tokenizer.encode(answer, add_special_tokens=False))
         self.answer += (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
-        self.calls: list[tuple[list[int], SamplingParams, int | None]] = []
+        self.calls: list[tuple[list[int], SamplingParams, int | None, str]] = []
 
     def tokenizer(self) -> Any:
         return self._tok
 
     async def sample(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
+        priority: str = "user",
     ) -> list[Completion]:
-        self.calls.append((list(prompt_ids), params, version))
+        self.calls.append((list(prompt_ids), params, version, priority))
         return [Completion(self.answer, (-0.1,) * len(self.answer), "stop", 0)]
 
 
@@ -586,8 +587,9 @@ async def test_backend_client_renders_the_chat_and_samples_the_frozen_base(token
     client = BackendJudgeClient(backend, Renderer(tokenizer), version=0)  # type: ignore[arg-type]
     judgment = await PRMJudge(client, votes=2).judge(TURN)
     assert judgment.reward == -1 and judgment.judge == "prm:backend:judge-model@v0"
-    prompt, params, version = backend.calls[0]
+    prompt, params, version, priority = backend.calls[0]
     assert version == 0 and params.temperature == 0.7 and params.max_tokens == 1024
+    assert priority == "background"  # a judge on the serving backend waits behind the user
     text = tokenizer.decode(prompt)
     assert "process reward model" in text and text.rstrip().endswith("assistant")
     assert params.stop_token_ids  # the template's end-of-turn token stops the judge

@@ -144,19 +144,21 @@ class ScriptedToolCall:
         *,
         n: int = 1,
         version: int | None = None,
+        priority: str = "user",
     ) -> list[Completion]:
         ids = self._script(prompt_ids)
         if ids is None:
-            return list(await self.real.sample(prompt_ids, params, n=n, version=version))
+            return list(await self.real.sample(prompt_ids, params, n=n, version=version, priority=priority))
         self.scripted += 1
         return [Completion(tuple(ids), (0.0,) * len(ids), "stop", self.version)] * n
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None,
+        priority: str = "user",
     ) -> AsyncIterator[TokenChunk]:
         ids = self._script(prompt_ids)
         if ids is None:
-            async for chunk in self.real.sample_stream(prompt_ids, params, version=version):
+            async for chunk in self.real.sample_stream(prompt_ids, params, version=version, priority=priority):
                 yield chunk
             return
         self.scripted += 1

@@ -43,13 +43,13 @@ class ScriptedBackend:
         return [*tok.encode(CALL, add_special_tokens=False), tok.convert_tokens_to_ids("<|im_end|>")]
 
     async def sample(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
-                     version: int | None = None) -> list[Completion]:
+                     version: int | None = None, priority: str = "user") -> list[Completion]:
         ids = self._tokens()
         lps = await self.real.score(prompt_ids, ids, temperature=params.temperature)
         return [Completion(tuple(ids), tuple(lps), "stop", self.version) for _ in range(n)]
 
     async def sample_stream(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                            version: int | None = None) -> AsyncIterator[TokenChunk]:
+                            version: int | None = None, priority: str = "user") -> AsyncIterator[TokenChunk]:
         [c] = await self.sample(prompt_ids, params)
         for i, (t, lp) in enumerate(zip(c.tokens, c.logprobs, strict=True)):
             yield TokenChunk((t,), (lp,), c.version, "stop" if i == len(c.tokens) - 1 else None)

@@ -359,12 +359,21 @@ async def test_the_lift_is_scored_by_the_teachers_model_and_only_the_kept_draw_b
         return await real_score(prompt_ids, completion_ids, model=model, temperature=temperature)
 
     backend.score = recorded  # type: ignore[method-assign]
+    priorities: list[str] = []
+    real_sample = backend.sample
+
+    async def sampled(*args, priority="user", **kwargs):  # type: ignore[no-untyped-def]
+        priorities.append(priority)
+        return await real_sample(*args, priority=priority, **kwargs)
+
+    backend.sample = sampled  # type: ignore[method-assign]
     try:
         [tid] = short_turns(store, ["Too long."])
         turn = store.get_turn(tid)
         assert turn is not None
         kept = await write_rewrite(backend, Renderer(backend.tokenizer()), turn, "Be brief.", samples=3, weight=1.0)
         assert kept is not None
+        assert priorities == ["background"]  # the teacher's draws wait behind a user's request
         own = [c for c in calls if c[0] == tuple(turn.prompt_ids)]
         *lift, last = own
         assert lift and {m for *_, m in lift} == {"base"} and kept.ids in {ids for _, ids, _ in lift}
@@ -384,8 +393,8 @@ async def test_draws_cut_at_max_tokens_are_scored_only_when_no_finished_draw_pas
         real_sample, real_score = backend.sample, backend.score
         scored_ids: list[tuple[int, ...]] = []
 
-        async def relabelled(prompt_ids, params, *, n=1, version=None):  # type: ignore[no-untyped-def]
-            got = await real_sample(prompt_ids, params, n=n, version=version)
+        async def relabelled(prompt_ids, params, *, n=1, version=None, priority="user"):  # type: ignore[no-untyped-def]
+            got = await real_sample(prompt_ids, params, n=n, version=version, priority=priority)
             return [replace(c, finish_reason="stop" if i in finished else "length") for i, c in enumerate(got)]
 
         async def recorded(prompt_ids, completion_ids, *, model="policy", temperature=1.0):  # type: ignore[no-untyped-def]

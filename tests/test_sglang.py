@@ -13,6 +13,7 @@ import pytest
 import torch
 from clawbridge.backends.sglang import SGLangBackend
 from clawbridge.local_gpu.sglang import (
+    PRIORITY,
     SGLangClient,
     SGLangError,
     StreamCursor,
@@ -130,6 +131,20 @@ async def test_n_samples_are_independent_requests_on_the_same_version(server, ba
     fake, _ = server
     outs = await backend.sample(PROMPT, SamplingParams(max_tokens=3), n=3)
     assert len(outs) == 3 and len({r["rid"] for r in fake.requests[-3:]}) == 3
+
+
+async def test_a_background_request_is_sent_below_a_users_priority(server, backend):
+    """SGLang's priority scheduling (larger first) gets a user's request ahead of the learner's,
+    by more than its preemption threshold; scores are the learner's."""
+    fake, _ = server
+    await backend.sample(PROMPT, SamplingParams(max_tokens=2))
+    await backend.sample(PROMPT, SamplingParams(max_tokens=2), priority="background")
+    [_ async for _ in backend.sample_stream(PROMPT, SamplingParams(max_tokens=2), priority="background")]
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=2))
+    await backend.score(PROMPT, c.tokens)
+    user, background, streamed, _, scored = (r["priority"] for r in fake.requests[-5:])
+    assert background == streamed == scored == PRIORITY["background"]
+    assert user - background > 10  # SGLang's default preemption threshold
 
 
 async def test_stream_yields_tokens_as_they_are_made_and_ends_with_a_finish_reason(backend):

@@ -116,6 +116,7 @@ def test_sglang_command_lines_follow_the_plan():
     assert policy.gpus == (4, 5) and judge.gpus == (6, 7)
     assert policy.port == layout.POLICY_PORT and judge.port == layout.JUDGE_PORT
     assert "--enable-lora" in policy.argv and "--enable-lora" not in judge.argv
+    assert "--enable-priority-scheduling" in policy.argv  # the user's requests before the learner's
     assert policy.argv[policy.argv.index("--tp-size") + 1] == "2"
     assert policy.argv[policy.argv.index("--max-lora-rank") + 1] == "32"
     (colocated,) = plan_specs(layout.plan(1), "/m", lora_rank=16)

@@ -38,12 +38,14 @@ class CannedBackend:
         return None
 
     async def sample(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
+        priority: str = "user",
     ) -> list[Completion]:
         return [Completion(self.tokens, self.logprobs, "stop", 0) for _ in range(n)]
 
     async def sample_stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None,
+        priority: str = "user",
     ) -> AsyncIterator[TokenChunk]:
         last = len(self.tokens) - 1
         for i, (t, lp) in enumerate(zip(self.tokens, self.logprobs, strict=True)):

@@ -110,7 +110,8 @@ class Distillation:
         (`drop_lifted`). Drawn for the step and not stored: a step lost in a crash draws anew."""
         params = redraw_params(turn)
         drawn = [c for c in await self.backend.sample(sample.prompt_ids, params, n=self.settings.opd_draws,
-                                                      version=self.backend.newest) if c.tokens]
+                                                      version=self.backend.newest, priority="background")
+                 if c.tokens]
         if (bound := self.settings.opd_draw_max_lift) is not None:
             drawn = await self.drop_lifted(drawn, sample.prompt_ids, teacher_prompt_ids, params.temperature, bound)
         zeros = lambda c: (0.0,) * len(c.tokens)  # noqa: E731

@@ -179,7 +179,8 @@ class Gate:
         messages = instructed(probe.messages, instruction)  # the twin: the instruction as served
         prompt = self.renderer.render(messages)
         params = dataclasses.replace(self.params, seed=question_seed(self.params.seed, message_key(probe.messages)))
-        comps = await self.backend.sample(prompt, params, n=probe.samples or samples, version=version)
+        comps = await self.backend.sample(prompt, params, n=probe.samples or samples, version=version,
+                                          priority="background")
         texts = [(self.renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
         return sum(probe.score(t, f) for t, f in texts) / len(texts), texts[0][0]
 
@@ -205,7 +206,7 @@ class Gate:
     async def _answer(self, prompt_ids: Sequence[int], version: int) -> str:
         key = ",".join(map(str, prompt_ids))
         params = dataclasses.replace(self.params, seed=question_seed(self.params.seed, key))
-        [c] = await self.backend.sample(prompt_ids, params, n=1, version=version)
+        [c] = await self.backend.sample(prompt_ids, params, n=1, version=version, priority="background")
         return self.renderer.parse(c.tokens, c.finish_reason).content or ""
 
     async def _compare(self, prompt: Recent, candidate: int, serving: int) -> float:

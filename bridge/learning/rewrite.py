@@ -177,7 +177,7 @@ async def write_rewrite(
     # student's view (`baking.student_view`): its prompt_ids are the prompt without it
     prompt = renderer.render(teacher_view(turn.messages, hint, turn.instruction), turn.tools)
     completions: list[Completion] = await backend.sample(
-        prompt, params, n=samples, version=teacher_version(teacher)
+        prompt, params, n=samples, version=teacher_version(teacher), priority="background"
     )
     question = question_of(turn.messages)
     draws = [Draw(tuple(c.tokens), tuple(c.logprobs), finished=c.finish_reason != "length",

@@ -44,6 +44,7 @@ SAMPLING_KEYS = {
 GENERATE_KEYS = {
     "input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
     "top_logprobs_num", "stream", "lora_path", "rid", "return_text_in_logprobs",
+    "priority",  # GenerateReqInput.priority: Optional[int], scheduled with --enable-priority-scheduling
 }
 
 
@@ -156,6 +157,8 @@ class FakeSGLang:
         unknown |= set(sp) - SAMPLING_KEYS
         if unknown:
             return _error(f"unexpected keyword argument(s) {sorted(unknown)}")
+        if not isinstance(body.get("priority", 0), int):
+            return _error("priority must be an integer")
         if "input_ids" not in body:
             return _error("this fake serves input_ids only")
         lora = body.get("lora_path")

@@ -1,0 +1,259 @@
+"""A user's short request while the learner works on the same engine (docs/engine.md#the-user-first).
+
+Starts the server in process (`serve`, the local backend on the embedded model, learning off) and
+asks it, through the real `openai` client, one short chat request at a time (16 tokens, greedy,
+a random pause before each), in three conditions:
+
+- idle: nothing else runs;
+- sampling: what the gate does, through the backend at background priority: 16 probe questions
+  of 48 tokens at once, asked again as soon as they are answered;
+- training: `train_step` back to back on a batch like the learner's (8 samples of 120-250
+  tokens, packed into rows of 256: one micro-batch a row; the top-20 distillation on), learning
+  rate 0.
+
+Modes, alternating round by round in the same process so that a busy machine slows all alike:
+`off` (the engine's `user_first` off: arrival order, jobs between decode steps), `on`;
+`on-nopause` (sampling: a user's request admitted first but never pausing the background rows: it
+waits for a free row, then decodes beside them); `split` (training: the split of the two cores instead, measured for the
+choice: the server on one torch thread, the steps on the other in a second process).
+
+Prints the p50 and p95 latency and their ratios to the idle server's (same mode), and the
+background work done meanwhile; `--json` writes it all.
+
+    .venv/bin/python bench/user_first.py [--requests 12] [--rounds 2] [--timeout 120] [--json out.json]
+
+A request the client gives up on (`--timeout`) counts as the timeout: in arrival order, with steps
+back to back, every token of a request waits for a whole step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import torch
+from clawbridge.backends.local import LocalBackend
+from clawbridge.chat.renderer import Renderer
+from clawbridge.config import Settings
+from clawbridge.local_gpu import models, precision
+from clawbridge.local_gpu.engine import Engine
+from clawbridge.server import Running, serve
+from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+
+USER_PROMPT = "Explain in a few sentences how a bicycle stays upright."
+PROBES = [
+    "What is the capital of France?", "How many legs does a spider have?", "What is 12 times 12?",
+    "Name a primary colour.", "What gas do plants take in?", "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?", "What is the largest planet?",
+    "How many days are in a leap year?", "What is the chemical symbol for gold?",
+    "What language is spoken in Brazil?", "What is the square root of 81?",
+    "Which ocean is the largest?", "What is the freezing point of water in Fahrenheit?",
+    "How many continents are there?", "What do bees make?",
+]
+
+
+def start_server(settings: Settings, backend: LocalBackend) -> tuple[Running, asyncio.AbstractEventLoop]:
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    def started(r: Running) -> None:
+        box["r"], box["loop"] = r, asyncio.get_running_loop()
+        ready.set()
+
+    threading.Thread(target=lambda: asyncio.run(serve(settings, backend=backend, quiet=True, started=started)),
+                     daemon=True).start()
+    if not ready.wait(600):
+        raise SystemExit("the server did not start")
+    return box["r"], box["loop"]
+
+
+class Load:
+    """Background work on the server's loop until stopped; counts what it got done."""
+
+    def __init__(self, backend: LocalBackend, probes: list[list[int]], batch: list[Datum]) -> None:
+        self.backend, self.probes, self.batch = backend, probes, batch
+        self.stop = asyncio.Event()
+        self.tokens = self.steps = 0
+        self.step_seconds: list[float] = []
+
+    async def sampling(self) -> None:
+        params = SamplingParams(max_tokens=48, temperature=0.7)
+        while not self.stop.is_set():
+            outs = await asyncio.gather(*(self.backend.sample(p, params, priority="background") for p in self.probes))
+            self.tokens += sum(len(c.tokens) for [c] in outs)
+
+    async def training(self) -> None:
+        while not self.stop.is_set():
+            m = await self.backend.train_step(self.batch, LossSpec(topk=20), OptimSpec(learning_rate=0.0))
+            self.steps += 1
+            self.step_seconds.append(m.seconds)
+
+
+def training_batch(samples: int = 8) -> list[Datum]:
+    """Samples like the learner's (120-250 tokens, half of them completion), each distilled from
+    a teacher prompt as long as its prompt: random ids (speed does not depend on them)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(samples):
+        tokens = 120 + (130 * i) // (samples - 1)
+        ids = torch.randint(100, 40000, (tokens,), generator=g).tolist()
+        half = tokens // 2
+        out.append(Datum(tuple(ids[:half]), tuple(ids[half:]), (-2.0,) * (tokens - half), (0.5,) * (tokens - half),
+                         teacher_prompt_ids=tuple(ids[:half])))
+    return out
+
+
+def train_alone() -> None:
+    """The split's trainer: the same steps on its own engine and one torch thread, a line per step."""
+    engine = Engine(models.resolve(models.EMBEDDED), data_dir=Path(tempfile.mkdtemp(prefix="user-first-trainer-")),
+                    dtype=precision.resolve("auto", "cpu"), threads=1)
+    engine.start()
+    batch = training_batch()
+    print("ready", flush=True)
+    while True:
+        m = asyncio.run(engine.train_step(batch, LossSpec(topk=20), OptimSpec(learning_rate=0.0)))
+        print(f"step {m.seconds:.3f}", flush=True)
+
+
+class Trainer:
+    """`train_alone` in a second process, while the server computes on one thread."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--trainer"], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the trainer process did not start")
+
+    def stop(self) -> tuple[int, list[float]]:
+        """(steps done, their seconds)."""
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=60)
+        seconds = [float(line.split()[1]) for line in out.splitlines() if line.startswith("step ")]
+        return len(seconds), seconds
+
+
+def engine_threads(engine: Engine, loop: asyncio.AbstractEventLoop, n: int) -> None:
+    """torch's intra-op threads of the engine's own thread (set per thread once it computes)."""
+    asyncio.run_coroutine_threadsafe(engine._call(torch.set_num_threads, n), loop).result(600)
+
+
+def ask(client: openai.OpenAI, model: str) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": USER_PROMPT}],
+                                       max_tokens=16, temperature=0,
+                                       extra_headers={"X-Train": "false", "X-Session-Done": "true"})
+    return time.perf_counter() - t0, r.usage.completion_tokens if r.usage else 0
+
+
+def measure(client: openai.OpenAI, model: str, n: int, rng: random.Random) -> list[float]:
+    """`n` requests' seconds; one the client gave up on counts as its timeout (a lower bound)."""
+    out = []
+    for _ in range(n):
+        time.sleep(rng.uniform(0.2, 1.0))  # arrive at any point of the background's cycle
+        try:
+            seconds, tokens = ask(client, model)
+        except openai.APITimeoutError:
+            seconds, tokens = client.timeout, 16  # type: ignore[assignment]
+            print(f"  (given up after {seconds:.0f} s)")
+        if tokens != 16:
+            print(f"  (an answer of {tokens} tokens)")
+        out.append(seconds)
+    return out
+
+
+def p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=12, help="user requests per condition, mode and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=120, help="seconds a request is waited for (counted as that)")
+    ap.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)  # the split's training process
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if args.trainer:
+        return train_alone()
+    settings = Settings(model=models.EMBEDDED, data_dir=Path(tempfile.mkdtemp(prefix="user-first-")), port=0,
+                        train=False)
+    backend = LocalBackend.from_settings(settings)
+    running, loop = start_server(settings, backend)
+    renderer = Renderer(backend.tokenizer())
+    probes = [renderer.render([{"role": "user", "content": q}]) for q in PROBES]
+    client = openai.OpenAI(base_url=f"{running.base_url}/v1", api_key="unused", timeout=args.timeout, max_retries=0)
+    model, rng, engine = backend.model_name, random.Random(0), backend.engine
+    for _ in range(3):
+        ask(client, model)  # warm up
+    load_before = os.getloadavg()[0]
+    # condition -> its modes: (name, user_first, pausing background rows, split training off to a process)
+    plan = {"idle": [("off", False, True, False), ("on", True, True, False)],
+            "sampling": [("off", False, True, False), ("on", True, True, False), ("on-nopause", True, False, False)],
+            "training": [("off", False, True, False), ("on", True, True, False), ("split", True, True, True)]}
+    pause, threads = engine._pause, torch.get_num_threads()
+    lat: dict[str, list[float]] = {}
+    work: dict[str, dict[str, float]] = {}
+    for rnd in range(args.rounds):
+        for condition, modes in plan.items():
+            for name, user_first, pausing, split in (modes if rnd % 2 == 0 else modes[::-1]):
+                engine.user_first = user_first
+                engine._pause = pause if pausing else (lambda: None)  # type: ignore[method-assign]
+                load = Load(backend, probes, training_batch())
+                trainer = Trainer() if split else None
+                task = None if condition == "idle" or split else asyncio.run_coroutine_threadsafe(
+                    getattr(load, condition)(), loop)
+                if split:
+                    engine_threads(engine, loop, 1)
+                time.sleep(0.5 if task else 0)
+                key = f"{condition}/{name}"
+                t0 = time.perf_counter()
+                lat.setdefault(key, []).extend(measure(client, model, args.requests, rng))
+                seconds = time.perf_counter() - t0
+                if task is not None:
+                    loop.call_soon_threadsafe(load.stop.set)
+                    task.result(600)
+                if trainer is not None:
+                    load.steps, load.step_seconds = trainer.stop()
+                    engine_threads(engine, loop, threads)
+                w = work.setdefault(key, {"seconds": 0.0, "background_tokens": 0, "steps": 0, "step_s": 0.0})
+                w["seconds"] += seconds
+                w["background_tokens"] += load.tokens
+                w["steps"] += load.steps
+                w["step_s"] = statistics.median(load.step_seconds) if load.step_seconds else w["step_s"]
+                print(f"round {rnd} {key}: " + " ".join(f"{x:.2f}" for x in lat[key][-args.requests:]), flush=True)
+    running.server.should_exit = True
+    loads = (load_before, os.getloadavg()[0])
+    print(f"\n{backend.dtype}, {threads} threads; load average {loads[0]:.1f} before, {loads[1]:.1f} after "
+          f"(this run's own work included)")
+    rows = {}
+    print(f"{'condition/mode':24s} {'p50 s':>7s} {'p95 s':>7s} {'p50/idle':>9s} {'p95/idle':>9s}  background")
+    for key, xs in lat.items():
+        idle = lat["idle/off" if key.endswith("/off") else "idle/on"]
+        w = work[key]
+        rows[key] = {"p50": statistics.median(xs), "p95": p95(xs), "n": len(xs), "p50_ratio": statistics.median(xs) / statistics.median(idle),
+                     "p95_ratio": p95(xs) / p95(idle), "background_tokens_per_s": w["background_tokens"] / w["seconds"],
+                     "steps_per_min": 60 * w["steps"] / w["seconds"], "step_seconds": w["step_s"]}
+        r = rows[key]
+        extra = (f"{r['background_tokens_per_s']:.0f} tok/s" if key.startswith("sampling") else
+                 f"{r['steps_per_min']:.1f} steps/min, a step {r['step_seconds']:.1f} s" if key.startswith("training") else "")
+        print(f"{key:24s} {r['p50']:7.2f} {r['p95']:7.2f} {r['p50_ratio']:9.2f} {r['p95_ratio']:9.2f}  {extra}")
+    if args.json:
+        args.json.write_text(json.dumps({"dtype": backend.dtype, "threads": threads, "load": loads,
+                                         "requests": args.requests, "rounds": args.rounds, "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

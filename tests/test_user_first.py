@@ -1,0 +1,129 @@
+"""The user first (docs/engine.md#the-user-first), on the real engine with the tiny model: a
+user's request goes ahead of background sampling already queued or running, a background row
+paused for it resumes with the tokens it draws alone, a train step waits between micro-batches
+while a user's request runs, and a request over HTTP is a user's. Each fails with the engine's
+`user_first` off (arrival order)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from clawbridge.backends.local import LocalBackend
+from clawbridge.config import Settings
+from clawbridge.server import build_backend
+from clawbridge.types import Datum, LossSpec, OptimSpec, SamplingParams
+from live_server import LiveServer
+
+PROMPT = (1, 520, 3121, 28, 1830, 446, 17, 905)
+LONG = SamplingParams(max_tokens=120, temperature=0.8, seed=11, stop_token_ids=())
+SHORT = SamplingParams(max_tokens=4, seed=3)
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    before = torch.get_num_threads()  # the engine's setting is process-wide: restored
+    yield
+    torch.set_num_threads(before)
+
+
+def started(tmp_path: Path, **kw: Any) -> LocalBackend:
+    backend = LocalBackend("tiny-random", tmp_path, lora_rank=4, lora_alpha=4, threads=1, **kw)
+    backend.engine.start()
+    return backend
+
+
+async def in_order_of_finishing(named: dict[str, Awaitable[Any]]) -> tuple[list[str], dict[str, Any]]:
+    """Start `named`'s awaitables in turn (each queued after the one before); the names in the
+    order they finish, and their results."""
+    order: list[str] = []
+    results: dict[str, Any] = {}
+
+    async def run(name: str, work: Awaitable[Any]) -> None:
+        results[name] = await work
+        order.append(name)
+
+    tasks = []
+    for name, work in named.items():
+        tasks.append(asyncio.ensure_future(run(name, work)))
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*tasks)
+    return order, results
+
+
+async def test_a_users_request_sent_after_background_ones_finishes_before_them(tmp_path, threads) -> None:
+    """Four rows, all taken by background requests and four more waiting: the user's request,
+    sent last, is admitted at the next step (a background row paused for it) and done first."""
+    backend = started(tmp_path, max_batch=4)
+    try:
+        background = {f"b{i}": backend.sample(PROMPT, LONG, priority="background") for i in range(8)}
+        order, _ = await in_order_of_finishing({**background, "user": backend.sample(PROMPT, SHORT)})
+        assert order[0] == "user"
+    finally:
+        backend.engine.close()
+
+
+async def test_a_paused_background_request_resumes_with_the_tokens_it_draws_alone(tmp_path, threads) -> None:
+    """One row: the user's request runs only by pausing the background one, which then resumes
+    from its prompt and what it drew (one prefill) as if it had never stopped."""
+    backend = started(tmp_path, max_batch=1)
+    try:
+        (alone,) = await backend.sample(PROMPT, LONG, priority="background")
+        order, results = await in_order_of_finishing(
+            {"background": backend.sample(PROMPT, LONG, priority="background"), "user": backend.sample(PROMPT, SHORT)}
+        )
+        assert order == ["user", "background"]
+        (resumed,) = results["background"]
+        assert resumed.tokens == alone.tokens
+        assert max(abs(a - b) for a, b in zip(resumed.logprobs, alone.logprobs, strict=True)) < 1e-4
+    finally:
+        backend.engine.close()
+
+
+async def test_a_train_step_waits_between_micro_batches_while_a_users_request_runs(tmp_path, threads) -> None:
+    """A step of 80 micro-batches (one datum each): a user's request sent while it trains is
+    answered before the step ends, and the step's result is the step's alone."""
+    backend = started(tmp_path, train_token_budget=16)
+    try:
+        (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=8, seed=1, stop_token_ids=()))
+        batch = [Datum(PROMPT, c.tokens, c.logprobs, (0.5,) * len(c.tokens))] * 80
+        order, results = await in_order_of_finishing(
+            {"step": backend.train_step(batch, LossSpec(), OptimSpec(learning_rate=0.0)),
+             "user": backend.sample(PROMPT, SHORT)}
+        )
+        assert order == ["user", "step"]
+        assert results["step"].samples == 80
+    finally:
+        backend.engine.close()
+
+
+def test_a_request_over_http_goes_ahead_of_background_sampling(tmp_path, threads) -> None:
+    """The serving path is a user's: with one row taken by the learner's sampling and more of it
+    waiting, a chat completion is answered first."""
+    settings = Settings(model="tiny-random", port=0, data_dir=tmp_path, train=False, engine_max_batch=1)
+    backend = build_backend(settings)
+    server = LiveServer(settings, backend).start()
+    longer = SamplingParams(max_tokens=400, temperature=0.8, seed=11, stop_token_ids=())
+
+    async def go() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+        def chat() -> Awaitable[Any]:
+            return client.chat.completions.create(
+                model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+
+        await chat()  # the server's first request pays for what is built once
+        background = {f"b{i}": backend.sample(PROMPT, longer, priority="background") for i in range(3)}
+        order, _ = await in_order_of_finishing({**background, "user": chat()})
+        await client.close()
+        return order
+
+    try:
+        assert asyncio.run(go())[0] == "user"
+    finally:
+        server.stop()
