@@ -105,7 +105,8 @@ class Twin:
         if key not in self._answers:
             plain = self.renderer.render(messages, tools)
             asked = self.renderer.render(instructed(messages, instruction), tools)
-            drawn = [c for c in await self.backend.sample(asked, self.params, n=self.samples, version=0) if c.tokens]
+            drawn = [c for c in await self.backend.sample(asked, self.params, n=self.samples, version=0, priority="background")
+                     if c.tokens]
             base = await asyncio.gather(*(self.backend.score(plain, c.tokens, model="base", temperature=self.params.temperature)
                                           for c in drawn))
             self._answers[key] = [(plain, c, b) for c, b in zip(drawn, base, strict=True)]
