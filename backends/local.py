@@ -56,6 +56,7 @@ class LocalBackend(Routing):
         static_cache: bool = False,
         prefix_cache_mb: int = 2048,
         merge_adapters: bool = True,
+        adapter_memory_mb: float = 1024,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -81,6 +82,7 @@ class LocalBackend(Routing):
             static_cache=static_cache,
             prefix_cache_mb=prefix_cache_mb,
             merge_adapters=merge_adapters,
+            adapter_memory_mb=adapter_memory_mb,
         )
 
     @classmethod
@@ -97,6 +99,7 @@ class LocalBackend(Routing):
             engine_dtype=settings.engine.engine_dtype,
             max_batch=settings.engine.engine_max_batch,
             merge_adapters=settings.engine.engine_merge_adapters,
+            adapter_memory_mb=settings.engine.adapter_memory_mb,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]
@@ -122,9 +125,12 @@ class LocalBackend(Routing):
         *,
         n: int = 1,
         version: int | None = None,
+        adapter: str | None = None,
     ) -> list[Completion]:
+        """`adapter`: a key registered with `engine.register_adapter` instead of a version."""
         self._check_length(prompt_ids, params)
-        return await self.engine.sample(prompt_ids, params, n=n, version=self.route(version))
+        routed = None if adapter is not None else self.route(version)
+        return await self.engine.sample(prompt_ids, params, n=n, version=routed, adapter=adapter)
 
     async def sample_stream(
         self,
@@ -132,9 +138,11 @@ class LocalBackend(Routing):
         params: SamplingParams,
         *,
         version: int | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params)
-        async for chunk in self.engine.sample_stream(prompt_ids, params, version=self.route(version)):
+        routed = None if adapter is not None else self.route(version)
+        async for chunk in self.engine.sample_stream(prompt_ids, params, version=routed, adapter=adapter):
             yield chunk
 
     async def score(

@@ -200,6 +200,7 @@ class EngineSettings(_Section):
     engine_max_batch: int = Field(16, ge=1, le=256, description="Requests decoded together (more wait their turn): more rows raise throughput but slow each stream, and an agent's long prompts hold that many rows of KV (docs/engine.md).")
     engine_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="On a CPU, the arithmetic of the base model's matmuls: bf16 (bf16 linear weights in an fp32 model: faster, with scores close to but not bit-equal to the sampled logprobs), fp32 (exact logprobs), or auto, bf16 where the CPU multiplies bf16 natively (docs/engine.md).")
     engine_merge_adapters: bool = Field(True, description="On a CPU in bf16, a forward whose rows all run on one served version uses that adapter merged into the bf16 weights instead of the base weights plus LoRA products, for a faster decode at a slightly larger logprob error (docs/engine.md); false: always the base weights plus the adapter.")
+    adapter_memory_mb: int = Field(1024, ge=0, description="Memory for registered LoRA adapters served beside the engine's own versions (requests that name an adapter): beyond it the least recently used is evicted to the data directory's adapter-cache and read back on its next request (docs/engine.md).")
 
 
 class CloudSettings(_Section):

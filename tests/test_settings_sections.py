@@ -145,7 +145,7 @@ def test_the_built_in_scenarios_train_with_the_settings_they_always_had():
     built["concise_opd_rounds7_seed3"] = _flat(demo_settings(sc, Path("demo-data"), model="tiny-random", seed=3,
                                                              method="opd"))
     added = {k: _flat(Settings())[k] for k in set(_flat(Settings())) - set(golden["concise"])}
-    assert set(added) == {"spool_dir", "spool_max_mb", "spool_full", "store_write_timeout_s"}  # settings added since
+    assert set(added) == {"spool_dir", "spool_max_mb", "spool_full", "store_write_timeout_s", "adapter_memory_mb"}  # settings added since
     for name, want in golden.items():
         got = built[name]
         assert {k: got.get(k) for k in want} == want, name
