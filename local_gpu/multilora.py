@@ -35,25 +35,25 @@ def single_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
     return F.linear(F.linear(x, a), b) * scale
 
 
-Gathered = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Gathered = tuple[torch.Tensor, torch.Tensor]
 
 
 def gather(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, index: torch.Tensor) -> Gathered:
     """Row i's adapter, slot `index[i]`, taken out of the stacks a [slots, rank, in], b [slots,
-    out, rank] and scale [slots]: ([n, in, rank], [n, rank, out], [n, 1, 1]), laid out for
-    `gathered_delta`'s batched products."""
+    out, rank] and scale [slots]: A as [n, in, rank] and scale·B as [n, rank, out], laid out for
+    `gathered_delta`'s batched products (the scale folded into the copy of B once)."""
     return (
         a.index_select(0, index).transpose(1, 2).contiguous(),
-        b.index_select(0, index).transpose(1, 2).contiguous(),
-        scale.index_select(0, index).view(-1, 1, 1),
+        (b.index_select(0, index) * scale.index_select(0, index).view(-1, 1, 1)).transpose(1, 2).contiguous(),
     )
 
 
-def gathered_delta(x: torch.Tensor, rows: Gathered) -> torch.Tensor:
+def gathered_delta(x: torch.Tensor, rows: Gathered, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row through its own gathered adapter in one batched product per factor (as Punica's
-    kernels do): x [n, L, in] -> [n, L, out]."""
-    a, b, scale = rows
-    return torch.bmm(torch.bmm(x, a), b) * scale
+    kernels do): x [n, L, in] -> [n, L, out]; with `out`, `out` plus it in one kernel."""
+    a, b = rows
+    h = torch.bmm(x, a)
+    return torch.bmm(h, b) if out is None else torch.baddbmm(out, h, b)
 
 
 def grouped_delta(
@@ -217,6 +217,8 @@ class AdapterStack:
             if self.strategy == "gather":
                 if i not in plan.gathered:
                     plan.gathered[i] = gather(a, b, self.scale, plan.index)
+                if plan.live is None and output.dtype == self.dtype:
+                    return gathered_delta(rows, plan.gathered[i], output)
                 delta = gathered_delta(rows, plan.gathered[i])
             else:
                 delta = grouped_delta(rows, a, b, self.scales, plan.runs)

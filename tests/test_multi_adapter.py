@@ -76,6 +76,8 @@ def test_gathered_and_grouped_deltas_are_each_rows_own_adapters_product() -> Non
     expected = torch.stack([single_delta(x[i : i + 1], a[s], b[s], float(scale[s]))[0] for i, s in enumerate(slots)])
     plan = Plan.of(slots)
     assert torch.allclose(gathered_delta(x, gather(a, b, scale, plan.index)), expected, atol=1e-5)
+    base = torch.randn(4, 2, 5, generator=gen)
+    assert torch.allclose(gathered_delta(x, gather(a, b, scale, plan.index), base), base + expected, atol=1e-5)
     assert torch.allclose(grouped_delta(x, a, b, scale.tolist(), plan.runs), expected, atol=1e-5)
     assert runs_of([2, 2, 0, 2]) == ((0, 2, 2), (2, 3, 0), (3, 4, 2))
 
