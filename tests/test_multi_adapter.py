@@ -118,7 +118,7 @@ async def test_rows_on_different_adapters_in_one_batch_get_their_solo_logprobs(
         assert close(solo, mixed)
 
 
-async def test_a_registered_adapter_serves_as_the_same_weights_published_as_a_version(
+async def test_a_registered_adapter_serves_as_the_same_weights_published_as_a_version_and_beside_one(
     tmp_path: Path, shapes: dict[str, torch.Tensor]
 ) -> None:
     backend = _backend(tmp_path / "engine")
@@ -132,6 +132,11 @@ async def test_a_registered_adapter_serves_as_the_same_weights_published_as_a_ve
         as_version = await one(backend, None)
         assert as_version.version == 1
         assert close(await one(backend, "from-folder"), as_version, tolerance=1e-5)
+        # a version's row (PEFT's layers) and a registered adapter's row in one batch
+        await backend.engine.register_adapter("other", random_adapter(shapes, 8))
+        other = await one(backend, "other")
+        together = await asyncio.gather(one(backend, None), one(backend, "other"))
+        assert close(together[0], as_version) and close(together[1], other)
     finally:
         backend.engine.close()
 
