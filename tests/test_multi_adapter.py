@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from clawbridge.backends.local import LocalBackend
-from clawbridge.local_gpu import adapters
+from clawbridge.local_gpu import adapters, models
+from clawbridge.local_gpu.engine import Engine
 from clawbridge.local_gpu.multilora import (
     NONE,
     Plan,
@@ -230,5 +231,29 @@ async def test_an_adapter_a_running_request_uses_is_never_evicted(
         assert tokens == solo_a.tokens and logprobs == pytest.approx(solo_a.logprobs, abs=1e-4)
         assert close(await asyncio.wait_for(waiting, 30), solo_b)
         assert engine.adapter_stats().resident_keys == ("b",)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("kind", ["static", "bucketed"])
+async def test_rows_on_different_adapters_in_the_slotted_cache_get_their_solo_logprobs(
+    tmp_path: Path, shapes: dict[str, torch.Tensor], kind: str
+) -> None:
+    """The static cache, and its CUDA-graph shapes run eagerly on a CPU (free rows ride along)."""
+    engine = Engine(models.resolve(models.TINY), data_dir=tmp_path, lora_rank=8, lora_alpha=8, threads=1,
+                    static_cache=True, cuda_graphs=kind == "bucketed")
+    engine.start()
+    try:
+        await engine.register_adapter("a", random_adapter(shapes, 1))
+        await engine.register_adapter("b", random_adapter(shapes, 2))
+        jobs = [("a", PROMPT), ("b", OTHER), (None, PROMPT)]
+
+        async def run(key: str | None, prompt: tuple[int, ...]) -> Completion:
+            return (await engine.sample(prompt, GREEDY, adapter=key))[0]
+
+        alone = [await run(key, prompt) for key, prompt in jobs]
+        together = await asyncio.gather(*(run(key, prompt) for key, prompt in jobs))
+        for solo, mixed in zip(alone, together, strict=True):
+            assert close(solo, mixed)
     finally:
         engine.close()
