@@ -57,6 +57,7 @@ class LocalBackend(Routing):
         prefix_cache_mb: int = 2048,
         merge_adapters: bool = True,
         user_first: bool = True,
+        adapter_memory_mb: float = 1024,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -83,6 +84,7 @@ class LocalBackend(Routing):
             prefix_cache_mb=prefix_cache_mb,
             merge_adapters=merge_adapters,
             user_first=user_first,
+            adapter_memory_mb=adapter_memory_mb,
         )
 
     @classmethod
@@ -100,6 +102,7 @@ class LocalBackend(Routing):
             max_batch=settings.engine.engine_max_batch,
             merge_adapters=settings.engine.engine_merge_adapters,
             user_first=settings.engine.engine_user_first,
+            adapter_memory_mb=settings.engine.adapter_memory_mb,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]
@@ -126,9 +129,12 @@ class LocalBackend(Routing):
         n: int = 1,
         version: int | None = None,
         priority: Priority = "user",
+        adapter: str | None = None,
     ) -> list[Completion]:
+        """`adapter`: a key registered with `engine.register_adapter` instead of a version."""
         self._check_length(prompt_ids, params)
-        return await self.engine.sample(prompt_ids, params, n=n, version=self.route(version), priority=priority)
+        routed = None if adapter is not None else self.route(version)
+        return await self.engine.sample(prompt_ids, params, n=n, version=routed, priority=priority, adapter=adapter)
 
     async def sample_stream(
         self,
@@ -137,10 +143,12 @@ class LocalBackend(Routing):
         *,
         version: int | None = None,
         priority: Priority = "user",
+        adapter: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params)
-        async for chunk in self.engine.sample_stream(prompt_ids, params, version=self.route(version),
-                                                     priority=priority):
+        routed = None if adapter is not None else self.route(version)
+        async for chunk in self.engine.sample_stream(prompt_ids, params, version=routed, priority=priority,
+                                                     adapter=adapter):
             yield chunk
 
     async def score(

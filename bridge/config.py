@@ -206,6 +206,7 @@ class EngineSettings(_Section):
     engine_dtype: Literal["auto", "bf16", "fp32"] = Field("auto", description="On a CPU, the arithmetic of the base model's matmuls: bf16 (bf16 linear weights in an fp32 model: faster, with scores close to but not bit-equal to the sampled logprobs), fp32 (exact logprobs), or auto, bf16 where the CPU multiplies bf16 natively (docs/engine.md).")
     engine_merge_adapters: bool = Field(True, description="On a CPU in bf16, a forward whose rows all run on one served version uses that adapter merged into the bf16 weights instead of the base weights plus LoRA products, for a faster decode at a slightly larger logprob error (docs/engine.md); false: always the base weights plus the adapter.")
     engine_user_first: bool = Field(True, description="A user's request goes ahead of the learner's own work on the engine it shares: admitted before background sampling (a background row paused when the batch is full), no background job started while it runs, a training step paused between micro-batches (docs/engine.md#the-user-first); false: every request and job in arrival order.")
+    adapter_memory_mb: int = Field(1024, ge=0, description="Memory for registered LoRA adapters served beside the engine's own versions (requests that name an adapter): beyond it the least recently used is evicted to the data directory's adapter-cache and read back on its next request (docs/engine.md).")
 
 
 class CloudSettings(_Section):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from clawbridge.local_gpu.kvbatch import KVBatch
 from clawbridge.local_gpu.kvcache import cache_of
 from clawbridge.local_gpu.prefill import prefill
 from clawbridge.local_gpu.prefixcache import PrefixCache
+from clawbridge.local_gpu.registry import AdapterMemoryFull, is_row
 from clawbridge.local_gpu.sampling import Draw, draw_token, draw_tokens, needs_uniform
 from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.protocol import Priority
@@ -38,7 +40,9 @@ class _Seq:
     generator: torch.Generator
     stop_ids: frozenset[int]
     priority: Priority = "user"
+    adapter: str | None = None  # a registered adapter's key (None: a version of the engine's own)
     version: int = -1  # set (and held) from its admission on, also while paused
+    row: str = ""  # the adapter name the row runs with (`_forward`), set at admission
     tokens: list[int] = field(default_factory=list)
     text_checked: int = 0
     cancelled: bool = False
@@ -48,6 +52,11 @@ class _Seq:
         """What a prefill computes: the prompt, and the tokens drawn before a pause (the
         scheduler pauses a background row for a user's request; it resumes from here)."""
         return self.prompt + tuple(self.tokens) if self.tokens else self.prompt
+
+    @property
+    def owner(self) -> int | str:
+        """Whose prefix-cache entries the row may reuse: its version's, or its adapter's."""
+        return self.version if self.adapter is None else self.row
 
 
 @dataclass(frozen=True)
@@ -63,15 +72,15 @@ class Decoding:
     context_length: int
     device: str
     tokenizer: Any
+    _waiting: deque[_Seq]
     _active: list[_Seq]
     _batch: KVBatch | SlotBatch
     _prefixes: PrefixCache
     _abandonable: Callable[[], AbstractContextManager[None]]
     _forward: Callable[..., Any]
     _new_batch: Callable[[], KVBatch | SlotBatch]
-    _acquire: Callable[[int | None], int]
-    _release: Callable[[int], None]
-    _row: Callable[[int], str]
+    _lease: Callable[[_Seq], None]
+    _unlease: Callable[[_Seq], None]
     _admissions: Callable[[], list[_Seq]]
     _query_dtype: torch.dtype  # the attention's query dtype (the prefill's additive mask matches it)
 
@@ -79,17 +88,21 @@ class Decoding:
         """Admit the sequences the scheduler chose (`_admissions`) into the running batch,
         prefilled together per served version (`prefill.Prefill`)."""
         seqs: list[_Seq] = []
-        for seq in self._admissions():
-            if seq.version < 0:  # a paused sequence holds its version still
+        chosen = self._admissions()
+        for k, seq in enumerate(chosen):
+            if seq.version < 0:  # a paused sequence holds its version (or its adapter's slot) still
                 try:
-                    seq.version = self._acquire(seq.requested_version)
+                    self._lease(seq)
+                except AdapterMemoryFull:  # every slot serves a running row: wait for one to end
+                    self._waiting.extendleft(reversed(chosen[k:]))
+                    break
                 except BaseException as exc:
                     seq.emit(exc)
                     continue
             seqs.append(seq)
         groups: dict[str, list[_Seq]] = {}
         for seq in seqs:
-            groups.setdefault(self._row(seq.version), []).append(seq)
+            groups.setdefault(seq.row, []).append(seq)
         for name, group in groups.items():
             self._prefill(name, group)
 
@@ -98,7 +111,7 @@ class Decoding:
         computed once), each continuing its longest prefix cached on that version; their
         caches kept for later prompts, each sequence's first token drawn, and the sequences
         that go on added to the running batch."""
-        version = seqs[0].version
+        owner = seqs[0].owner
         contexts = [seq.context for seq in seqs]  # before drawing: a draw extends `context`
         prompts: dict[tuple[int, ...], int] = {}
         for context in contexts:
@@ -107,7 +120,7 @@ class Decoding:
         tokens: list[int | None] = []
         try:
             with torch.inference_mode(), self._abandonable():
-                cached = [self._prefixes.lookup(version, p) if self._prefixes.budget else None for p in unique]
+                cached = [self._prefixes.lookup(owner, p) if self._prefixes.budget else None for p in unique]
                 layout = prefill(unique, cached, device=self.device, mask_dtype=self._query_dtype)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("prefill: %d prompts for %d requests, %d of %d prompt tokens cached",
@@ -117,7 +130,7 @@ class Decoding:
                 cache = cache_of(out)
                 # kept before the first token goes out: a caller that has it sees the entry
                 for i, p in enumerate(unique):
-                    self._prefixes.store(version, p, layout.row_cache(cache, i))
+                    self._prefixes.store(owner, p, layout.row_cache(cache, i))
                 logits = out.logits[:, -1]
                 for seq, context in zip(seqs, contexts, strict=True):
                     tokens.append(self._take(seq, logits[prompts[context]]))
@@ -126,20 +139,20 @@ class Decoding:
                     self._batch.add_rows(*layout.take(cache, rows), [t for t in tokens if t is not None])
         except BaseException as exc:
             for i, seq in enumerate(seqs):
-                self._release(seq.version)
+                self._unlease(seq)
                 if i >= len(tokens) or tokens[i] is not None:  # a finished one has had its end
                     seq.emit(exc)
             return
         for seq, token in zip(seqs, tokens, strict=True):
             if token is None:
-                self._release(seq.version)
+                self._unlease(seq)
             else:
                 self._active.append(seq)
 
     def _decode_step(self) -> None:
         try:
             with torch.inference_mode():
-                names = [self._row(s.version) for s in self._active]
+                names = [s.row for s in self._active]
                 if isinstance(self._batch, SlotBatch):
                     unique = set(names)
 
@@ -150,7 +163,9 @@ class Decoding:
                         rows = names + names[:1] * pad
                         return self._forward(rows, **inputs, use_cache=True).logits[:, -1]
 
-                    logits = self._batch.step(forward, unique.pop() if len(unique) == 1 else None)
+                    # a registered adapter's slot may be refilled with another: never captured
+                    one = unique.pop() if len(unique) == 1 else None
+                    logits = self._batch.step(forward, None if one is None or is_row(one) else one)
                 else:
                     logits = self._forward(
                         names, **self._batch.step_inputs(), use_cache=True
@@ -160,14 +175,14 @@ class Decoding:
             log.exception("decode step failed; failing %d requests", len(self._active))
             for seq in self._active:
                 seq.emit(exc)
-                self._release(seq.version)
+                self._unlease(seq)
             self._active, self._batch = [], self._new_batch()
             return
         self._batch.advance([t if t is not None else 0 for t in nexts])
         keep = [i for i, t in enumerate(nexts) if t is not None]
         for i, t in enumerate(nexts):
             if t is None:
-                self._release(self._active[i].version)
+                self._unlease(self._active[i])
         self._active = [self._active[i] for i in keep]
         with torch.inference_mode():
             self._batch.keep(keep)

@@ -20,14 +20,20 @@ vK while newer requests run on vK+1 in the same batch. A slot is freed once no r
 version and a newer version exists; an older version asked for by number is reloaded from its
 folder.
 
+Adapters. Besides its own lineage the engine serves registered LoRA adapters by key
+(`register_adapter`; a request names one with `adapter=`): rows on different adapters decode in
+one batch, each adding its own adapter's delta (`multilora`), and the adapters live in slots
+within `adapter_memory_mb`, the least recently used evicted to disk and read back on demand
+(`registry`).
+
 `rollback(K)` copies vK's folder (or, for v0, the initial adapter kept from start-up) into the
 trainable adapter, drops the optimizer, and publishes it as the next version.
 
 This file holds the engine's lifecycle and its async verbs; the scheduler thread's work lives
 beside it, one part per file, each mixed into `Engine`: `scheduling` (the loop, jobs, shutdown),
 `forwarding` (which adapter a forward runs on; abandoning a long forward on close), `decoding`
-(admission, prefill, decode steps, drawing tokens), `versions` (slots, publish, rollback),
-`training` (score, the train step, checkpoints).
+(admission, prefill, decode steps, drawing tokens), `adapterrows` (a row's version or registered
+adapter), `versions` (slots, publish, rollback), `training` (score, the train step, checkpoints).
 """
 
 from __future__ import annotations
@@ -40,17 +46,20 @@ import secrets
 import threading
 import warnings
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from clawbridge.local_gpu import adapters, models, precision
+from clawbridge.local_gpu.adapterrows import AdapterRows
 from clawbridge.local_gpu.adapters import TRAIN
 from clawbridge.local_gpu.decoding import Decoding, _Job, _Seq
 from clawbridge.local_gpu.forwarding import Forwarding
 from clawbridge.local_gpu.kvbatch import KVBatch
+from clawbridge.local_gpu.multilora import AdapterStack
 from clawbridge.local_gpu.prefixcache import PrefixCache
+from clawbridge.local_gpu.registry import AdapterRegistry, RegistryStats
 from clawbridge.local_gpu.scheduling import Scheduling
 from clawbridge.local_gpu.slotbatch import SlotBatch
 from clawbridge.local_gpu.training import Training
@@ -68,7 +77,7 @@ from clawbridge.types import (
 )
 
 
-class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
+class Engine(Scheduling, Forwarding, Decoding, AdapterRows, VersionSlots, Training):
     def __init__(
         self,
         spec: models.ModelSpec,
@@ -88,6 +97,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         prefix_cache_mb: int = 2048,
         merge_adapters: bool = True,
         user_first: bool = True,
+        adapter_memory_mb: float = 1024,
     ) -> None:
         self.spec = spec
         self.user_first = user_first  # a user's request ahead of background work (scheduling.py)
@@ -127,6 +137,9 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         self._active: list[_Seq] = []
         self._batch = self._new_batch()
         self._prefixes = PrefixCache(max(0, prefix_cache_mb) << 20)
+        self.adapter_memory_mb = adapter_memory_mb
+        self._stack: AdapterStack | None = None  # registered adapters' weights, in slots
+        self._registry: AdapterRegistry | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -182,8 +195,22 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         self._slots = adapters.Slots(self._model, TRAIN, self._lora_layers, self._trainable_active, upcast=upcast)
         self._slots.ensure_spare()  # the first publish fills it without creating LoRA layers
         self._adapter_config = adapters.config_json(self._model, TRAIN)
+        self._stack, self._registry = self._new_registry()
         self._thread = threading.Thread(target=self._run, name="clawbridge-engine", daemon=True)
         self._thread.start()
+
+    def _new_registry(self) -> tuple[AdapterStack, AdapterRegistry]:
+        """Slots for as many adapters of the engine's rank as `adapter_memory_mb` holds, in the
+        residual stream's dtype (fp32 on a CPU, as the serving slots)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = {n: m for n, m in self._model.named_modules() if isinstance(m, BaseTunerLayer)}
+        probe = AdapterStack(layers, rank=self.lora_rank, slots=0, dtype=self._query_dtype, device=self.device)
+        budget = int(max(0.0, self.adapter_memory_mb) * 2**20)
+        stack = AdapterStack(layers, rank=self.lora_rank, slots=budget // probe.slot_bytes,
+                             dtype=self._query_dtype, device=self.device)
+        cache = self.data_dir / "adapter-cache"
+        return stack, AdapterRegistry(stack, cache, default_alpha=self.lora_alpha, budget_bytes=budget)
 
     def close(self) -> None:
         if self._thread is None or self._closed:
@@ -210,6 +237,13 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         """The cached prompts' KV (read from another thread: a snapshot)."""
         return self._prefixes
 
+    def adapter_stats(self) -> RegistryStats:
+        """The registered adapters: how many, resident, in use, memory, loads and evictions (a
+        snapshot, read from another thread)."""
+        if self._registry is None:
+            raise BackendError("the engine is not started: call start() first")
+        return self._registry.stats()
+
     @property
     def loaded_versions(self) -> set[int]:
         """Published versions whose adapter is in memory."""
@@ -224,10 +258,16 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         *,
         version: int | None = None,
         priority: Priority = "user",
+        adapter: str | None = None,
     ) -> AsyncIterator[TokenChunk]:
+        """Stream a completion on `version` of the engine's own lineage (None: the newest), or on
+        the registered adapter `adapter` (its chunks report the version it was registered with)."""
+        if adapter is not None and version is not None:
+            raise ValueError("a request names a version or an adapter, not both")
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
         seq = self._new_seq(prompt_ids, params, version, priority, loop, chunks)
+        seq.adapter = adapter
         self._put(seq)
         try:
             while True:
@@ -248,6 +288,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         n: int = 1,
         version: int | None = None,
         priority: Priority = "user",
+        adapter: str | None = None,
     ) -> list[Completion]:
         def nth(i: int) -> SamplingParams:
             if params.seed is None or i == 0:
@@ -257,7 +298,7 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         return list(
             await asyncio.gather(
                 *(
-                    collect(self.sample_stream(prompt_ids, nth(i), version=version, priority=priority))
+                    collect(self.sample_stream(prompt_ids, nth(i), version=version, priority=priority, adapter=adapter))
                     for i in range(n)
                 )
             )
@@ -298,6 +339,29 @@ class Engine(Scheduling, Forwarding, Decoding, VersionSlots, Training):
         published, persisted = await self._call(self._blend, version, alpha)
         await asyncio.wrap_future(persisted)
         return published
+
+    async def register_adapter(
+        self,
+        key: str,
+        source: Mapping[str, torch.Tensor] | Path,
+        *,
+        version: int = 0,
+        alpha: float | None = None,
+    ) -> None:
+        """Serve `source` (LoRA weights keyed as PEFT saves them, or a PEFT adapter folder or
+        safetensors file) to requests that name `key`. Its scale is alpha / rank (alpha: the
+        argument, a folder's adapter_config.json, else the engine's `lora_alpha`). Registering a
+        key again replaces it (`AdapterInUse` while a request runs on it)."""
+        await self._call(self._register_adapter, key, source, version, alpha)
+
+    async def evict_adapter(self, key: str) -> bool:
+        """Free `key`'s memory now (it comes back from disk on its next request); False when it
+        was not resident, `AdapterInUse` while a request runs on it."""
+        return bool(await self._call(self._evict_adapter, key))
+
+    async def remove_adapter(self, key: str) -> None:
+        """Forget `key` (`AdapterInUse` while a request runs on it)."""
+        await self._call(self._remove_adapter, key)
 
     async def save_state(self, name: str) -> str:
         return await self._call(self._save_state, name)

@@ -1,6 +1,7 @@
 """The engine's forwards, on the scheduler thread: which adapter the LoRA layers point at for a
-forward (one shared adapter, or PEFT's mixed batch with one per row), and long forwards that a
-closing engine abandons between two decoder layers (`EngineClosing`)."""
+forward (one shared adapter, or PEFT's mixed batch with one per row; rows on registered adapters
+add their deltas from the stack, `multilora`), and long forwards that a closing engine abandons
+between two decoder layers (`EngineClosing`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from clawbridge.local_gpu import precision
 from clawbridge.local_gpu.adapters import BASE, STALE
+from clawbridge.local_gpu.multilora import AdapterStack
+from clawbridge.local_gpu.registry import is_row
 from clawbridge.protocol import BackendError
 
 
@@ -30,6 +33,8 @@ class Forwarding:
     _trainable_active: list[Any]
     _pointed: str | None
     _merged: precision.MergedAdapters | None
+    _stack: AdapterStack | None
+    _slots_of: Callable[[list[str]], list[int] | None]
 
     @contextlib.contextmanager
     def _abandonable(self) -> Iterator[None]:
@@ -64,10 +69,20 @@ class Forwarding:
         Rows on several adapters take PEFT's mixed-batch path. When every row shares one (the
         usual case: everyone on the newest version), the LoRA layers are pointed at it for this
         forward instead: the mixed-batch path (per-layer gathers and scatters, hooks on every
-        module) costs far more than a plain forward."""
+        module) costs far more than a plain forward.
+
+        Rows on registered adapters (`registry.ROW` names) run on the base weights here, and the
+        stack's hooks add each one's own delta (`multilora`): one forward whatever the mix."""
+        slots = None if names is None else self._slots_of(list(names))
+        if self._stack is not None and slots is not None:
+            self._stack.engage(slots)
+        elif self._stack is not None:
+            self._stack.disengage()
         if names is None:
             self._point_at(None)
             return self._model(**inputs)
+        if slots is not None:
+            names = [BASE if is_row(n) else n for n in names]
         unique = set(names)
         if len(unique) > 1:
             if self._merged is not None and self._merged.in_place is not None:

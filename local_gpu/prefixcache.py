@@ -10,10 +10,12 @@ import torch
 from clawbridge.local_gpu.kvcache import layers_of
 from transformers import DynamicCache
 
+Owner = int | str  # a served version, or a registered adapter's row name
+
 
 @dataclass(eq=False)
 class _Prefix:
-    version: int
+    version: Owner
     tokens: tuple[int, ...]
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, kv_heads, len(tokens), dim]
     nbytes: int
@@ -31,9 +33,10 @@ class PrefixCache:
     """The KV of recent prompts, so a prompt that shares a prefix with one of them prefills only
     the rest. Least recently used first out, bounded by `budget` bytes (0: off).
 
-    An entry belongs to one served version: its keys were computed through that version's
-    adapter, so only requests on the same version reuse it, and the engine drops a version's
-    entries once the version is no longer served (`keep_versions`). Entries hold the prefill's own
+    An entry belongs to one served version (or one registered adapter, keyed by its row name):
+    its keys were computed through that adapter, so only requests on the same one reuse it, and
+    the engine drops a version's entries once the version is no longer served (`keep_versions`),
+    an adapter's when its weights are replaced or removed (`drop_owner`). Entries hold the prefill's own
     tensors, never written in place afterwards (a dynamic cache grows by concatenation; the slotted
     cache copies them), so storing costs no copy."""
 
@@ -47,11 +50,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def versions(self) -> list[int]:
+    def versions(self) -> list[Owner]:
         """The version of each entry, least recently used first."""
         return [entry.version for entry in self._entries.values()]
 
-    def lookup(self, version: int, prompt: tuple[int, ...]) -> DynamicCache | None:
+    def lookup(self, version: Owner, prompt: tuple[int, ...]) -> DynamicCache | None:
         """A cache holding the longest cached prefix of `prompt` on `version`, at most all but
         the prompt's last token (whose logits the prefill must produce); None when nothing is
         shared."""
@@ -71,7 +74,7 @@ class PrefixCache:
             ddp_cache_data=[(k[:, :, :best_len], v[:, :, :best_len]) for k, v in layers]
         )
 
-    def store(self, version: int, prompt: tuple[int, ...], cache: DynamicCache) -> None:
+    def store(self, version: Owner, prompt: tuple[int, ...], cache: DynamicCache) -> None:
         """Keep `prompt`'s KV (the cache holds exactly its positions). Entries it extends are
         dropped (it serves every request they would), then the oldest until it fits."""
         if not self.budget:
@@ -90,9 +93,15 @@ class PrefixCache:
         self.used += nbytes
 
     def keep_versions(self, versions: set[int]) -> None:
-        """Drop the entries of every version not in `versions`."""
+        """Drop the entries of every version not in `versions` (registered adapters' stay)."""
         for key, entry in list(self._entries.items()):
-            if entry.version not in versions:
+            if isinstance(entry.version, int) and entry.version not in versions:
+                self._drop(key)
+
+    def drop_owner(self, owner: Owner) -> None:
+        """Drop every entry of `owner`."""
+        for key, entry in list(self._entries.items()):
+            if entry.version == owner:
                 self._drop(key)
 
     def clear(self) -> None:

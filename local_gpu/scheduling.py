@@ -38,7 +38,7 @@ class Scheduling:
     _new_batch: Callable[[], KVBatch | SlotBatch]
     _admit: Callable[[], None]
     _decode_step: Callable[[], None]
-    _release: Callable[[int], None]
+    _unlease: Callable[[_Seq], None]
     _score: Callable[..., list[float]]
     _scores: Callable[..., list[list[float]]]
     _persisted: Callable[..., Any]
@@ -113,7 +113,7 @@ class Scheduling:
             return
         for seq in self._waiting:
             if seq.cancelled and seq.version >= 0:
-                self._release(seq.version)
+                self._unlease(seq)
         self._waiting = deque(s for s in self._waiting if not s.cancelled)
 
     def _pause(self) -> None:
