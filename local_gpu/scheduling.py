@@ -120,10 +120,17 @@ class Scheduling:
         """Free the rows of the background sequences running, at this step boundary. They wait
         at the head of the queue, holding their version, and resume later with one prefill of
         their prompt and what they drew (the prompt's KV is in the prefix cache): the completion
-        each draws uninterrupted (tests/test_user_first.py)."""
+        each draws uninterrupted (tests/test_user_first.py). A row on a registered adapter gives
+        its slot back while paused (a user's request may need it: holding it would wait for ever)
+        and takes it again when it resumes."""
         paused = [i for i, s in enumerate(self._active) if s.priority == "background"]
         if not paused:
             return
+        for i in paused:
+            seq = self._active[i]
+            if seq.adapter is not None:
+                self._unlease(seq)
+                seq.version = -1
         keep = [i for i in range(len(self._active)) if i not in paused]
         self._waiting.extendleft(reversed([self._active[i] for i in paused]))
         self._active = [self._active[i] for i in keep]

@@ -220,17 +220,19 @@ async def test_an_adapter_a_running_request_uses_is_never_evicted(
     long = SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=())
     try:
         solo_a, solo_b = await one(backend, "a", params=long), await one(backend, "b")
-        stream = backend.sample_stream(PROMPT, long, adapter="a")
+        # the learner's own sampling (background): an admin job runs beside it, and finds a in use
+        stream = backend.sample_stream(PROMPT, long, adapter="a", priority="background")
         first = await anext(stream)
         with pytest.raises(AdapterInUse):
             await engine.evict_adapter("a")
-        waiting = asyncio.ensure_future(one(backend, "b"))  # its slot is a's until a ends
+        # a user's request for b: the background row pauses and gives a's slot up, b runs, then
+        # a takes its slot back and goes on as it would have alone
+        assert close(await asyncio.wait_for(one(backend, "b"), 30), solo_b)
         rest = [chunk async for chunk in stream]
         tokens = first.tokens + tuple(t for c in rest for t in c.tokens)
         logprobs = first.logprobs + tuple(x for c in rest for x in c.logprobs)
         assert tokens == solo_a.tokens and logprobs == pytest.approx(solo_a.logprobs, abs=1e-4)
-        assert close(await asyncio.wait_for(waiting, 30), solo_b)
-        assert engine.adapter_stats().resident_keys == ("b",)
+        assert engine.adapter_stats().resident_keys == ("a",)
     finally:
         engine.close()
 
@@ -255,5 +257,26 @@ async def test_rows_on_different_adapters_in_the_slotted_cache_get_their_solo_lo
         together = await asyncio.gather(*(run(key, prompt) for key, prompt in jobs))
         for solo, mixed in zip(alone, together, strict=True):
             assert close(solo, mixed)
+    finally:
+        engine.close()
+
+
+async def test_a_users_request_waits_for_the_slot_another_users_request_holds(
+    tmp_path: Path, shapes: dict[str, torch.Tensor]
+) -> None:
+    """Two users' requests on two adapters with one slot: the second waits until the first ends
+    (a running user's row is never paused, its adapter never evicted); both answer as alone."""
+    backend = await _budget_of(1, tmp_path, shapes)
+    engine = backend.engine
+    long = SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=())
+    try:
+        solo_a, solo_b = await one(backend, "a", params=long), await one(backend, "b")
+        stream = backend.sample_stream(PROMPT, long, adapter="a")
+        first = await anext(stream)
+        waiting = asyncio.ensure_future(one(backend, "b"))  # a's slot is a's until a ends
+        rest = [chunk async for chunk in stream]
+        assert first.tokens + tuple(t for c in rest for t in c.tokens) == solo_a.tokens
+        assert close(await asyncio.wait_for(waiting, 30), solo_b)
+        assert engine.adapter_stats().resident_keys == ("b",)
     finally:
         engine.close()
