@@ -221,7 +221,9 @@ async def test_one_pass_settles_its_turns_together_each_with_its_own_rewrite(dat
             s = samples[t]
             assert s.hint and s.rewrite is not None
             again = await backend.score(s.prompt_ids, s.rewrite.ids, model="policy", temperature=1.0)
-            assert again == pytest.approx(s.rewrite.logprobs, abs=1e-4)
+            # scored alone here, beside the pass's other rewrites there: fp32 sums in another
+            # order differ in the fifth significant digit (seen: 1.06e-4 at -10.76), never more
+            assert again == pytest.approx(s.rewrite.logprobs, rel=1e-4, abs=1e-4)
     finally:
         await backend.close()
         store.close()
