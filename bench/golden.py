@@ -7,6 +7,10 @@ that must not change behaviour (a refactor) can be proved bit-identical.
     HF_HUB_OFFLINE=1 .venv/bin/python bench/golden.py replay RUN/data --model tiny-random --steps 3 --out B.json
     .venv/bin/python bench/golden.py compare A.json B.json
 
+`--scenario tools` replays a tools demo's run (`clawbridge demo --scenario tools --data-dir RUN/data`):
+its episodes' groups are settled again (their outcomes are what the agent reported, kept) and
+the steps trained from them.
+
 `replay` copies a run's data directory, forgets everything learned from it (samples, judgments,
 steps, versions after v0, the gate's and the trainer's records, adapters) and keeps what was
 captured (sessions, turns, next states); then it builds the learner's parts on the local backend
