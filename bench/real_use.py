@@ -191,9 +191,13 @@ class User:
         return time.monotonic() - t0
 
     async def status(self) -> dict[str, Any]:
+        """/v1/status, with the preferences' list (`/v1/preferences`: each with its state)."""
         r = await self.http.get("/v1/status")
         r.raise_for_status()
         body: dict[str, Any] = r.json()
+        p = await self.http.get("/v1/preferences")
+        if p.status_code == 200:  # a server without the route: no preferences to report
+            body["preferences"] = p.json().get("data", [])
         return body
 
     async def metrics(self) -> dict[str, float]:
