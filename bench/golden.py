@@ -143,68 +143,48 @@ def forget_learning(data_dir: Path) -> None:
 
 async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, seed: int,
                   overrides: dict[str, Any]) -> None:
-    from clawbridge.backends.local import LocalBackend
+    """The run's captured turns learned again: every sample settled one at a time (the collector,
+    or for the tools demo the episodes' groups: their outcomes are what the agent reported, kept),
+    then `steps` steps, each judged by the gate."""
     from clawbridge.demo import scenario as scenarios
-    from clawbridge.demo.rounds import threads
     from clawbridge.demo.runner import demo_settings, gate_probes
-    from clawbridge.learning.learner import Learner
-    from clawbridge.server import bind_learner
-    from clawbridge.store import Store
-
-    if scenario_name == "tools":
-        await _replay_tools(data_dir, model, steps, seed, overrides)
-        return
-    sc = scenarios.load(scenario_name)
-    # one row at a time: a row's arithmetic can depend on the rows batched beside it (the last
-    # bits of fp32 matrix products), and which requests meet in a batch depends on timing
-    # and no prefix cache: whether a prompt's prefill reuses another's KV depends on what ran before
-    settings = demo_settings(sc, data_dir, model=model, seed=seed, engine_max_batch=1, prefix_cache_mb=0, **overrides)
-    backend = LocalBackend.from_settings(settings, threads=threads())
-    await backend.start()
-    store = Store.open(settings.db_url)
-    try:
-        learner = Learner(settings, probes=gate_probes(sc))
-        bind_learner(learner, backend, store)
-        assert learner.parts is not None
-        settled = 0
-        while (n := await learner.parts.collector.run_once(limit=1)) > 0:
-            settled += n
-        print(f"collector: {settled} samples settled", file=sys.stderr)
-        for k in range(steps):
-            result = await learner.parts.trainer.step_once()
-            print(f"step {k + 1}: {result}", file=sys.stderr)
-            if result is None:
-                break
-    finally:
-        store.close()
-        await backend.close()
-
-
-async def _replay_tools(data_dir: Path, model: str, steps: int, seed: int, overrides: dict[str, Any]) -> None:
-    """The tools demo's episodes learned again: every settled group's samples, then the steps."""
-    from clawbridge.backends.local import LocalBackend
-    from clawbridge.demo.rounds import threads
     from clawbridge.demo.tools import tools_settings
     from clawbridge.demo.tools_scenario import load as load_tools
     from clawbridge.learning.learner import Learner
+
+    # one row at a time: a row's arithmetic can depend on the rows batched beside it (the last
+    # bits of fp32 matrix products), and which requests meet in a batch depends on timing
+    # and no prefix cache: whether a prompt's prefill reuses another's KV depends on what ran before
+    exact = dict(model=model, seed=seed, engine_max_batch=1, prefix_cache_mb=0, **overrides)
+    if scenario_name == "tools":
+        tools = load_tools("tools")
+        assert tools is not None
+        settings = tools_settings(tools, data_dir, **exact)
+        learner = Learner(settings)
+    else:
+        sc = scenarios.load(scenario_name)
+        settings = demo_settings(sc, data_dir, **exact)
+        learner = Learner(settings, probes=gate_probes(sc))
+    await _learn(settings, learner, steps, episodes=scenario_name == "tools")
+
+
+async def _learn(settings: Any, learner: Any, steps: int, *, episodes: bool) -> None:
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.demo.rounds import threads
     from clawbridge.server import bind_learner
     from clawbridge.store import Store
 
-    sc = load_tools("tools")
-    assert sc is not None
-    settings = tools_settings(sc, data_dir, model=model, seed=seed, engine_max_batch=1,
-                              prefix_cache_mb=0, **overrides)
     backend = LocalBackend.from_settings(settings, threads=threads())
     await backend.start()
     store = Store.open(settings.db_url)
     try:
-        learner = Learner(settings)
         bind_learner(learner, backend, store)
         assert learner.parts is not None
+        settle = learner.parts.episodes.run_once if episodes else learner.parts.collector.run_once
         settled = 0
-        while (n := await learner.parts.episodes.run_once(limit=1)) > 0:
+        while (n := await settle(limit=1)) > 0:
             settled += n
-        print(f"episodes: {settled} groups settled", file=sys.stderr)
+        print(f"{'episodes' if episodes else 'collector'}: {settled} settled", file=sys.stderr)
         for k in range(steps):
             result = await learner.parts.trainer.step_once()
             print(f"step {k + 1}: {result}", file=sys.stderr)

@@ -161,7 +161,7 @@ def build_learning(
     return LearningParts(
         judges=judges,
         collector=Collector(learning, backend, store, judges, teacher, method=training.method,
-                            on_preferences=on_preferences),
+                            on_preferences=on_preferences, distils_topk=training.opd_topk > 0),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
         trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed,
                         retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)),

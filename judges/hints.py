@@ -9,12 +9,11 @@ top-k tokens overlap the student's; see `votes.topk_overlap`).
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from clawbridge.chat.instructions import instructed
+from clawbridge.chat.instructions import instructed, with_system_line
 from clawbridge.judges.clients import JudgeClient
 from clawbridge.judges.prompts import judge_messages
 from clawbridge.judges.types import HintJudgment, HintVote, Message, TurnContext
@@ -31,20 +30,9 @@ HintScorer = Callable[[TurnContext, str], Awaitable[float]]
 
 
 def teacher_messages(messages: Sequence[Message], hint: str) -> list[dict[str, Any]]:
-    """A copy of the prompt with the hint as a system instruction (`HINT_SYSTEM`): appended to
-    the first message when it is a system (or developer) message, else a new system message in
-    front. The input is never mutated; content parts get it as a last text part."""
-    out = [copy.deepcopy(dict(m)) for m in messages]
-    line = HINT_SYSTEM.format(hint=hint)
-    first = out[0] if out else None
-    if first is None or first.get("role") not in ("system", "developer"):
-        return [{"role": "system", "content": line}, *out]
-    content = first.get("content")
-    if isinstance(content, list):
-        content.append({"type": "text", "text": f"\n\n{line}"})
-    else:
-        first["content"] = f"{content}\n\n{line}" if content else line
-    return out
+    """A copy of the prompt with the hint as a system instruction (`HINT_SYSTEM`), placed as the
+    served instruction is (`chat.instructions.with_system_line`)."""
+    return with_system_line(messages, HINT_SYSTEM.format(hint=hint))
 
 
 def teacher_view(messages: Sequence[Message], hint: str | None, instruction: str | None = None) -> list[dict[str, Any]]:

@@ -158,3 +158,40 @@ async def test_the_twin_measures_what_the_newest_weights_carry_of_an_instruction
     finally:
         store.close()
         await backend.close()
+
+
+async def test_a_corrected_turn_under_an_instruction_still_distils_its_teachers_top_k(tmp_path):
+    """With `w_negative` 0 a corrected answer's advantages are all zero and, with no rewrite, it
+    would train nothing. Served under an instruction it is kept when the trainer distils the
+    teacher's top-k: its datum learns the instruction's (and the hint's) distribution on every
+    position. The same correction on an uninstructed turn is dropped, as before."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.instructions import instructed
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.judges import teacher_view
+    from clawbridge.server import build_learning
+    from helpers.learning import record_turns, settings_for
+
+    settings = settings_for(tmp_path, method="combine", w_negative=0.0, rewrites=0, opd_topk=5, opd_draws=0)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        renderer = Renderer(backend.tokenizer())
+        correction = "Too long. Please answer in one short sentence."
+        [served] = await _instructed_turns(backend, renderer, store, 1, reply=correction)
+        [plain] = record_turns(store, 2)[1:]  # the helper's second reply is the same correction
+        parts = build_learning(settings, backend, store, renderer)
+        await parts.collector.run_once()
+        by_turn = {s.turn_id: s for s in store.get_samples(range(1, 10))}
+        assert by_turn[plain].state == "dropped"
+        kept = by_turn[served]
+        assert kept.state == "judged" and not any(kept.advantages or ())
+        [datum] = await parts.trainer.distillation.datums(kept)
+        turn = store.get_turn(served)
+        assert list(datum.prompt_ids) == renderer.render(turn.messages)
+        assert list(datum.teacher_prompt_ids or ()) == renderer.render(teacher_view(turn.messages, kept.hint, INSTRUCTION))
+        assert renderer.render(instructed(turn.messages, INSTRUCTION)) != list(datum.teacher_prompt_ids or ())  # the hint too
+    finally:
+        store.close()
+        await backend.close()

@@ -19,14 +19,12 @@ from typing import Any
 INSTRUCTION_SYSTEM = "The user's standing preferences; follow them in every answer:\n{instruction}"
 
 
-def instructed(messages: Sequence[Mapping[str, Any]], instruction: str | None) -> list[dict[str, Any]]:
-    """A copy of `messages` with `instruction` as a system instruction (`INSTRUCTION_SYSTEM`);
-    `instruction` None or empty: a plain copy. The input is never mutated; a first message with
-    content parts gets it as a last text part."""
+def with_system_line(messages: Sequence[Mapping[str, Any]], line: str) -> list[dict[str, Any]]:
+    """A copy of `messages` with `line` as a system instruction: appended (after a blank line) to
+    the first message when it is a system (or developer) message, else a new system message in
+    front. The input is never mutated; a first message with content parts gets it as a last text
+    part. The one placement the served instruction, the twin and the OPD teacher's hint share."""
     out = [copy.deepcopy(dict(m)) for m in messages]
-    if not instruction:
-        return out
-    line = INSTRUCTION_SYSTEM.format(instruction=instruction)
     first = out[0] if out else None
     if first is None or first.get("role") not in ("system", "developer"):
         return [{"role": "system", "content": line}, *out]
@@ -38,4 +36,12 @@ def instructed(messages: Sequence[Mapping[str, Any]], instruction: str | None) -
     return out
 
 
-__all__ = ["INSTRUCTION_SYSTEM", "instructed"]
+def instructed(messages: Sequence[Mapping[str, Any]], instruction: str | None) -> list[dict[str, Any]]:
+    """A copy of `messages` with `instruction` as a system instruction (`INSTRUCTION_SYSTEM`,
+    `with_system_line`); `instruction` None or empty: a plain copy."""
+    if not instruction:
+        return [copy.deepcopy(dict(m)) for m in messages]
+    return with_system_line(messages, INSTRUCTION_SYSTEM.format(instruction=instruction))
+
+
+__all__ = ["INSTRUCTION_SYSTEM", "instructed", "with_system_line"]

@@ -117,8 +117,12 @@ class Collector:
     def __init__(
         self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher, *,
         method: Method, on_preferences: Callable[[Sequence[Preference]], None] | None = None,
+        distils_topk: bool = False,
     ) -> None:
         self.settings = settings
+        # the trainer distils the teacher's top-k distribution on a taught sample's tokens
+        # (`opd_topk`): a turn served under an instruction then trains even with no advantage
+        self.distils_topk = distils_topk
         self.method = method
         self.backend = backend
         self.store = store
@@ -226,7 +230,7 @@ class Collector:
                 weight=self.settings.w_rewrite, teacher=self.teacher.model, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance, min_lift=self.settings.rewrite_min_lift,
             )
-        if rewrite is None and (advantages is None or not any(advantages)):
+        if rewrite is None and (advantages is None or not any(advantages)) and not (turn.instruction and self.distils_topk):
             reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None
                       else f"only negative advantages, scaled by w_negative {self.settings.w_negative:g}")
             await store.run(store.mark_samples, [sample_id], "dropped", reason)
