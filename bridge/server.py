@@ -164,7 +164,8 @@ def build_learning(
                             on_preferences=on_preferences, distils_topk=training.opd_topk > 0),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
         trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed,
-                        retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)),
+                        retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)
+                        if settings.serving.instant_preferences else None),
     )
 
 

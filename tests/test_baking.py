@@ -195,3 +195,32 @@ async def test_a_corrected_turn_under_an_instruction_still_distils_its_teachers_
     finally:
         store.close()
         await backend.close()
+
+
+async def test_the_gate_asks_the_candidate_with_the_instruction_only_where_one_is_served(tmp_path):
+    """With instant preferences off nothing is served as an instruction, so the gate asks the
+    candidate plain (asked with the instruction it would be judged on answers it never gives) and
+    nothing retires; the twin is asked with the applied preferences either way."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.learning.promotion import what_was_asked
+    from clawbridge.server import build_learning
+    from helpers.learning import settings_for
+
+    store = Store.open(settings_for(tmp_path).db_url)
+    try:
+        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
+        on, off = await what_was_asked(store, served=True), await what_was_asked(store, served=False)
+        assert on.wanted == off.wanted == INSTRUCTION
+        assert on.served == INSTRUCTION and off.served is None
+    finally:
+        store.close()
+    for instant in (True, False):
+        settings = settings_for(tmp_path / str(instant), instant_preferences=instant)
+        backend = LocalBackend.from_settings(settings)
+        store = Store.open(settings.db_url)
+        try:
+            parts = build_learning(settings, backend, store, Renderer(backend.tokenizer()))
+            assert (parts.trainer.promotion.retirement is not None) is instant
+        finally:
+            store.close()

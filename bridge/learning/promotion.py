@@ -80,11 +80,12 @@ def blend_name(of: int, alpha: float) -> str:
 
 # --- standing preferences -----------------------------------------------------------------------
 
-async def what_was_asked(store: Store) -> Asked:
+async def what_was_asked(store: Store, *, served: bool) -> Asked:
     """What the user asked for, as the gate asks it: the twin with every applied or learned
-    preference the collector heard, the candidate with the instruction served now."""
+    preference the collector heard; the candidate with the instruction served now (None when
+    no instruction is served: `instant_preferences` off)."""
     known = await store.run(store.preferences)
-    return Asked(preferences.wanted_instruction(known), preferences.served_instruction(known))
+    return Asked(preferences.wanted_instruction(known), preferences.served_instruction(known) if served else None)
 
 
 # --- restarts -----------------------------------------------------------------------------------
@@ -199,6 +200,8 @@ class Promotion:
                  gate: Gate | None = None, optimizer: OptimizerAge | None = None,
                  retirement: baking.Retirement | None = None) -> None:
         self.settings = settings
+        # what retires an applied preference's instruction; None: no instruction is served
+        # (`instant_preferences` off), so the gate asks the candidate plain and nothing retires
         self.retirement = retirement
         self.backend = backend
         self.store = store
@@ -227,7 +230,7 @@ class Promotion:
     async def promote(self, batch: Sequence[Sample], candidate: int, serving: int) -> int:
         """The step's candidate, just published from `batch`: returns the version that serves next.
         When the newest weights serve, the applied preferences they carry alone are retired."""
-        asked = await what_was_asked(self.store)
+        asked = await what_was_asked(self.store, served=self.retirement is not None)
         served = candidate if self.gate is None else await self._gate(candidate, serving, await self._recent(batch), asked)
         if served == self.backend.newest and self.retirement is not None:
             await self._retire(batch, served)
@@ -399,7 +402,7 @@ class Promotion:
         async with self.lock:
             self.backend.serve(serving)
             try:
-                return await self._gate(candidate, serving, asked=await what_was_asked(self.store))
+                return await self._gate(candidate, serving, asked=await what_was_asked(self.store, served=self.retirement is not None))
             finally:
                 self.backend.serve(None)
 
