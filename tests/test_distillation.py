@@ -12,7 +12,7 @@ from clawbridge.judges import Teacher
 from clawbridge.learning.distillation import to_datum, to_datums
 from clawbridge.learning.trainer import Trainer
 from clawbridge.store import Store
-from helpers.learning import record_turns, settings_for
+from helpers.learning import record_priorities, record_turns, settings_for
 
 
 def test_a_sample_without_advantages_cannot_become_a_datum(data_dir: Path):
@@ -113,14 +113,7 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
         turn = store.get_turn(hinted.turn_id)
         assert turn is not None
         teacher_ids = trainer.distillation.teacher_prompt(turn, "Answer in one word.")
-        priorities: list[str] = []
-        real_sample = backend.sample
-
-        async def sampled(*args, priority="user", **kwargs):  # type: ignore[no-untyped-def]
-            priorities.append(priority)
-            return await real_sample(*args, priority=priority, **kwargs)
-
-        backend.sample = sampled  # type: ignore[method-assign]
+        priorities = record_priorities(backend)
         [own, *drawn] = await trainer.distillation.datums(hinted)
         assert priorities == ["background"]  # fresh draws wait behind a user's request
         assert own == to_datums(hinted, teacher_ids)[0]

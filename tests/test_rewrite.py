@@ -21,7 +21,7 @@ from clawbridge.learning.trainer import Trainer
 from clawbridge.local_gpu import models
 from clawbridge.store import Rewrite, Store, StoredTurn, TurnRecord
 from clawbridge.types import SamplingParams
-from helpers.learning import collector_for, record_turns, settings_for
+from helpers.learning import collector_for, record_priorities, record_turns, settings_for
 
 
 def short_turns(store: Store, replies: list[str], first: int = 0) -> list[str]:
@@ -361,14 +361,7 @@ async def test_the_lift_is_scored_by_the_teachers_model_and_only_the_kept_draw_b
         return await real_score(prompt_ids, completion_ids, model=model, temperature=temperature)
 
     backend.score = recorded  # type: ignore[method-assign]
-    priorities: list[str] = []
-    real_sample = backend.sample
-
-    async def sampled(*args, priority="user", **kwargs):  # type: ignore[no-untyped-def]
-        priorities.append(priority)
-        return await real_sample(*args, priority=priority, **kwargs)
-
-    backend.sample = sampled  # type: ignore[method-assign]
+    priorities = record_priorities(backend)
     try:
         [tid] = short_turns(store, ["Too long."])
         turn = store.get_turn(tid)

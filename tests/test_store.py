@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -47,15 +46,6 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'nested' / 'dir' / 'clawbridge.db'}"
     cluster: PgCluster = request.getfixturevalue("pg_cluster")
     return cluster.create_schema()
-
-
-@pytest.fixture
-def store(db_url: str) -> Iterator[Store]:
-    s = Store.open(db_url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def turn(session: str = "s1", n: int = 4, **kw: Any) -> TurnRecord:

@@ -57,3 +57,16 @@ def judged_samples(store: Store, n: int, method: str = "combine") -> list[int]:
         sid, _ = store.create_sample(tid, method, reward=reward, advantages=(reward,) * len(turn.completion_ids))
         ids.append(sid)
     return ids
+
+
+def record_priorities(backend: Backend) -> list[str]:
+    """The priority of every `backend.sample` call from now on, in order (the backend still samples)."""
+    priorities: list[str] = []
+    real_sample = backend.sample
+
+    async def sampled(*args, priority="user", **kwargs):  # type: ignore[no-untyped-def]
+        priorities.append(priority)
+        return await real_sample(*args, priority=priority, **kwargs)
+
+    backend.sample = sampled  # type: ignore[method-assign]
+    return priorities
