@@ -58,6 +58,7 @@ class LocalBackend(Routing):
         merge_adapters: bool = True,
         user_first: bool = True,
         adapter_memory_mb: float = 1024,
+        background_share: float = 0.25,
     ) -> None:
         spec = models.resolve(model, cache_dir)
         self.model_name = served_model_name or spec.name
@@ -85,6 +86,7 @@ class LocalBackend(Routing):
             merge_adapters=merge_adapters,
             user_first=user_first,
             adapter_memory_mb=adapter_memory_mb,
+            background_share=background_share,
         )
 
     @classmethod
@@ -103,6 +105,7 @@ class LocalBackend(Routing):
             merge_adapters=settings.engine.engine_merge_adapters,
             user_first=settings.engine.engine_user_first,
             adapter_memory_mb=settings.engine.adapter_memory_mb,
+            background_share=settings.engine.engine_background_share,
         )
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import queue
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -22,12 +23,22 @@ from clawbridge.protocol import BackendError, UnknownVersion
 
 log = logging.getLogger(__name__)
 
+# The learner's turn while users' requests keep the engine busy starts once it has earned this
+# much engine time (seconds; `background_share` of the time passing) and lasts until it has spent
+# it: bursts, not a step here and there, since pausing and resuming background rows costs a prefill.
+BURST_S = 0.5
+DEBT_S = 4.0  # the most the learner owes after one long job (a publish, a long micro-batch)
+
 
 class Scheduling:
     """The scheduler thread's loop, mixed into `engine.Engine` (whose `__init__` sets the state
     below)."""
 
     user_first: bool
+    background_share: float  # of the engine's time, the learner's while users keep it busy
+    _credit: float  # seconds of the learner's share earned and not spent (users in flight)
+    _clock: float  # when `_credit` was last brought up to date
+    _turn: bool  # the learner's burst is on
     max_batch: int
     _inbox: queue.Queue[_Seq | _Job | None]
     _waiting: deque[_Seq]
@@ -48,7 +59,7 @@ class Scheduling:
             if not self._drain(block=not (self._waiting or self._jobs or self._active)):
                 self._shutdown()
                 return
-            if self._jobs and not self._users_in_flight():
+            if self._jobs and self._background_may_run():
                 job = self._jobs.popleft()
                 self._run_scores([job, *self._more_scores(job)]) if self._scoring(job) else self._run_job(job)
             self._admit()
@@ -73,6 +84,25 @@ class Scheduling:
 
     # --- the user first (docs/engine.md#the-user-first) ---------------------------------------
 
+    def _background_may_run(self) -> bool:
+        """No user's request is in flight, or the learner's share is due (its burst is on).
+
+        While users' requests keep the engine busy, the learner earns `background_share` of the
+        time passing and spends all the time its burst takes (jobs, and decode steps with its
+        rows beside the users'): a burst starts once `BURST_S` is earned and ends once it is
+        spent. A user's request then takes at most about 1 / (1 - share) its time alone on
+        average, and the learner still progresses under a user who never pauses. A share of 0:
+        the learner waits for the users' requests to end, however long."""
+        now = time.monotonic()
+        elapsed, self._clock = now - self._clock, now
+        if not self._users_in_flight():
+            self._credit, self._turn = 0.0, False
+            return True
+        earned = self._credit + self.background_share * elapsed - (elapsed if self._turn else 0.0)
+        self._credit = min(BURST_S, max(-DEBT_S, earned))
+        self._turn = self._credit > 0 if self._turn else (self.background_share > 0 and self._credit >= BURST_S)
+        return self._turn
+
     def _users_in_flight(self) -> bool:
         """A user's request waits or runs. Never with `user_first` off: every request is then
         served alike, in arrival order, and jobs interleave with decode steps."""
@@ -92,8 +122,12 @@ class Scheduling:
         once for the chunk, not once for each sequence as the rows free one by one."""
         self._forget_cancelled()
         if self._users_in_flight():
-            self._pause()
-            chosen = [s for s in self._waiting if s.priority == "user"][: self.max_batch - len(self._active)]
+            learners = self._background_may_run()  # the learner's burst: its rows run beside the users'
+            if not learners:
+                self._pause()
+            users = [s for s in self._waiting if s.priority == "user"]
+            rest = [s for s in self._waiting if s.priority != "user"] if learners else []
+            chosen = [*users, *rest][: self.max_batch - len(self._active)]
             self._waiting = deque(s for s in self._waiting if s not in chosen)
             return chosen
         free = self.max_batch - len(self._active)
@@ -145,7 +179,7 @@ class Scheduling:
             if not self._drain(block=False):
                 self._inbox.put(None)  # for the loop, once the step has stopped
                 raise EngineClosing("the engine is closing")
-            if not self._users_in_flight():
+            if self._background_may_run():
                 return
             self._admit()
             if self._active:

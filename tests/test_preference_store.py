@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import command
@@ -174,3 +175,51 @@ async def test_forget_stops_the_instruction_at_once_and_drops_samples_only_betwe
     out = await forgetting
     assert out.samples_dropped == 2 and out.rollback_to == 0 and out.preference.state == "dropped"
     assert standing.forgotten_view(out)["rollback_command"] == "clawbridge rollback 0"
+
+
+async def test_the_quick_pass_hears_a_correction_without_the_engine_and_the_settle_pass_judges_nothing_twice(
+        data_dir: Path) -> None:
+    """The collector's quick pass (`judge_once`) opens, judges and hears each new turn with the
+    engine not even started (the preference applies while the engine is busy with the user); the
+    settle pass then finishes those samples reading the judgments back, and the two passes run
+    side by side call the judges once per turn."""
+    import asyncio
+
+    from clawbridge.backends.local import LocalBackend
+    from helpers.learning import REPLIES, collector_for, record_turns, settings_for
+
+    settings = settings_for(data_dir)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    try:
+        tids = record_turns(store, 6)
+        collector = collector_for(settings, backend, store)
+        judged: list[int] = []
+
+        class Counted:  # the rules judges, each call counted and taking a remote judge's while
+            def __init__(self, judges: Any) -> None:
+                self.judges = judges
+
+            async def run(self, ctx: Any, kinds: Any) -> Any:
+                judged.append(len(kinds))
+                await asyncio.sleep(0.2)
+                return await self.judges.run(ctx, kinds)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.judges, name)
+
+        collector.judges = Counted(collector.judges)  # type: ignore[assignment]
+        assert await asyncio.wait_for(collector.judge_once(), 30) == 6
+        [p] = store.preferences()
+        assert (p.text, p.state, set(p.turns)) == (REPLIES[1], "applied", {tids[1], tids[4]})
+        assert {s.state for s in store.get_samples(list(range(1, 7)))} == {"pending"}
+        assert len(judged) == 6
+        await backend.start()
+        more = record_turns(store, 3)
+        settled, again = await asyncio.gather(collector.run_once(), collector.judge_once())
+        assert settled + await collector.run_once() == 9 and len(judged) == 6 + len(more)
+        assert store.preferences()[0].count == 3  # the new session's correction, heard once
+        assert "pending" not in {s.state for s in store.get_samples(list(range(1, 10)))}
+    finally:
+        await backend.close()
+        store.close()

@@ -2,7 +2,8 @@
 user's request goes ahead of background sampling already queued or running, a background row
 paused for it resumes with the tokens it draws alone, a train step waits between micro-batches
 while a user's request runs, and a request over HTTP is a user's. Each fails with the engine's
-`user_first` off (arrival order)."""
+`user_first` off (arrival order). And the learner is not starved: users who never pause leave it
+its share of the engine (`background_share`), which a share of 0 withholds."""
 
 from __future__ import annotations
 
@@ -127,3 +128,33 @@ def test_a_request_over_http_goes_ahead_of_background_sampling(tmp_path, threads
         assert asyncio.run(go())[0] == "user"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("share", [0.25, 0.0])
+async def test_users_who_never_pause_leave_the_learner_its_share(tmp_path, threads, share) -> None:
+    """Two users' requests always in flight (each sent as the one before it ends): background
+    sampling still finishes with a share of the engine, and never does with none."""
+    backend = started(tmp_path, max_batch=4, background_share=share)
+    try:
+        await backend.sample(PROMPT, SHORT)  # what is built once, paid before the clock starts
+        learner = asyncio.ensure_future(backend.sample(PROMPT, LONG, priority="background"))
+        stop = asyncio.get_running_loop().time() + 8.0
+        served = 0
+
+        async def user() -> None:
+            nonlocal served
+            while not learner.done() and asyncio.get_running_loop().time() < stop:
+                await backend.sample(PROMPT, SamplingParams(max_tokens=24, seed=served, stop_token_ids=()))
+                served += 1
+
+        await asyncio.sleep(0.05)  # the learner's request is running when the users come
+        first = asyncio.ensure_future(user())
+        await asyncio.sleep(0.01)
+        await asyncio.gather(first, user())
+        assert served > 0
+        assert learner.done() == (share > 0)
+        if share == 0:
+            (c,) = await learner  # it finishes once the users stop
+            assert len(c.tokens) == LONG.max_tokens
+    finally:
+        backend.engine.close()

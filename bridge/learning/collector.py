@@ -7,6 +7,11 @@
                           ──► (rewrites > 0) the teacher's own answer as a demonstration
                           ──► advantages ──► sample `judged` (or `dropped`, with the reason)
 
+Two paces (`Learner`'s collect loop): the quick pass (`judge_once`) opens, judges and hears each
+new turn on every wake-up and asks nothing of the engine, so a preference applies at the user's
+next request; the settle pass (`run_once`) does the engine's part (teacher scores, rewrites) at the
+engine's background priority, however far behind the user's requests keep it.
+
 The store is the source of truth, so a crash anywhere resumes exactly: the sample row exists
 before any judge is called, a judgment is stored once per (turn, kind, judge) and read back
 instead of judging again, and a `pending` sample is finished on the next pass. Explicit feedback
@@ -93,6 +98,12 @@ def turn_context(turn: StoredTurn) -> TurnContext:
 
 
 @dataclass
+class _TurnLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0  # callers holding or awaiting it: the last one out forgets it
+
+
+@dataclass
 class CollectorStats:
     judged: int = 0
     samples: int = 0
@@ -131,6 +142,7 @@ class Collector:
         self.stats = CollectorStats()
         # told the preferences whenever a hearing changed them (the proxy's served instruction)
         self.on_preferences = on_preferences
+        self._judging: dict[str, _TurnLock] = {}  # one judging of a turn at a time (both passes judge)
 
     async def hear(self, turn: StoredTurn, hint: str) -> Preference | None:
         """The user's correction heard: the hint (less what quotes the turn's question) counts for
@@ -147,6 +159,21 @@ class Collector:
         if self.on_preferences is not None and tuple(after) != before:
             self.on_preferences(after)
         return next((p for p in after if turn.id in p.turns), None)
+
+    async def judge_once(self, limit: int = 32) -> int:
+        """The quick pass: for each newly judgeable turn, open its sample (`pending`), run its
+        judges and hear its hint. No engine work, so it keeps pace with the user: the settle pass
+        (`run_once`) finishes the samples it opened, reading the judgments back. Returns how
+        many turns it judged."""
+        store = self.store
+        turns = await store.run(store.turns_awaiting_judgment, judge_kinds(self.method), limit)
+        for turn in turns:
+            sid, created = await store.run(store.create_sample, turn.id, self.method, state="pending")
+            pending = created or (await store.run(store.get_samples, [sid]))[0].state == "pending"
+            signal = combine_signal(await self._judged(turn))
+            if pending and signal.hint is not None:
+                await self.hear(turn, signal.hint)
+        return len(turns)
 
     async def run_once(self, limit: int = 32) -> int:
         """One pass: finish pending samples (a restart, or explicit feedback), then open
@@ -167,7 +194,7 @@ class Collector:
                 continue
             if not created and (await store.run(store.get_samples, [sid]))[0].state != "pending":
                 # settled earlier from explicit feedback alone; record the judges' view only
-                await self._judge_missing(turn, set(turn.judged_kinds))
+                await self._judged(turn)
                 continue
             jobs.append(partial(self._settle, sid, turn))
         at_once = asyncio.Semaphore(SETTLE_AT_ONCE)
@@ -198,10 +225,7 @@ class Collector:
 
     async def _settle_one(self, sample_id: int, turn: StoredTurn) -> None:
         store = self.store
-        judgments = await store.run(store.judgments, turn.id)
-        if turn.next_state is not None:
-            judgments += await self._judge_missing(turn, {j.kind for j in judgments})
-        signal = combine_signal(judgments)
+        signal = combine_signal(await self._judged(turn))
         if signal.hint is not None:
             heard = await self.hear(turn, signal.hint)
             if heard is not None and heard.state == "dropped":  # the user dropped it: its samples never train
@@ -270,15 +294,27 @@ class Collector:
     def context(turn: StoredTurn) -> TurnContext:
         return turn_context(turn)
 
-    async def _judge_missing(self, turn: StoredTurn, have: set[str]) -> list[Judgment]:
-        """Run only the judges whose judgment this turn lacks, and store every vote."""
-        ctx = self.context(turn)
-        want = [k for k in judge_kinds(self.method) if k not in have]
-        if not want:
-            return []
-        reward, hint = await self.judges.run(ctx, want)
-        out = ([_reward_record(turn.id, reward)] if reward is not None else []) + (
-            [_hint_record(turn.id, hint)] if hint is not None else [])
-        for rec in out:
-            await self.store.run(self.store.add_judgment, rec)
-        return out
+    async def _judged(self, turn: StoredTurn) -> list[Judgment]:
+        """The turn's judgments: those stored, and (once it has a next state) the judges run for
+        the kinds it lacks, every vote stored. One judging of a turn at a time: the quick pass and
+        the settle pass may both come to a turn, and the second reads what the first stored."""
+        store = self.store
+        held = self._judging.setdefault(turn.id, _TurnLock())
+        held.users += 1
+        try:
+            async with held.lock:
+                judgments = await store.run(store.judgments, turn.id)
+                have = {j.kind for j in judgments}
+                want = [k for k in judge_kinds(self.method) if k not in have]
+                if not want or turn.next_state is None:
+                    return judgments
+                reward, hint = await self.judges.run(self.context(turn), want)
+                new = ([_reward_record(turn.id, reward)] if reward is not None else []) + (
+                    [_hint_record(turn.id, hint)] if hint is not None else [])
+                for rec in new:
+                    await store.run(store.add_judgment, rec)
+                return judgments + new
+        finally:
+            held.users -= 1
+            if not held.users:
+                del self._judging[turn.id]

@@ -8,10 +8,10 @@ every next state, and the status-line and metrics fields. A rollback and a train
 one lock: neither runs while the other does.
 
 Two events, no polling where one exists: `wake` (a next state, feedback or an episode outcome
-arrived: the one channel from capture to the learner) starts a collector pass; `ready` (the
-collector settled samples) makes the trainer look for a batch. The collector's pass also runs
-on a timer (`poll_s`), which is its clock for what no event announces: episodes expiring and
-samples kept pending by a judge that failed.
+arrived: the one channel from capture to the learner) starts the collector's quick pass (judge,
+hear) and, unless one runs, its settle pass; `ready` (the collector settled samples) makes the
+trainer look for a batch. The passes also run on a timer (`poll_s`), which is their clock for
+what no event announces: episodes expiring and samples kept pending by a judge that failed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,19 +111,50 @@ class Learner:
             await self.parts.judges.aclose()
 
     async def _collect_loop(self, parts: LearningParts) -> None:
-        while True:
-            self.wake.clear()  # before the pass: a wake-up during it runs another
-            try:
-                if await parts.collector.run_once() + await parts.episodes.run_once():
+        """On every wake-up the collector's quick pass (judge, hear: the preference now); beside
+        it, one settle pass at a time (the teacher, the rewrites: the engine's background work,
+        which the user's requests hold back), so a user's correction is heard while the engine
+        is busy with the user."""
+        settling: asyncio.Task[int] | None = None
+        try:
+            while True:
+                self.wake.clear()  # before the passes: a wake-up during them runs more
+                await self._pass(parts.collector.judge_once(), "judging")
+                if settling is None:
+                    settling = asyncio.create_task(self._pass(self._settle(parts), "collector"))
+                woken = asyncio.create_task(self.wake.wait())
+                try:
+                    await asyncio.wait({woken, settling}, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                if not settling.done():
+                    continue  # woken (or the clock): judge what came while the settle pass runs
+                settled, settling = settling.result(), None
+                if settled:
                     self.ready.set()
-                    continue
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.errors += 1
-                log.exception("collector pass failed; retrying")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), self.poll_s)
+                elif not self.wake.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), self.poll_s)
+        finally:
+            if settling is not None:
+                settling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await settling
+
+    @staticmethod
+    async def _settle(parts: LearningParts) -> int:
+        return await parts.collector.run_once() + await parts.episodes.run_once()
+
+    async def _pass(self, work: Awaitable[int], what: str) -> int:
+        """`work`'s count; a failure is counted and logged, and the next pass retries."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.errors += 1
+            log.exception("%s pass failed; retrying", what)
+            return 0
 
     async def _train_loop(self, trainer: Trainer) -> None:
         while True:
