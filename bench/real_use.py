@@ -23,7 +23,7 @@ paired 95 % interval against v0 above zero) and at which the server reports the 
 instruction retired, the general probe at v0 and at the last gate decision (the server's
 `/metrics`), a short request's latency idle and while the learner works, and the wall time.
 `--json FILE` writes them: served_curve, weights_curve, twin, v0, first_shown_at, retired_at,
-probe_v0, probe_last, latency, seconds.
+probe_v0, probe_last, price_points, latency, seconds.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class Report:
     retired_at: int | None = None
     probe_v0: float | None = None
     probe_last: float | None = None
+    price_points: float | None = None  # what the preferences cost v0's general answers when asked for them
     latency: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     status: dict[str, Any] = field(default_factory=dict)
@@ -294,6 +295,7 @@ async def _day(user: User, scenario: Scenario, args: argparse.Namespace, t0: flo
     metrics = await user.metrics()
     report.probe_v0 = _metric(metrics, "preferences_probe_plain") or _metric(metrics0, "preferences_probe_plain")
     report.probe_last = _metric(metrics, "gate_probe_candidate")
+    report.price_points = _metric(metrics, "preferences_price_points")
     report.latency = {
         "idle_p50": statistics.median(idle), "idle_p95": percentile(idle, 0.95),
         "working_p50": statistics.median(busy), "working_p95": percentile(busy, 0.95),
@@ -310,7 +312,7 @@ def print_report(r: Report) -> None:
         mean, lo, hi = paired_interval(r.v0.per_prompt, w.per_prompt)
         print(f"{s.conversations:>13}  {s.truly:>7.0%}  {w.truly:>7.0%}  {mean * 100:>+8.1f} [{lo * 100:+.0f}, {hi * 100:+.0f}]")
     print(f"first shown at {r.first_shown_at} conversations; instruction retired at {r.retired_at}")
-    print(f"general probe: v0 {r.probe_v0}, last {r.probe_last}")
+    print(f"general probe: v0 {r.probe_v0}, last {r.probe_last}; the preferences' price {r.price_points} points")
     lat = r.latency
     print(f"a short request: idle p50 {lat['idle_p50']:.2f} s p95 {lat['idle_p95']:.2f} s; while learning "
           f"p50 {lat['working_p50']:.2f} s p95 {lat['working_p95']:.2f} s max {lat['working_max']:.2f} s "

@@ -236,6 +236,9 @@ class Learner:
             if decisions:
                 out["gate_last_candidate"] = float(decisions[-1].candidate)
                 out["gate_last_accepted"] = 1.0 if decisions[-1].decision == "accepted" else 0.0
+                for name in ("probe_candidate", "probe_twin"):  # the last candidate's general probe, and its twin's
+                    if isinstance(value := decisions[-1].figures.get(name), int | float):
+                        out[f"gate_{name}"] = float(value)
             if (priced := self._priced()) is not None:
                 out["preferences_price_points"] = priced.figures["price_points"]
                 out["preferences_probe_plain"] = priced.figures["probe_v0"]
