@@ -54,6 +54,10 @@ MEASURED: dict[str, Any] = {
     "gate_blend": (0.75, 0.5),  # a held-back lineage's last candidate, blended toward the base, may serve
 }
 
+# what real use adds to the measured recipe on the embedded model on a CPU (the demo's answers stop
+# at 40 tokens, a user's at 512)
+REAL_USE: dict[str, Any] = {"redraw_max_tokens": 128}
+
 # by parameter count (billions, up to): (learning rate, LoRA rank) for a model not measured here;
 # LoRA's best rate falls as the model grows (roughly with the square root of its width)
 BY_SIZE: tuple[tuple[float, float, int], ...] = (
@@ -95,7 +99,9 @@ def recipe_for(backend: str, model: str) -> LearningRecipe:
     topk = backend in TOPK_BACKENDS
     base = {k: v for k, v in MEASURED.items() if topk or k not in ("opd_topk", "opd_draws", "opd_draw_max_lift", "opd_topk_rewrite")}
     if model in EMBEDDED_NAMES and backend == "local":
-        return LearningRecipe(f"the recipe measured on {EMBEDDED}", True, base)
+        # a user's agent asks for 512 tokens (or sets none): the learner's own draws stop at 128,
+        # room for four 20-word answers, where a 512-token draw takes a CPU engine most of a minute
+        return LearningRecipe(f"the recipe measured on {EMBEDDED}", True, {**base, **REAL_USE})
     size = parameters_b(model)
     if size is None:
         return LearningRecipe("the settings' defaults (no recipe for this model)", False, {})

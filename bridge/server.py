@@ -165,7 +165,8 @@ def build_learning(
         episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
         trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed,
                         retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)
-                        if settings.serving.instant_preferences else None),
+                        if settings.serving.instant_preferences else None,
+                        redraw_max_tokens=learning.redraw_max_tokens),
     )
 
 

@@ -184,3 +184,30 @@ def test_a_backend_whose_loss_cannot_see_the_teacher_is_refused_at_start(data_di
             Trainer(settings.training, tinker, store)
     finally:
         store.close()
+
+
+async def test_the_learners_draws_stop_at_redraw_max_tokens(data_dir: Path):
+    """`redraw_max_tokens`: a fresh draw (and a rewrite's teacher draw: both take `redraw_params`)
+    stops there, where the turn's own budget would let it run on; 0 keeps the turn's budget."""
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.learning.rewrite import redraw_params
+
+    settings = settings_for(data_dir, batch_size=2, opd_topk=8, opd_draws=4, opd_draw_max_lift=None)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        hinted_and_approved(store)
+        teacher = Teacher(backend, Renderer(backend.tokenizer()))
+        [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
+        turn = store.get_turn(hinted.turn_id)
+        assert turn is not None
+        own = redraw_params(turn).max_tokens
+        assert redraw_params(turn, 3).max_tokens == 3 and redraw_params(turn, 10 * own).max_tokens == own
+        trainer = Trainer(settings.training, backend, store, teacher=teacher, redraw_max_tokens=3)
+        t_ids = trainer.distillation.teacher_prompt(turn, hinted.hint)
+        drawn = await trainer.distillation.fresh_draws(hinted, turn, t_ids)
+        assert len(drawn) == 4 and max(len(d.completion_ids) for d in drawn) == 3
+    finally:
+        await backend.close()
+        store.close()

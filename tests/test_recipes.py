@@ -29,6 +29,8 @@ def test_up_on_the_embedded_model_learns_with_the_recipe_the_demo_measured():
     assert {k: DEMO_RECIPE[k] for k in MEASURED} == MEASURED
     # ... while the bare defaults stay model-blind
     assert Settings().training.learning_rate != MEASURED["learning_rate"]
+    # real use on a CPU: the learner's draws stop short of an agent's 512-token default (the demo's stop at 40)
+    assert up["redraw_max_tokens"] == 128 and DEMO_RECIPE.get("redraw_max_tokens", 0) == 0
 
 
 def test_what_the_user_sets_outranks_the_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

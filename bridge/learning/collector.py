@@ -253,6 +253,7 @@ class Collector:
                 self.backend, self.teacher.renderer, turn, signal.hint, samples=self.settings.rewrites,
                 weight=self.settings.w_rewrite, teacher=self.teacher.model, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance, min_lift=self.settings.rewrite_min_lift,
+                max_tokens=self.settings.redraw_max_tokens,
             )
         if rewrite is None and (advantages is None or not any(advantages)) and not (turn.instruction and self.distils_topk):
             reason = (f"no signal ({signal.source}: reward {signal.reward:+g}, no hint)" if advantages is None

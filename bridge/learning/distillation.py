@@ -65,7 +65,8 @@ def to_datums(s: Sample, teacher_prompt_ids: Sequence[int] | None = None, *,
 class Distillation:
     """A sample's datums, with the teacher's prompt and fresh draws when top-k distillation is on."""
 
-    def __init__(self, settings: TrainingSettings, backend: Backend, store: Store, teacher: Teacher | None) -> None:
+    def __init__(self, settings: TrainingSettings, backend: Backend, store: Store, teacher: Teacher | None,
+                 redraw_max_tokens: int = 0) -> None:
         if settings.opd_topk > 0 and not (isinstance(backend, DistillsTopK) and backend.distills_topk):
             raise ValueError(f"opd_topk {settings.opd_topk}: the {backend.name} backend cannot distil the teacher's "
                              "top-k distribution (its loss never sees the teacher's logits); set opd_topk 0")
@@ -74,6 +75,7 @@ class Distillation:
         self.settings = settings
         self.backend = backend
         self.store = store
+        self.redraw_max_tokens = redraw_max_tokens  # a fresh draw's length at most (0: the turn's budget)
         self.teacher = teacher if settings.opd_topk > 0 else None
         self.renderer = teacher.renderer if teacher is not None else None
 
@@ -108,7 +110,7 @@ class Distillation:
         learn the teacher's top-k distribution alone: on-policy distillation whatever version
         the user talked to. With `opd_draw_max_lift`, the draws the hint lifts are left out
         (`drop_lifted`). Drawn for the step and not stored: a step lost in a crash draws anew."""
-        params = redraw_params(turn)
+        params = redraw_params(turn, self.redraw_max_tokens)
         drawn = [c for c in await self.backend.sample(sample.prompt_ids, params, n=self.settings.opd_draws,
                                                       version=self.backend.newest, priority="background")
                  if c.tokens]

@@ -95,12 +95,14 @@ def pick(draws: Sequence[Draw], own: Sequence[int] = (), rule: Pick = "lift",
     return max(ok, key=lambda i: (draws[i].finished, draws[i].lift, draws[i].confidence))
 
 
-def redraw_params(turn: StoredTurn) -> SamplingParams:
+def redraw_params(turn: StoredTurn, max_tokens: int = 0) -> SamplingParams:
     """The turn's own sampling settings, unseeded, for new answers to its prompt (a rewrite's
-    teacher draws, the trainer's fresh draws); room for at least the turn's own answer."""
+    teacher draws, the trainer's fresh draws); room for at least the turn's own answer, or
+    `max_tokens` where that is set and less (`redraw_max_tokens`)."""
     sp = turn.sampling
+    room = max(1, len(turn.completion_ids), sp.max_tokens)
     return SamplingParams(
-        max_tokens=max(1, len(turn.completion_ids), sp.max_tokens), temperature=sp.temperature,
+        max_tokens=min(room, max_tokens) if max_tokens > 0 else room, temperature=sp.temperature,
         top_p=sp.top_p, top_k=sp.top_k, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
     )
 
@@ -162,6 +164,7 @@ async def write_rewrite(
     rule: Pick = "lift",
     min_relevance: float = float("-inf"),
     min_lift: float = float("-inf"),
+    max_tokens: int = 0,
 ) -> Rewrite | None:
     """Draw `samples` answers from the teacher for the turn's prompt with the hint; drop the
     turn's own answer, echoes of the question and draws the question explains by less than
@@ -172,7 +175,7 @@ async def write_rewrite(
     (`pick` would not choose them). None when none is usable."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    params = redraw_params(turn)
+    params = redraw_params(turn, max_tokens)
     # the teacher is asked with the instruction the turn was served with too; `turn` is the
     # student's view (`baking.student_view`): its prompt_ids are the prompt without it
     prompt = renderer.render(teacher_view(turn.messages, hint, turn.instruction), turn.tools)

@@ -84,13 +84,13 @@ class Trainer:
     def __init__(
         self, settings: TrainingSettings, backend: Backend, store: Store, *,
         lock: asyncio.Lock | None = None, gate: Gate | None = None, teacher: Teacher | None = None,
-        resumed: Resumed | None = None, retirement: Retirement | None = None,
+        resumed: Resumed | None = None, retirement: Retirement | None = None, redraw_max_tokens: int = 0,
     ) -> None:
         self.settings = settings
         self.backend = backend
         self.store = store
         self.lock = lock or asyncio.Lock()  # one of: a step (train_step + publish + record), a rollback
-        self.distillation = Distillation(settings, backend, store, teacher)
+        self.distillation = Distillation(settings, backend, store, teacher, redraw_max_tokens)
         # the warmup's clock: a checkpoint `resume` loaded brought the optimizer's moments back
         self.optimizer = OptimizerAge(settings.warmup_steps if resumed is not None and resumed.optimizer else 0)
         self.promotion = Promotion(settings, backend, store, lock=self.lock, gate=gate, optimizer=self.optimizer,
