@@ -11,7 +11,8 @@ What it does, in order:
     scenario's first correction as a system instruction), and a short request's idle latency
     repeat: one conversation (a tagged session: the question, the answer, the user's reply: thanks
     when the answer meets the preference and answers the question, the correction otherwise; the
-    session closes), then a short request timed while the learner works; every `--every`
+    session closes; the user takes `--think-s` to read an answer and type each message: 0 is an
+    agent that never pauses), then a short request timed while the learner works; every `--every`
     conversations the held-out prompts are asked again, as served and with `X-Instructions: off`
     (the weights alone; a server that does not know the header serves the weights alone anyway)
     stop the server (SIGTERM, by its PID)
@@ -69,6 +70,7 @@ class Point:
 class Report:
     scenario: str
     seed: int
+    think_s: float
     v0: Point
     twin: Point
     served_curve: list[Point] = field(default_factory=list)
@@ -129,10 +131,11 @@ class Server:
 class User:
     """The simulated user and the grader, both through the public API."""
 
-    def __init__(self, url: str, scenario: Scenario, max_tokens: int, eval_samples: int) -> None:
+    def __init__(self, url: str, scenario: Scenario, max_tokens: int, eval_samples: int, think_s: float = 0.0) -> None:
         self.http = httpx.AsyncClient(base_url=url, timeout=1800)
         self.client = AsyncOpenAI(base_url=f"{url}/v1", api_key="clawbridge", timeout=1800, max_retries=3)
         self.scenario, self.max_tokens, self.eval_samples = scenario, max_tokens, eval_samples
+        self.think_s = think_s  # reading an answer and typing a message
         self.model = ""
 
     async def start(self) -> None:
@@ -141,6 +144,7 @@ class User:
     async def converse(self, prompt: str, i: int, max_tokens: int | None) -> bool:
         sc = self.scenario
         head = {"X-Session-Id": f"user-{uuid.uuid4().hex[:12]}", "X-Turn-Type": "main"}
+        await asyncio.sleep(self.think_s)  # typing the question
         first = await self.client.chat.completions.create(
             model=self.model, messages=sc.messages(prompt), extra_headers=head,  # type: ignore[arg-type]
             **({"max_tokens": max_tokens} if max_tokens else {}),
@@ -151,6 +155,7 @@ class User:
         history = [*sc.messages(prompt), {"role": "assistant", "content": answer},
                    {"role": "user", "content": sc.reply(v.preferred, i, answered=v.answered, prompt=prompt)}]
         # the reply is the first turn's next state; its own answer is not read, and the session ends
+        await asyncio.sleep(self.think_s)  # reading the answer, typing the reply
         await self.client.chat.completions.create(
             model=self.model, messages=history, max_tokens=1,  # type: ignore[arg-type]
             extra_headers={**head, "X-Session-Done": "true"},
@@ -252,7 +257,7 @@ async def run(args: argparse.Namespace) -> Report:
     server = Server(data_dir, Path(args.config) if args.config else None, log, extra)
     try:
         await asyncio.to_thread(server.wait_ready)
-        user = User(server.url, scenario, args.max_tokens, args.eval_samples)
+        user = User(server.url, scenario, args.max_tokens, args.eval_samples, args.think_s)
         await user.start()
         try:
             return await _day(user, scenario, args, t0)
@@ -270,7 +275,7 @@ async def _day(user: User, scenario: Scenario, args: argparse.Namespace, t0: flo
     twin = await user.heldout(0, system=scenario.replies.unsatisfied[0])
     say(f"v0 truly satisfied {v0.truly:.0%}; asked for it (the twin) {twin.truly:.0%}")
     metrics0 = await user.metrics()
-    report = Report(scenario.name, args.seed, v0, twin)
+    report = Report(scenario.name, args.seed, args.think_s, v0, twin)
     prompts = list(scenario.training_prompts)
     rng = random.Random(args.seed)
     busy: list[float] = []
@@ -306,7 +311,7 @@ async def _day(user: User, scenario: Scenario, args: argparse.Namespace, t0: flo
 
 
 def print_report(r: Report) -> None:
-    print(f"scenario {r.scenario}, seed {r.seed}: v0 {r.v0.truly:.0%}, the twin {r.twin.truly:.0%} (truly satisfied, held-out)")
+    print(f"scenario {r.scenario}, seed {r.seed}, the user thinking {r.think_s:g} s a message: v0 {r.v0.truly:.0%}, the twin {r.twin.truly:.0%} (truly satisfied, held-out)")
     print(f"{'conversations':>13}  {'served':>7}  {'weights':>7}  {'Δ weights vs v0 [95 %]':>24}")
     for s, w in zip(r.served_curve, r.weights_curve, strict=True):
         mean, lo, hi = paired_interval(r.v0.per_prompt, w.per_prompt)
@@ -329,6 +334,8 @@ def main() -> int:
     p.add_argument("--eval-samples", type=int, default=2, help="Answers per held-out prompt and measurement.")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of a held-out answer.")
     p.add_argument("--user-max-tokens", type=int, default=0, help="max_tokens the user's agent sends (0: none, the server's default).")
+    p.add_argument("--think-s", type=float, default=3.0,
+                   help="Seconds the user takes to read an answer and type each message (0: an agent that never pauses).")
     p.add_argument("--idle-pings", type=int, default=10, help="Short requests timed before any conversation.")
     p.add_argument("--model", default=None, help="Passed to clawbridge up (default: its own).")
     p.add_argument("--config", default=None, help="A settings file passed to clawbridge up.")
