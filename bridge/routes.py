@@ -14,16 +14,17 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from clawbridge.learning import standing
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
-from clawbridge.serving import wire
+from clawbridge.serving import users, wire
 from clawbridge.serving.durable import Dropped
 from clawbridge.serving.wire import APIError
-from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode
+from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode, Preference
 from clawbridge.store.writer import unavailable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -64,6 +65,7 @@ def feedback_route(wake: asyncio.Event | None = None) -> Route:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         fb = parse_feedback(await request.body(), request.headers.get("x-session-id"))
+        await check_feedback_owner(proxy, request, fb)
         durable = proxy.durable
         if durable.spooling:  # its turn may be in the spool: it waits there, in order
             return _json(spool_feedback(proxy, fb), 202)
@@ -82,6 +84,23 @@ def feedback_route(wake: asyncio.Event | None = None) -> Route:
         return Response(json.dumps(out), media_type="application/json")
 
     return Route("/v1/feedback", feedback, methods=["POST"])
+
+
+async def check_feedback_owner(proxy: Proxy, request: Request, fb: FeedbackRequest) -> None:
+    """A user's key (or a request naming its user) gives feedback on that user's turns only: the
+    session it names, and the session of the turn it names, must be theirs (`Proxy.check_owner`).
+    A turn of another user is answered as a turn that does not exist."""
+    if fb.session_id is not None:
+        await proxy.check_owner(request, fb.session_id)
+    if fb.turn_id is not None and (proxy.caller(request).user is not None or request.headers.get(users.HEADER)):
+        try:
+            owner = (await proxy.store.run(proxy.store.turn_users, [fb.turn_id])).get(fb.turn_id)
+        except Exception as e:
+            if not unavailable(e):
+                raise
+            owner = None  # the store is down: the feedback spools, and its replay finds its turn
+        if owner is not None and owner != proxy.user_of(request):
+            raise APIError(404, f"No turn `{fb.turn_id}`.", param="turn_id", code="not_found")
 
 
 def spool_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
@@ -129,7 +148,7 @@ def rollback_route(learner: Learner) -> Route:
 
     async def rollback(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
+        proxy.check_admin(request)
         body = await read_body(request, RollbackRequest, "rollback")
         try:
             rb = await learner.rollback(proxy.backend, proxy.store, body.version)
@@ -155,19 +174,29 @@ def preference_routes(learner: Learner | None = None) -> list[Route]:
 
     async def listing(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
+        caller = proxy.check_auth(request)
         prefs = await proxy.store.run(proxy.store.preferences)
+        if caller.user is not None:
+            return _json({"object": "list", "data": await own_preferences(proxy.store, prefs, caller.user)})
         return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.served})
 
     async def act(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
+        proxy.check_admin(request)
         out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"],
                                       learner.lock if learner is not None else None)
         return _json(out)
 
     return [Route("/v1/preferences", listing, methods=["GET"]),
             Route("/v1/admin/preferences/{pid}/{action}", act, methods=["POST"])]
+
+
+async def own_preferences(store: Store, prefs: Sequence[Preference], user: str) -> list[dict[str, Any]]:
+    """The preferences a user's key may read: those heard from that user's turns alone. The list,
+    and the instruction served from it, are the whole server's; a preference heard from anyone
+    else's turn (its text written from their words) is not shown."""
+    owners = await store.run(store.turn_users, [tid for p in prefs for tid in p.turns])
+    return [standing.view(p) for p in prefs if p.turns and all(owners.get(tid) == user for tid in p.turns)]
 
 
 async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.Lock | None = None) -> dict[str, Any]:

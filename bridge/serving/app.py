@@ -56,17 +56,17 @@ def create_app(
         return json_response({"status": "ok", "version": backend.version})
 
     async def status(request: Request) -> Response:
-        proxy.check_auth(request)
-        return json_response(await proxy.status())
+        return json_response(await proxy.status(proxy.check_auth(request)))
 
     async def session_done(request: Request) -> Response:
         proxy.check_auth(request)
         sid = request.path_params["sid"]
+        await proxy.check_owner(request, sid)
         known = await proxy.close_session(sid, "client")
         return json_response({"id": sid, "object": "session", "done": True, "known": known})
 
     async def prometheus(request: Request) -> Response:
-        proxy.check_auth(request)
+        proxy.check_admin(request)  # everyone's counters; never a label per user
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes: list[BaseRoute] = [

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import os
 import time
@@ -28,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from clawbridge.chat.messages import PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend, NamesItsDtype, SuggestsMaxTokens
-from clawbridge.serving import instructing, wire
+from clawbridge.serving import instructing, users, wire
 from clawbridge.serving.durable import Durable, Handler, SpoolConfig
 from clawbridge.serving.errors import context_length_exceeded
 from clawbridge.serving.sessions import (
@@ -36,11 +35,13 @@ from clawbridge.serving.sessions import (
     Admission,
     Lookup,
     NextState,
+    SessionOfAnotherUser,
     Sessions,
     TurnTag,
     agent_housekeeping,
     read_tag,
 )
+from clawbridge.serving.users import Caller
 from clawbridge.serving.wire import APIError
 from clawbridge.store.continuation import Continuation
 from clawbridge.store.records import JSONObject, TurnRecord, new_turn_id
@@ -167,7 +168,7 @@ class Proxy:
         self.counters = Counters()
         self.model_name = settings.serving.served_model_name or backend.model_name
         self.started = time.time()
-        self._key = settings.serving.api_key.get_secret_value().encode() if settings.serving.api_key else None
+        self.keys = users.Keys.of(settings)  # who each API key is (`serving.users`)
         self._background: set[asyncio.Task[Any]] = set()
         # the store's writes, or the spool while the store cannot take them (`durable`)
         self.durable = Durable(store, spool, landed=self._landed)
@@ -186,13 +187,54 @@ class Proxy:
             log.info("restored %d open sessions (%d turns) from the store", restored, len(turns))
         return restored
 
-    def check_auth(self, request: Request) -> None:
-        if self._key is None:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    def check_auth(self, request: Request, key: str | None = None) -> Caller:
+        """The caller of a request by its key (`key`, else its bearer token); a 401 when keys are
+        required and it has none of them. Kept on the request for `admit` and the routes."""
+        if key is None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            key = token if scheme.lower() == "bearer" else None
+        caller = self.keys.caller(key)
+        request.scope[_CALLER] = caller
+        return caller
+
+    def check_admin(self, request: Request) -> Caller:
+        """`check_auth`, for a route only an admin key may use (a 403 for a user's key)."""
+        caller = self.check_auth(request)
+        users.require_admin(caller)
+        return caller
+
+    @staticmethod
+    def caller(request: Request) -> Caller:
+        """Who `check_auth` found the request is from."""
+        caller = request.scope.get(_CALLER)
+        assert isinstance(caller, Caller), "check_auth runs before the request is admitted"
+        return caller
+
+    def user_of(self, request: Request, body_user: Any = None) -> str:
+        """The user a request is for (`users.user_of`): its key's, `X-Session-User`, the body's
+        `user` where trusted, or `default`."""
+        return users.user_of(self.caller(request), request.headers.get(users.HEADER), body_user,
+                             self.settings.serving.trust_body_user)
+
+    async def check_owner(self, request: Request, session_id: str) -> None:
+        """For a route acting on a session: a user's key, or a request naming its user, reaches
+        only that user's sessions; the operator naming nobody reaches every session."""
+        if self.caller(request).user is not None or request.headers.get(users.HEADER):
+            await self.check_session(session_id, self.user_of(request))
+
+    async def check_session(self, session_id: str, user: str) -> None:
+        """A 403 when `session_id` is a session of another user than `user` (as this process or,
+        for a session it does not hold open, the store knows it); nothing else is said about it."""
+        owner = self.sessions.owner(session_id)
+        if owner is None and not self.durable.spooling:
+            try:
+                async with asyncio.timeout(self.durable.cfg.write_timeout_s):
+                    owner = await self.store.run(self.store.session_user, session_id)
+            except Exception as e:  # the store unreachable: this process's memory decides, as it admits
+                log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
+                        "could not look the session's user up in the store", exc_info=True)
+        if owner is not None and owner != user:
+            raise _not_yours(session_id)
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.serving.max_request_bytes
@@ -289,8 +331,14 @@ class Proxy:
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         )
+        if tag.session_id is not None:
+            await self.check_session(tag.session_id, tag.user or users.DEFAULT_USER)
         look = self.sessions.lookup(messages)
-        adm = self.sessions.admit(tag, look, await self._continuation(tag, look) if self.store.shared else None)
+        found = await self._continuation(tag, look) if self.store.shared else None
+        try:
+            adm = self.sessions.admit(tag, look, found)
+        except SessionOfAnotherUser as e:  # opened by another user while this request waited
+            raise _not_yours(e.session_id) from None
         return Draft(
             id=f"chatcmpl-{os.urandom(12).hex()}", created=int(time.time()), model=self.model_name,
             messages=messages, tools=ask.tools, prompt_ids=prompt, params=params,
@@ -311,6 +359,7 @@ class Proxy:
             tag = read_tag(headers, ask.keys, path_sid)
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
+        tag = dataclasses.replace(tag, user=self.user_of(request, ask.req.user))
         if not tag.session_id and agent_housekeeping(ask.messages):  # no user is talking: side
             tag = dataclasses.replace(tag, turn_type="side")
         return tag
@@ -324,7 +373,8 @@ class Proxy:
             return None
         try:
             async with asyncio.timeout(self.durable.cfg.write_timeout_s):
-                return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys)
+                return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys,
+                                            tag.user or users.DEFAULT_USER)
         except Exception as e:
             # the store unreachable is reported once, by the writes that spool
             log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
@@ -394,6 +444,7 @@ class Proxy:
                 ttft_ms=ttft_ms, total_ms=total_ms,
                 id=d.turn_ids[i] if i < len(d.turn_ids) else new_turn_id(),
                 prompt_key=d.adm.fps[-1] if d.adm.fps else None, reply_key=keys[i], instruction=d.instruction,
+                user=d.adm.user,
             )
             for i, (c, reply, fin) in enumerate(zip(comps, replies, finishes, strict=True))
         ]
@@ -472,8 +523,16 @@ class Proxy:
             "suggested_max_tokens": min(int(suggested), self.backend.context_length),
         } | ({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {})
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self, caller: Caller = users.OPERATOR) -> dict[str, Any]:
+        """The server's state; for a user's key only what is that user's or no one's: the model,
+        the version serving and the user's own open sessions (the counters, the store's counts,
+        the learner and the served instruction are everyone's)."""
         c = self.counters
+        if caller.user is not None:
+            return {"model": self.model_name, "backend": self.backend.name, "version": self.backend.version,
+                    **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
+                    "uptime_s": round(time.time() - self.started, 1), "user": caller.user,
+                    "sessions_open": self.sessions.open_of(caller.user)}
         out: dict[str, Any] = {
             "model": self.model_name,
             "backend": self.backend.name,
@@ -492,6 +551,14 @@ class Proxy:
         if self.hooks.status_extra is not None:
             out["extra"] = self.hooks.status_extra()
         return out
+
+
+_CALLER = "clawbridge.caller"  # where `check_auth` keeps the caller on the request's scope
+
+
+def _not_yours(session_id: str) -> APIError:
+    return APIError(403, f"Session `{session_id}` belongs to another user: name a session of your own "
+                    "(or none).", param="session_id", code="session_of_another_user")
 
 
 async def _disconnected(request: Request) -> None:
