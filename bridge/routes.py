@@ -21,7 +21,7 @@ from clawbridge.learning import standing
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
-from clawbridge.serving import users, wire
+from clawbridge.serving import wire
 from clawbridge.serving.durable import Dropped
 from clawbridge.serving.wire import APIError
 from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode, Preference
@@ -92,14 +92,15 @@ async def check_feedback_owner(proxy: Proxy, request: Request, fb: FeedbackReque
     A turn of another user is answered as a turn that does not exist."""
     if fb.session_id is not None:
         await proxy.check_owner(request, fb.session_id)
-    if fb.turn_id is not None and (proxy.caller(request).user is not None or request.headers.get(users.HEADER)):
+    user = proxy.named_user(request)
+    if fb.turn_id is not None and user is not None:
         try:
             owner = (await proxy.store.run(proxy.store.turn_users, [fb.turn_id])).get(fb.turn_id)
         except Exception as e:
             if not unavailable(e):
                 raise
             owner = None  # the store is down: the feedback spools, and its replay finds its turn
-        if owner is not None and owner != proxy.user_of(request):
+        if owner is not None and owner != user:
             raise APIError(404, f"No turn `{fb.turn_id}`.", param="turn_id", code="not_found")
 
 

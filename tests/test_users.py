@@ -34,10 +34,10 @@ QUESTION = [{"role": "user", "content": "What is rain?"}]
 
 # --- who a request is for ------------------------------------------------------------------------
 ALICE_KEY = Caller(admin=False, user="alice")
-CASES = [  # (caller, X-Session-User, body user, trust the body, the user | the error's status and code)
-    (OPERATOR, None, None, False, "default"),
+CASES = [  # (caller, X-Session-User, body user, trust the body, the user named | the error's status and code)
+    (OPERATOR, None, None, False, None),  # nobody: `default`, or the user of the session it names
     (OPERATOR, "bob", None, False, "bob"),
-    (OPERATOR, None, "carol", False, "default"),  # the body's user is abuse tracking unless trusted
+    (OPERATOR, None, "carol", False, None),  # the body's user is abuse tracking unless trusted
     (OPERATOR, None, "carol", True, "carol"),
     (OPERATOR, "bob", "carol", True, "bob"),  # the header outranks the body
     (ALICE_KEY, None, None, False, "alice"),
@@ -52,13 +52,13 @@ CASES = [  # (caller, X-Session-User, body user, trust the body, the user | the 
 
 
 @pytest.mark.parametrize(("caller", "header", "body", "trust", "want"), CASES)
-def test_the_user_a_request_is_for(caller: Caller, header: str | None, body: str | None, trust: bool,
-                                   want: Any) -> None:
-    if isinstance(want, str):
-        assert users.user_of(caller, header, body, trust) == want
+def test_the_user_a_request_names(caller: Caller, header: str | None, body: str | None, trust: bool,
+                                  want: Any) -> None:
+    if not isinstance(want, tuple):
+        assert users.named(caller, header, body, trust) == want
     else:
         with pytest.raises(APIError) as e:
-            users.user_of(caller, header, body, trust)
+            users.named(caller, header, body, trust)
         assert (e.value.status, e.value.code) == want
 
 
@@ -245,6 +245,19 @@ def test_an_admin_key_acts_for_the_user_it_names_and_names_are_checked(live: Liv
     with pytest.raises(openai.BadRequestError) as e:
         ask(client(live, ADMIN), QUESTION, **{"X-Session-User": "no spaces please"})
     assert e.value.code == "invalid_user"
+
+
+def test_the_operator_naming_nobody_continues_a_session_as_its_user(live: LiveServer) -> None:
+    """An admin key without X-Session-User (an agent's heartbeat in a user's conversation, a client
+    resuming a session by id) acts for the session's user; naming another user is refused."""
+    answer = ask(client(live, ALICE), QUESTION, **{"X-Session-Id": "alice-resumed"})
+    follow = [*QUESTION, {"role": "assistant", "content": answer}, {"role": "user", "content": "and snow?"}]
+    ask(client(live, ADMIN), follow, **{"X-Session-Id": "alice-resumed"})
+    live.settle()
+    first, second = store_of(live).session_turns("alice-resumed")
+    assert second.user == "alice" and first.next_state == [{"role": "user", "content": "and snow?"}]
+    with pytest.raises(openai.PermissionDeniedError):
+        ask(client(live, ADMIN), follow, **{"X-Session-Id": "alice-resumed", "X-Session-User": "bob"})
 
 
 def test_another_user_naming_a_session_is_refused_and_nothing_attaches(live: LiveServer) -> None:

@@ -44,7 +44,7 @@ from clawbridge.serving.sessions import (
 from clawbridge.serving.users import Caller
 from clawbridge.serving.wire import APIError
 from clawbridge.store.continuation import Continuation
-from clawbridge.store.records import JSONObject, TurnRecord, new_turn_id
+from clawbridge.store.records import DEFAULT_USER, JSONObject, TurnRecord, new_turn_id
 from clawbridge.store.writer import unavailable
 from clawbridge.types import Completion, SamplingParams
 from starlette.requests import ClientDisconnect, Request
@@ -210,21 +210,22 @@ class Proxy:
         assert isinstance(caller, Caller), "check_auth runs before the request is admitted"
         return caller
 
-    def user_of(self, request: Request, body_user: Any = None) -> str:
-        """The user a request is for (`users.user_of`): its key's, `X-Session-User`, the body's
-        `user` where trusted, or `default`."""
-        return users.user_of(self.caller(request), request.headers.get(users.HEADER), body_user,
-                             self.settings.serving.trust_body_user)
+    def named_user(self, request: Request, body_user: Any = None) -> str | None:
+        """The user a request names (`users.named`): its key's, `X-Session-User`, or the body's
+        `user` where trusted; None when the operator names nobody."""
+        return users.named(self.caller(request), request.headers.get(users.HEADER), body_user,
+                           self.settings.serving.trust_body_user)
 
     async def check_owner(self, request: Request, session_id: str) -> None:
         """For a route acting on a session: a user's key, or a request naming its user, reaches
         only that user's sessions; the operator naming nobody reaches every session."""
-        if self.caller(request).user is not None or request.headers.get(users.HEADER):
-            await self.check_session(session_id, self.user_of(request))
+        user = self.named_user(request)
+        if user is not None and await self.session_owner(session_id) not in (None, user):
+            raise _not_yours(session_id)
 
-    async def check_session(self, session_id: str, user: str) -> None:
-        """A 403 when `session_id` is a session of another user than `user` (as this process or,
-        for a session it does not hold open, the store knows it); nothing else is said about it."""
+    async def session_owner(self, session_id: str) -> str | None:
+        """The user of a session, as this process or, for a session it does not hold open, the
+        store knows it (None: a new session, or the store cannot say now)."""
         owner = self.sessions.owner(session_id)
         if owner is None and not self.durable.spooling:
             try:
@@ -233,8 +234,7 @@ class Proxy:
             except Exception as e:  # the store unreachable: this process's memory decides, as it admits
                 log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
                         "could not look the session's user up in the store", exc_info=True)
-        if owner is not None and owner != user:
-            raise _not_yours(session_id)
+        return owner
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.serving.max_request_bytes
@@ -331,8 +331,11 @@ class Proxy:
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         )
-        if tag.session_id is not None:
-            await self.check_session(tag.session_id, tag.user or users.DEFAULT_USER)
+        if tag.session_id is not None:  # a session is its opener's: another user naming it is refused
+            owner = await self.session_owner(tag.session_id)
+            if tag.user is not None and owner not in (None, tag.user):
+                raise _not_yours(tag.session_id)
+            tag = dataclasses.replace(tag, user=tag.user or owner)
         look = self.sessions.lookup(messages)
         found = await self._continuation(tag, look) if self.store.shared else None
         try:
@@ -359,7 +362,7 @@ class Proxy:
             tag = read_tag(headers, ask.keys, path_sid)
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
-        tag = dataclasses.replace(tag, user=self.user_of(request, ask.req.user))
+        tag = dataclasses.replace(tag, user=self.named_user(request, ask.req.user))
         if not tag.session_id and agent_housekeeping(ask.messages):  # no user is talking: side
             tag = dataclasses.replace(tag, turn_type="side")
         return tag
@@ -374,7 +377,7 @@ class Proxy:
         try:
             async with asyncio.timeout(self.durable.cfg.write_timeout_s):
                 return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys,
-                                            tag.user or users.DEFAULT_USER)
+                                            tag.user or DEFAULT_USER)
         except Exception as e:
             # the store unreachable is reported once, by the writes that spool
             log.log(logging.DEBUG if unavailable(e) else logging.ERROR,

@@ -7,7 +7,9 @@
 
 The body's `user` field (OpenAI's, which many clients fill for abuse tracking, not to pick whose
 data this is) names the user only where the operator trusts it (`trust_body_user`). A request
-that names nobody is for `default`, so a single-user install is what it always was.
+that names nobody is for `default`, so a single-user install is what it always was; one of the
+operator's that names nobody but names a session is for that session's user (an agent's heartbeat
+in a conversation, a client resuming a session by its id).
 
 The keys file (`api_keys_file`, YAML or JSON) maps each key to a user name, or marks it admin:
 
@@ -30,7 +32,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.serving.wire import APIError
-from clawbridge.store.records import DEFAULT_USER
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
@@ -129,21 +130,22 @@ def read_keys_file(path: Path) -> dict[str, Caller]:
     return out
 
 
-def user_of(caller: Caller, header: str | None, body_user: Any, trust_body: bool) -> str:
-    """The user a request is for: the user its key is fixed to, else the one `X-Session-User`
-    names, else the body's `user` where trusted, else `default`. A user key that names another
-    user is a 403 (nothing of the request is kept)."""
-    named, param = None, "X-Session-User"
+def named(caller: Caller, header: str | None, body_user: Any, trust_body: bool) -> str | None:
+    """The user a request names: the user its key is fixed to, else the one `X-Session-User`
+    names, else the body's `user` where trusted; None when the operator names nobody (`default`,
+    or the user of the session it names). A user key that names another user is a 403 (nothing
+    of the request is kept)."""
+    name, param = None, "X-Session-User"
     if header:
-        named = checked_name(header.strip(), param)
+        name = checked_name(header.strip(), param)
     elif trust_body and isinstance(body_user, str) and body_user:
-        named, param = checked_name(body_user, "user"), "user"
+        name, param = checked_name(body_user, "user"), "user"
     if caller.user is not None:
-        if named is not None and named != caller.user:
+        if name is not None and name != caller.user:
             raise APIError(403, f"This API key is {caller.user!r}'s: it cannot act for another user "
                            f"(drop '{param}', or send the other user's key).", param=param, code="user_mismatch")
         return caller.user
-    return named or DEFAULT_USER
+    return name
 
 
 def require_admin(caller: Caller) -> None:
