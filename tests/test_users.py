@@ -149,6 +149,24 @@ def test_the_store_continues_a_conversation_among_its_users_own_only(store: Stor
     assert theirs.session_id is None and theirs.matches == () and theirs.awaiting == ()
 
 
+def test_sessions_restored_after_a_restart_keep_their_users_apart(store: Store) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    s = Sessions()
+    adm = s.admit(TurnTag(user="alice"), QUESTION)
+    [key] = s.reply_keys(adm, [reply("Water.")])
+    stored_turn(store, "s-a", "alice", prompt_key=adm.fps[-1], reply_key=key)
+    restarted = Sessions()
+    assert restarted.restore(store.open_session_turns(datetime.now(UTC) - timedelta(hours=1))) == 1
+    follow = [*QUESTION, reply("Water."), {"role": "user", "content": "thanks"}]
+    bob = restarted.admit(TurnTag(user="bob"), follow)
+    assert bob.session_id != "s-a" and bob.next_state is None
+    with pytest.raises(SessionOfAnotherUser):
+        restarted.admit(TurnTag(session_id="s-a", user="bob"), follow)
+    alice = restarted.admit(TurnTag(user="alice"), follow)
+    assert alice.session_id == "s-a" and alice.next_state is not None
+
+
 def test_migration_0009_gives_every_session_the_default_user_and_takes_it_away(db_url: str) -> None:
     s = Store.open(db_url, migrate=False)
     s.migrate("0008")
@@ -332,6 +350,35 @@ def test_a_users_key_reads_only_its_own_and_no_admin_route(live: LiveServer) -> 
     prefs = get(live, "/v1/preferences", BOB).json()
     assert prefs["data"] == [] and "instruction" not in prefs
     assert "instruction" in get(live, "/v1/preferences", ADMIN).json()
+
+
+def test_a_users_key_lists_the_preferences_heard_from_their_own_turns_alone(live: LiveServer) -> None:
+    from clawbridge.learning import preferences as prefs
+
+    store = store_of(live)
+    ask(client(live, ALICE), QUESTION, **{"X-Session-Id": "alice-pref"})
+    ask(client(live, ALICE), QUESTION, **{"X-Session-Id": "alice-pref-2"})
+    ask(client(live, BOB), QUESTION, **{"X-Session-Id": "bob-pref"})
+    [a], [a2], [b] = (store.session_turns(sid) for sid in ("alice-pref", "alice-pref-2", "bob-pref"))
+    heard = [("Answer in one sentence.", a.id), ("Use bullet points.", b.id), ("Use bullet points.", a2.id)]
+    store.update_preferences(lambda known: prefs.merge(known, heard, 0))
+    texts = {u: [p["text"] for p in get(live, "/v1/preferences", key).json()["data"]]
+             for u, key in (("alice", ALICE), ("bob", BOB), ("admin", ADMIN))}
+    assert texts["alice"] == ["Answer in one sentence."]  # the one heard from bob's turn too is not hers alone
+    assert texts["bob"] == []
+    assert sorted(texts["admin"]) == ["Answer in one sentence.", "Use bullet points."]
+
+
+def test_a_previous_response_of_another_user_does_not_exist_for_them(live: LiveServer) -> None:
+    first = client(live, ALICE).responses.create(model=MODEL, input="Remember: my code is 4711.", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client(live, BOB).responses.create(model=MODEL, input="What was my code?", max_output_tokens=4,
+                                           previous_response_id=first.id, extra_headers={"X-Session-Id": "bob-own"})
+    assert e.value.code == "previous_response_not_found"
+    assert store_of(live).get_session("bob-own") is None
+    chained = client(live, ALICE).responses.create(model=MODEL, input="And now?", max_output_tokens=4,
+                                                   previous_response_id=first.id)
+    assert chained.previous_response_id == first.id
 
 
 def test_a_user_gives_feedback_on_their_own_turns_only(live: LiveServer) -> None:
