@@ -21,7 +21,7 @@ from clawbridge.learning import standing
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
-from clawbridge.serving import wire
+from clawbridge.serving import users, wire
 from clawbridge.serving.durable import Dropped
 from clawbridge.serving.wire import APIError
 from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode, Preference
@@ -92,7 +92,7 @@ async def check_feedback_owner(proxy: Proxy, request: Request, fb: FeedbackReque
     A turn of another user is answered as a turn that does not exist."""
     if fb.session_id is not None:
         await proxy.check_owner(request, fb.session_id)
-    user = proxy.named_user(request)
+    user = proxy.keys.named(request)
     if fb.turn_id is not None and user is not None:
         try:
             owner = (await proxy.store.run(proxy.store.turn_users, [fb.turn_id])).get(fb.turn_id)
@@ -149,7 +149,7 @@ def rollback_route(learner: Learner) -> Route:
 
     async def rollback(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_admin(request)
+        users.require_admin(proxy.check_auth(request))
         body = await read_body(request, RollbackRequest, "rollback")
         try:
             rb = await learner.rollback(proxy.backend, proxy.store, body.version)
@@ -183,7 +183,7 @@ def preference_routes(learner: Learner | None = None) -> list[Route]:
 
     async def act(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_admin(request)
+        users.require_admin(proxy.check_auth(request))
         out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"],
                                       learner.lock if learner is not None else None)
         return _json(out)

@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend
-from clawbridge.serving import chat_completions, errors
+from clawbridge.serving import chat_completions, errors, users
 from clawbridge.serving.durable import SpoolConfig
 from clawbridge.serving.errors import json_response
 from clawbridge.serving.metrics import Metrics
+from clawbridge.serving.metrics import status as metrics_status
 from clawbridge.serving.pipeline import Endpoint
 from clawbridge.serving.proxy import Proxy, ProxyHooks
 from starlette.applications import Starlette
@@ -56,7 +57,7 @@ def create_app(
         return json_response({"status": "ok", "version": backend.version})
 
     async def status(request: Request) -> Response:
-        return json_response(await proxy.status(proxy.check_auth(request)))
+        return json_response(await metrics_status(proxy, proxy.check_auth(request)))
 
     async def session_done(request: Request) -> Response:
         proxy.check_auth(request)
@@ -66,7 +67,7 @@ def create_app(
         return json_response({"id": sid, "object": "session", "done": True, "known": known})
 
     async def prometheus(request: Request) -> Response:
-        proxy.check_admin(request)  # everyone's counters; never a label per user
+        users.require_admin(proxy.check_auth(request))  # everyone's counters; never a label per user
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes: list[BaseRoute] = [

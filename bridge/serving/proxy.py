@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,7 +41,6 @@ from clawbridge.serving.sessions import (
     agent_housekeeping,
     read_tag,
 )
-from clawbridge.serving.users import Caller
 from clawbridge.serving.wire import APIError
 from clawbridge.store.continuation import Continuation
 from clawbridge.store.records import DEFAULT_USER, JSONObject, TurnRecord, new_turn_id
@@ -168,7 +167,8 @@ class Proxy:
         self.counters = Counters()
         self.model_name = settings.serving.served_model_name or backend.model_name
         self.started = time.time()
-        self.keys = users.Keys.of(settings)  # who each API key is (`serving.users`)
+        self.keys = users.Keys.of(settings)  # who each API key is, whom a request names (`serving.users`)
+        self.check_auth = self.keys.check  # the caller of a request by its key; a 401 without one
         self._background: set[asyncio.Task[Any]] = set()
         # the store's writes, or the spool while the store cannot take them (`durable`)
         self.durable = Durable(store, spool, landed=self._landed)
@@ -187,54 +187,30 @@ class Proxy:
             log.info("restored %d open sessions (%d turns) from the store", restored, len(turns))
         return restored
 
-    def check_auth(self, request: Request, key: str | None = None) -> Caller:
-        """The caller of a request by its key (`key`, else its bearer token); a 401 when keys are
-        required and it has none of them. Kept on the request for `admit` and the routes."""
-        if key is None:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            key = token if scheme.lower() == "bearer" else None
-        caller = self.keys.caller(key)
-        request.scope[_CALLER] = caller
-        return caller
-
-    def check_admin(self, request: Request) -> Caller:
-        """`check_auth`, for a route only an admin key may use (a 403 for a user's key)."""
-        caller = self.check_auth(request)
-        users.require_admin(caller)
-        return caller
-
-    @staticmethod
-    def caller(request: Request) -> Caller:
-        """Who `check_auth` found the request is from."""
-        caller = request.scope.get(_CALLER)
-        assert isinstance(caller, Caller), "check_auth runs before the request is admitted"
-        return caller
-
-    def named_user(self, request: Request, body_user: Any = None) -> str | None:
-        """The user a request names (`users.named`): its key's, `X-Session-User`, or the body's
-        `user` where trusted; None when the operator names nobody."""
-        return users.named(self.caller(request), request.headers.get(users.HEADER), body_user,
-                           self.settings.serving.trust_body_user)
-
     async def check_owner(self, request: Request, session_id: str) -> None:
         """For a route acting on a session: a user's key, or a request naming its user, reaches
         only that user's sessions; the operator naming nobody reaches every session."""
-        user = self.named_user(request)
+        user = self.keys.named(request)
         if user is not None and await self.session_owner(session_id) not in (None, user):
-            raise _not_yours(session_id)
+            raise users.not_yours(session_id)
 
     async def session_owner(self, session_id: str) -> str | None:
         """The user of a session, as this process or, for a session it does not hold open, the
         store knows it (None: a new session, or the store cannot say now)."""
-        owner = self.sessions.owner(session_id)
-        if owner is None and not self.durable.spooling:
-            try:
-                async with asyncio.timeout(self.durable.cfg.write_timeout_s):
-                    owner = await self.store.run(self.store.session_user, session_id)
-            except Exception as e:  # the store unreachable: this process's memory decides, as it admits
-                log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
-                        "could not look the session's user up in the store", exc_info=True)
-        return owner
+        return self.sessions.owner(session_id) or await self.ask_store(self.store.session_user, session_id)
+
+    async def ask_store(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)` on the store; None when it cannot say (this proxy spools: the store is behind
+        its memory, or down; or it did not answer in time): what this process knows decides then."""
+        if self.durable.spooling:
+            return None
+        try:
+            async with asyncio.timeout(self.durable.cfg.write_timeout_s):
+                return await self.store.run(fn, *args)
+        except Exception as e:  # the store unreachable is reported once, by the writes that spool
+            log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
+                    "could not ask the store (%s); using this process's memory", fn.__name__, exc_info=True)
+            return None
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.serving.max_request_bytes
@@ -334,14 +310,14 @@ class Proxy:
         if tag.session_id is not None:  # a session is its opener's: another user naming it is refused
             owner = await self.session_owner(tag.session_id)
             if tag.user is not None and owner not in (None, tag.user):
-                raise _not_yours(tag.session_id)
+                raise users.not_yours(tag.session_id)
             tag = dataclasses.replace(tag, user=tag.user or owner)
         look = self.sessions.lookup(messages)
         found = await self._continuation(tag, look) if self.store.shared else None
         try:
             adm = self.sessions.admit(tag, look, found)
         except SessionOfAnotherUser as e:  # opened by another user while this request waited
-            raise _not_yours(e.session_id) from None
+            raise users.not_yours(e.session_id) from None
         return Draft(
             id=f"chatcmpl-{os.urandom(12).hex()}", created=int(time.time()), model=self.model_name,
             messages=messages, tools=ask.tools, prompt_ids=prompt, params=params,
@@ -362,7 +338,7 @@ class Proxy:
             tag = read_tag(headers, ask.keys, path_sid)
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
-        tag = dataclasses.replace(tag, user=self.named_user(request, ask.req.user))
+        tag = dataclasses.replace(tag, user=self.keys.named(request, ask.req.user))
         if not tag.session_id and agent_housekeeping(ask.messages):  # no user is talking: side
             tag = dataclasses.replace(tag, turn_type="side")
         return tag
@@ -370,20 +346,8 @@ class Proxy:
     async def _continuation(self, tag: TurnTag, look: Lookup) -> Continuation | None:
         """What the shared store knows of the conversation this request continues (several
         proxies on one store: docs/scale-out.md). None when the store cannot say: the request is
-        admitted from this process's memory, as a single proxy admits it (and while this proxy
-        spools: the store is behind its memory, or down)."""
-        if self.durable.spooling:
-            return None
-        try:
-            async with asyncio.timeout(self.durable.cfg.write_timeout_s):
-                return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys,
-                                            tag.user or DEFAULT_USER)
-        except Exception as e:
-            # the store unreachable is reported once, by the writes that spool
-            log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
-                    "could not look the conversation up in the store; using this process's memory",
-                    exc_info=True)
-            return None
+        admitted from this process's memory, as a single proxy admits it (`ask_store`)."""
+        return await self.ask_store(self.store.continuation, tag.session_id, look.reply_keys, tag.user or DEFAULT_USER)
 
     def attach_next_state(self, d: Draft) -> None:
         """Write the next state this request carried for its session's previous turn (once): from
@@ -525,43 +489,6 @@ class Proxy:
             "max_model_len": self.backend.context_length,
             "suggested_max_tokens": min(int(suggested), self.backend.context_length),
         } | ({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {})
-
-    async def status(self, caller: Caller = users.OPERATOR) -> dict[str, Any]:
-        """The server's state; for a user's key only what is that user's or no one's: the model,
-        the version serving and the user's own open sessions (the counters, the store's counts,
-        the learner and the served instruction are everyone's)."""
-        c = self.counters
-        if caller.user is not None:
-            return {"model": self.model_name, "backend": self.backend.name, "version": self.backend.version,
-                    **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
-                    "uptime_s": round(time.time() - self.started, 1), "user": caller.user,
-                    "sessions_open": self.sessions.open_of(caller.user)}
-        out: dict[str, Any] = {
-            "model": self.model_name,
-            "backend": self.backend.name,
-            "version": self.backend.version, "instruction": self.standing.served,  # the preferences served now
-            **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
-            "uptime_s": round(time.time() - self.started, 1),
-            **asdict(c),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens
-            "sessions_open": len(self.sessions),
-            "turn_counts": dict(self.sessions.counts),
-            "spool": self.durable.status(),
-        }
-        try:
-            out["store"] = asdict(await self.store.run(self.store.stats))
-        except Exception as e:  # the status page must work while the store is unhappy
-            out["store"] = {"error": str(e)}
-        if self.hooks.status_extra is not None:
-            out["extra"] = self.hooks.status_extra()
-        return out
-
-
-_CALLER = "clawbridge.caller"  # where `check_auth` keeps the caller on the request's scope
-
-
-def _not_yours(session_id: str) -> APIError:
-    return APIError(403, f"Session `{session_id}` belongs to another user: name a session of your own "
-                    "(or none).", param="session_id", code="session_of_another_user")
 
 
 async def _disconnected(request: Request) -> None:

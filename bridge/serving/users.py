@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.serving.wire import APIError
+from starlette.requests import Request
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
 
 HEADER = "x-session-user"
+_CALLER = "clawbridge.caller"  # where `Keys.check` keeps a request's caller on its scope
 # Short, and safe wherever a user's name may go (a log line, a label, a directory name).
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
@@ -75,8 +77,9 @@ class Keys:
     """The API keys a server accepts and who each one is. None configured: every request is the
     operator's (a loopback server, as before keys existed)."""
 
-    def __init__(self, callers: Mapping[str, Caller]) -> None:
+    def __init__(self, callers: Mapping[str, Caller], trust_body: bool = False) -> None:
         self._by_digest = {_digest(k): c for k, c in callers.items()}
+        self.trust_body = trust_body  # whether the body's `user` names the user (`named`)
         self.admin_keys = tuple(k for k, c in callers.items() if c.admin)  # the page signs in with these
 
     @classmethod
@@ -88,11 +91,24 @@ class Keys:
             callers.update(read_keys_file(path))
         if settings.serving.api_key is not None:
             callers[settings.serving.api_key.get_secret_value()] = OPERATOR
-        return cls(callers)
+        return cls(callers, settings.serving.trust_body_user)
 
     @property
     def required(self) -> bool:
         return bool(self._by_digest)
+
+    def check(self, request: Request, key: str | None = None) -> Caller:
+        """The caller of a request by its key (`key`, else its bearer token), kept on the request
+        for `caller`; a 401 when keys are required and it has none of them."""
+        if key is None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            key = token if scheme.lower() == "bearer" else None
+        request.scope[_CALLER] = found = self.caller(key)
+        return found
+
+    def named(self, request: Request, body_user: Any = None) -> str | None:
+        """The user a checked request names (`named`); None when the operator names nobody."""
+        return named(caller(request), request.headers.get(HEADER), body_user, self.trust_body)
 
     def caller(self, key: str | None) -> Caller:
         """The caller a request's key names; a missing or unknown key is a 401."""
@@ -148,7 +164,21 @@ def named(caller: Caller, header: str | None, body_user: Any, trust_body: bool) 
     return name
 
 
-def require_admin(caller: Caller) -> None:
+def caller(request: Request) -> Caller:
+    """Who `Keys.check` found a request is from."""
+    found = request.scope.get(_CALLER)
+    assert isinstance(found, Caller), "the request's key is checked before anything reads its caller"
+    return found
+
+
+def require_admin(caller: Caller) -> Caller:
     if not caller.admin:
         raise APIError(403, "This route needs an admin key; a user's key reaches only that user's own data.",
                        code="admin_key_required")
+    return caller
+
+
+def not_yours(session_id: str) -> APIError:
+    """Another user's session, named: refused, saying nothing of whose it is."""
+    return APIError(403, f"Session `{session_id}` belongs to another user: name a session of your own "
+                    "(or none).", param="session_id", code="session_of_another_user")
