@@ -246,6 +246,15 @@ def _json(body: dict[str, Any], status: int = 200) -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
+async def _check_yours(proxy: Proxy, request: Request, what: str, session_ids: Sequence[str]) -> None:
+    """A user's key (or a request naming its user) reaches a group or episode only where none of
+    its sessions is another user's; otherwise it is answered as one that does not exist."""
+    user = proxy.keys.named(request)
+    for sid in session_ids if user is not None else ():
+        if await proxy.session_owner(sid) not in (None, user):
+            raise APIError(404, f"No {what}.", code="not_found")
+
+
 def _episode_error(e: EpisodeError) -> APIError:
     return APIError(e.status, str(e), code="not_found" if e.status == 404 else "episode_conflict")
 
@@ -279,11 +288,15 @@ def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
         g = await proxy.store.run(proxy.store.get_group, request.path_params["gid"])
         if g is None:
             raise APIError(404, f"No group `{request.path_params['gid']}`.", code="not_found")
+        await _check_yours(proxy, request, f"group `{g.id}`", [e.session_id for e in g.episodes])
         return _json(group_json(g))
 
     async def close_group(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
+        mine = await proxy.store.run(proxy.store.get_group, request.path_params["gid"])
+        if mine is not None:
+            await _check_yours(proxy, request, f"group `{mine.id}`", [e.session_id for e in mine.episodes])
         try:
             g = await proxy.store.run(proxy.store.close_group, request.path_params["gid"])
         except EpisodeError as e:
@@ -299,6 +312,9 @@ def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         body = await read_body(request, OutcomeRequest, "outcome")
+        mine = await proxy.store.run(proxy.store.get_episode, request.path_params["eid"])
+        if mine is not None:
+            await _check_yours(proxy, request, f"episode `{request.path_params['eid']}`", [mine.session_id])
         try:
             ep = await proxy.store.run(proxy.store.set_outcome, request.path_params["eid"], body.outcome)
         except EpisodeError as e:

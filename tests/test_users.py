@@ -401,3 +401,16 @@ def test_the_sdks_user_is_the_header_a_users_key_must_agree_with(live: LiveServe
             assert store_of(live).session_user(s.session_id) == "alice"
         with cb.session(user="bob") as s, pytest.raises(openai.PermissionDeniedError):
             s.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4)  # type: ignore[arg-type]
+
+
+def test_a_group_of_another_users_episodes_does_not_exist_for_a_users_key(live: LiveServer) -> None:
+    group = post(live, "/v1/groups", ALICE, {"n": 1, "task": "alice's secret task"}).json()
+    [episode] = group["episodes"]
+    ask(client(live, ALICE), QUESTION, **{"X-Session-Id": episode["session_id"]})
+    for method, path, body in (("GET", f"/v1/groups/{group['id']}", None),
+                               ("POST", f"/v1/episodes/{episode['id']}/outcome", {"outcome": 0.0}),
+                               ("POST", f"/v1/groups/{group['id']}/close", None)):
+        r = httpx.request(method, live.url + path, json=body, headers={"Authorization": f"Bearer {BOB}"}, timeout=30)
+        assert r.status_code == 404 and "secret" not in r.text, (path, r.text)
+    assert get(live, f"/v1/groups/{group['id']}", ALICE).json()["state"] == "open"  # bob changed nothing
+    assert post(live, f"/v1/episodes/{episode['id']}/outcome", ALICE, {"outcome": 1.0}).json()["outcome"] == 1.0
