@@ -1,6 +1,6 @@
 """Who a request is for: its caller (by API key) and the user it acts for.
 
-    no key configured          the operator: any user, named by `X-Session-User` (else `default`)
+    no key configured          the operator: the user `X-Session-User` names, else `default`
     the admin key (`api_key`)  the operator, the same way; and every admin route
     an admin key of the file   the same as `api_key`
     a user key of the file     that user, always: naming another one is a 403
