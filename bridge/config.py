@@ -55,7 +55,9 @@ class ServingSettings(_Section):
 
     host: str = Field("127.0.0.1", description="Address to bind; any non-loopback address requires an API key.")
     port: int = Field(30000, ge=0, le=65535, description="Port to bind (the environment's PORT also sets it).")
-    api_key: SecretStr | None = Field(None, description="Bearer key every request must carry (required off loopback).")
+    api_key: SecretStr | None = Field(None, description="Bearer key every request must carry (required off loopback, unless api_keys_file gives keys); an admin key: every route, any user.")
+    api_keys_file: Path | None = Field(None, description="A YAML or JSON file of API keys, each fixed to one user (`keys: {KEY: alice}`) or an admin key (`KEY: {admin: true}`); with it every request needs a key from it or api_key, and a user's key reaches only that user's data (docs/serving.md#users).")
+    trust_body_user: bool = Field(False, description="Take the OpenAI body's `user` field as the user a request is for when X-Session-User names none; off because many clients fill it for abuse tracking, not to say whose conversation it is.")
     served_model_name: str | None = Field(None, description="Name listed by /v1/models (default: the model's name).")
     max_request_bytes: int = Field(8 * 1024 * 1024, description="Larger request bodies get HTTP 413.")
     body_timeout_s: float = Field(30.0, gt=0, description="A request body not fully received in this time gets HTTP 408.")
@@ -82,10 +84,10 @@ class ServingSettings(_Section):
 
     @model_validator(mode="after")
     def _key_off_loopback(self) -> ServingSettings:
-        if self.host not in LOOPBACK and self.api_key is None:
+        if self.host not in LOOPBACK and self.api_key is None and self.api_keys_file is None:
             raise ValueError(
                 f"binding {self.host} exposes the model beyond this machine: set --api-key "
-                "(or CLAWBRIDGE_API_KEY, not empty) so every request must carry it"
+                "(or CLAWBRIDGE_API_KEY, not empty) or api_keys_file so every request must carry a key"
             )
         return self
 

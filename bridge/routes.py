@@ -14,16 +14,17 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from clawbridge.learning import standing
 from clawbridge.learning.feedback import FeedbackRejected, FeedbackRequest, record_feedback
 from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
-from clawbridge.serving import wire
+from clawbridge.serving import users, wire
 from clawbridge.serving.durable import Dropped
 from clawbridge.serving.wire import APIError
-from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode
+from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode, Preference
 from clawbridge.store.writer import unavailable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -64,6 +65,7 @@ def feedback_route(wake: asyncio.Event | None = None) -> Route:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         fb = parse_feedback(await request.body(), request.headers.get("x-session-id"))
+        await check_feedback_owner(proxy, request, fb)
         durable = proxy.durable
         if durable.spooling:  # its turn may be in the spool: it waits there, in order
             return _json(spool_feedback(proxy, fb), 202)
@@ -82,6 +84,24 @@ def feedback_route(wake: asyncio.Event | None = None) -> Route:
         return Response(json.dumps(out), media_type="application/json")
 
     return Route("/v1/feedback", feedback, methods=["POST"])
+
+
+async def check_feedback_owner(proxy: Proxy, request: Request, fb: FeedbackRequest) -> None:
+    """A user's key (or a request naming its user) gives feedback on that user's turns only: the
+    session it names, and the session of the turn it names, must be theirs (`Proxy.check_owner`).
+    A turn of another user is answered as a turn that does not exist."""
+    if fb.session_id is not None:
+        await proxy.check_owner(request, fb.session_id)
+    user = proxy.keys.named(request)
+    if fb.turn_id is not None and user is not None:
+        try:
+            owner = (await proxy.store.run(proxy.store.turn_users, [fb.turn_id])).get(fb.turn_id)
+        except Exception as e:
+            if not unavailable(e):
+                raise
+            owner = None  # the store is down: the feedback spools, and its replay finds its turn
+        if owner is not None and owner != user:
+            raise APIError(404, f"No turn `{fb.turn_id}`.", param="turn_id", code="not_found")
 
 
 def spool_feedback(proxy: Proxy, fb: FeedbackRequest) -> dict[str, Any]:
@@ -129,7 +149,7 @@ def rollback_route(learner: Learner) -> Route:
 
     async def rollback(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
+        users.require_admin(proxy.check_auth(request))
         body = await read_body(request, RollbackRequest, "rollback")
         try:
             rb = await learner.rollback(proxy.backend, proxy.store, body.version)
@@ -155,19 +175,29 @@ def preference_routes(learner: Learner | None = None) -> list[Route]:
 
     async def listing(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
+        caller = proxy.check_auth(request)
         prefs = await proxy.store.run(proxy.store.preferences)
+        if caller.user is not None:
+            return _json({"object": "list", "data": await own_preferences(proxy.store, prefs, caller.user)})
         return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.served})
 
     async def act(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
-        proxy.check_auth(request)
+        users.require_admin(proxy.check_auth(request))
         out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"],
                                       learner.lock if learner is not None else None)
         return _json(out)
 
     return [Route("/v1/preferences", listing, methods=["GET"]),
             Route("/v1/admin/preferences/{pid}/{action}", act, methods=["POST"])]
+
+
+async def own_preferences(store: Store, prefs: Sequence[Preference], user: str) -> list[dict[str, Any]]:
+    """The preferences a user's key may read: those heard from that user's turns alone. The list,
+    and the instruction served from it, are the whole server's; a preference heard from anyone
+    else's turn (its text written from their words) is not shown."""
+    owners = await store.run(store.turn_users, [tid for p in prefs for tid in p.turns])
+    return [standing.view(p) for p in prefs if p.turns and all(owners.get(tid) == user for tid in p.turns)]
 
 
 async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.Lock | None = None) -> dict[str, Any]:
@@ -216,6 +246,15 @@ def _json(body: dict[str, Any], status: int = 200) -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
+async def _check_yours(proxy: Proxy, request: Request, what: str, session_ids: Sequence[str]) -> None:
+    """A user's key (or a request naming its user) reaches a group or episode only where none of
+    its sessions is another user's; otherwise it is answered as one that does not exist."""
+    user = proxy.keys.named(request)
+    for sid in session_ids if user is not None else ():
+        if await proxy.session_owner(sid) not in (None, user):
+            raise APIError(404, f"No {what}.", code="not_found")
+
+
 def _episode_error(e: EpisodeError) -> APIError:
     return APIError(e.status, str(e), code="not_found" if e.status == 404 else "episode_conflict")
 
@@ -249,11 +288,15 @@ def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
         g = await proxy.store.run(proxy.store.get_group, request.path_params["gid"])
         if g is None:
             raise APIError(404, f"No group `{request.path_params['gid']}`.", code="not_found")
+        await _check_yours(proxy, request, f"group `{g.id}`", [e.session_id for e in g.episodes])
         return _json(group_json(g))
 
     async def close_group(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
+        mine = await proxy.store.run(proxy.store.get_group, request.path_params["gid"])
+        if mine is not None:
+            await _check_yours(proxy, request, f"group `{mine.id}`", [e.session_id for e in mine.episodes])
         try:
             g = await proxy.store.run(proxy.store.close_group, request.path_params["gid"])
         except EpisodeError as e:
@@ -269,6 +312,9 @@ def episode_routes(wake: asyncio.Event | None = None) -> list[Route]:
         proxy: Proxy = request.app.state.proxy
         proxy.check_auth(request)
         body = await read_body(request, OutcomeRequest, "outcome")
+        mine = await proxy.store.run(proxy.store.get_episode, request.path_params["eid"])
+        if mine is not None:
+            await _check_yours(proxy, request, f"episode `{request.path_params['eid']}`", [mine.session_id])
         try:
             ep = await proxy.store.run(proxy.store.set_outcome, request.path_params["eid"], body.outcome)
         except EpisodeError as e:

@@ -46,7 +46,7 @@ from clawbridge.routes import (
     preference_routes,
     rollback_route,
 )
-from clawbridge.serving import anthropic, completions, responses
+from clawbridge.serving import anthropic, completions, metrics, responses
 from clawbridge.serving.app import create_app
 from clawbridge.serving.instructing import REFRESH_S
 from clawbridge.serving.proxy import Proxy, ProxyHooks
@@ -306,7 +306,7 @@ async def _status_loop(proxy: Proxy, every_s: float, tty: bool) -> None:
     last = 0.0
     while True:
         await asyncio.sleep(every_s)
-        line = status_line(await proxy.status())
+        line = status_line(await metrics.status(proxy))
         if tty:
             sys.stdout.write("\r\x1b[2K" + line)
             sys.stdout.flush()

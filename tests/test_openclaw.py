@@ -220,6 +220,15 @@ const out = {
   side: ["heartbeat", "cron", "memory"].map((t) => m.turnTypeFor(t)),
   main: ["user", "manual", undefined].map((t) => m.turnTypeFor(t)),
   headers: m.taggedHeaders({"X-Other": "1"}, "s-1", "side"),
+  userHeaders: m.taggedHeaders({}, "s-1", "main", "telegram-42"),
+  users: [
+    {sessionKey: "agent:main:main", senderId: "42", messageProvider: "telegram"},
+    {sessionKey: "agent:main:telegram:dm:42", senderId: "42", messageProvider: "telegram"},
+    {sessionKey: "agent:main:dm:42"},
+    {sessionKey: "agent:main:telegram:group:-100777:topic:5", senderId: "42", messageProvider: "telegram"},
+    {sessionKey: "agent:main:whatsapp:dm:+1 555/01"},
+    {},
+  ].map((ctx) => m.userFor(ctx) ?? null),
 };
 console.log(JSON.stringify(out));
 """
@@ -240,6 +249,10 @@ def test_plugin_helpers_tag_runs_by_trigger(tmp_path: Path):
     assert got["run"] == "run-7" and got["plain"] == "abc"
     assert got["side"] == ["side"] * 3 and got["main"] == ["main"] * 3
     assert got["headers"] == {"X-Other": "1", "X-Session-Id": "s-1", "X-Turn-Type": "side"}
+    assert got["userHeaders"] == {"X-Session-Id": "s-1", "X-Turn-Type": "main", "X-Session-User": "telegram-42"}
+    # the main session names nobody (`default`); a direct chat is its sender's; a group's
+    # conversation is the group's, whoever of its members sent the message
+    assert got["users"] == [None, "telegram-42", "42", "telegram-group--100777", "whatsapp--1-555-01", None]
 
 
 # --- the plug-in's register(api) under a stand-in for OpenClaw, against a live clawbridge ---------
@@ -263,8 +276,9 @@ const underlying = async (model, context, options) => {
   return {status: r.status, headers: model.headers};
 };
 const stream = provider.wrapStreamFn({streamFn: underlying});
-hooks.before_prompt_build({}, {runId: "run-user", sessionId: "oc-7", trigger: "user"});
-hooks.before_prompt_build({}, {runId: "run-hb", sessionId: "oc-7", trigger: "heartbeat"});
+const dm = {sessionId: "oc-7", sessionKey: "agent:main:telegram:dm:42", messageProvider: "telegram"};
+hooks.before_prompt_build({}, {...dm, runId: "run-user", trigger: "user", senderId: "42"});
+hooks.before_prompt_build({}, {...dm, runId: "run-hb", trigger: "heartbeat"});
 const out = [];
 out.push(await stream({id: "tiny-random", headers: {}}, {messages: [{role: "user", content: "hi"}]},
                       {sessionId: "oc-7", requestId: "run-user:model:1"}));
@@ -361,8 +375,10 @@ def test_plugin_tags_main_and_heartbeat_turns_and_ends_the_session(live: LiveSer
     assert [o["status"] for o in got["out"]] == [200, 200, 200]
     assert [o["headers"]["X-Turn-Type"] for o in got["out"]] == ["main", "side", "side"]
     assert "X-Session-Id" not in got["out"][2]["headers"]
+    assert [o["headers"].get("X-Session-User") for o in got["out"]] == ["telegram-42", "telegram-42", None]
     store = live.running.store  # type: ignore[union-attr]
     main, side = store.session_turns("oc-7")
     assert (main.turn_type, side.turn_type) == ("main", "side") and main.tagged
+    assert main.user == side.user == "telegram-42"  # the heartbeat in the chat is the chat's
     session = store.get_session("oc-7")
     assert session is not None and session.source == "header" and session.done

@@ -18,6 +18,7 @@ import openai
 import pytest
 from clawbridge.config import Settings
 from clawbridge.server import build_backend
+from clawbridge.serving.metrics import status as server_status
 from clawbridge.serving.proxy import ProxyHooks
 from clawbridge.store import Store, StoredTurn
 from live_server import LiveServer
@@ -338,7 +339,7 @@ def test_banner_has_endpoint_curl_context_and_the_openclaw_install_command(live:
     assert f"context   {live.backend.context_length} tokens" in text
     # a port other than the default: install must be told where the server is
     assert f"clawbridge openclaw install --url {live.url}" in text and "$OPENCLAW_HOME" in text
-    line = status_line(live.call(live.proxy.status()))
+    line = status_line(live.call(server_status(live.proxy)))
     assert "requests" in line and "policy@v0" in line
 
 

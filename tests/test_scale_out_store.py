@@ -26,11 +26,11 @@ class Proxy:
 
     def ask(
         self, messages: Sequence[Mapping[str, Any]], replies: Sequence[str] = ("ok",), *,
-        session: str | None = None, turn_type: str = "main",
+        session: str | None = None, turn_type: str = "main", user: str = "default",
     ) -> tuple[str, list[str], NextState | None]:
-        tag = TurnTag(session_id=session, turn_type=turn_type)  # type: ignore[arg-type]
+        tag = TurnTag(session_id=session, turn_type=turn_type, user=user)  # type: ignore[arg-type]
         look = self.sessions.lookup(messages)
-        adm = self.sessions.admit(tag, look, self.store.continuation(tag.session_id, look.reply_keys))
+        adm = self.sessions.admit(tag, look, self.store.continuation(tag.session_id, look.reply_keys, user))
         if adm.next_state is not None:
             self.store.attach_next_state(adm.next_state.turn_id, list(adm.next_state.messages))
         answers = [{"role": "assistant", "content": r} for r in replies]
@@ -41,7 +41,7 @@ class Proxy:
                 session_id=adm.session_id, messages=[dict(m) for m in messages], prompt_ids=(1, 2),
                 completion_ids=(3,), logprobs=(-0.5,), version=0, finish_reason="stop", response=answer,
                 turn_type=adm.turn_type, tagged=session is not None,
-                prompt_key=adm.fps[-1] if adm.fps else None, reply_key=key,
+                prompt_key=adm.fps[-1] if adm.fps else None, reply_key=key, user=adm.user,
             )))
         self.sessions.complete(adm, ids, answers, keys)
         return adm.session_id, ids, adm.next_state
@@ -78,6 +78,16 @@ def test_an_untagged_conversation_alternating_between_two_proxies_is_one_session
     assert len(set(sids)) == 1
     turns = pg_store.session_turns(sids[0])
     assert [t.next_state is not None for t in turns] == [True, True, True, False]
+
+
+def test_on_another_proxy_one_users_conversation_never_continues_anothers(pg_store: Store):
+    a, b = Proxy(pg_store), Proxy(pg_store)
+    sid, [t0], _ = a.ask([user("q")], ["r0"], user="alice")
+    # bob's request on the other proxy is alice's conversation word for word, plus his reply
+    bobs, _, ns = b.ask([user("q"), assistant("r0"), user("no!")], ["r1"], user="bob")
+    assert bobs != sid and ns is None and pg_store.session_user(bobs) == "bob"
+    same, _, ns = b.ask([user("q"), assistant("r0"), user("thanks")], ["r1"], user="alice")
+    assert same == sid and ns is not None and (ns.turn_id, ns.messages) == (t0, (user("thanks"),))
 
 
 def test_a_tagged_conversation_gets_its_next_states_wherever_its_turns_land(pg_store: Store):

@@ -17,7 +17,6 @@ _stop per block, message_delta and message_stop. Errors are Anthropic's
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import re
@@ -62,15 +61,14 @@ def error_response(err: APIError) -> Response:
 
 def check_auth(proxy: Proxy, request: Request) -> None:
     """`x-api-key` (what the anthropic SDK sends) or `Authorization: Bearer`."""
-    key = proxy.settings.serving.api_key
-    if key is None:
-        return
     got = request.headers.get("x-api-key")
     if got is None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         got = token.strip() if scheme.lower() == "bearer" else ""
-    if not hmac.compare_digest(got.encode(), key.get_secret_value().encode()):
-        raise APIError(401, "invalid x-api-key", code="invalid_api_key")
+    try:
+        proxy.check_auth(request, got)
+    except APIError:
+        raise APIError(401, "invalid x-api-key", code="invalid_api_key") from None
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:

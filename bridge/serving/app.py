@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend
-from clawbridge.serving import chat_completions, errors
+from clawbridge.serving import chat_completions, errors, users
 from clawbridge.serving.durable import SpoolConfig
 from clawbridge.serving.errors import json_response
 from clawbridge.serving.metrics import Metrics
+from clawbridge.serving.metrics import status as metrics_status
 from clawbridge.serving.pipeline import Endpoint
 from clawbridge.serving.proxy import Proxy, ProxyHooks
 from starlette.applications import Starlette
@@ -56,17 +57,17 @@ def create_app(
         return json_response({"status": "ok", "version": backend.version})
 
     async def status(request: Request) -> Response:
-        proxy.check_auth(request)
-        return json_response(await proxy.status())
+        return json_response(await metrics_status(proxy, proxy.check_auth(request)))
 
     async def session_done(request: Request) -> Response:
         proxy.check_auth(request)
         sid = request.path_params["sid"]
+        await proxy.check_owner(request, sid)
         known = await proxy.close_session(sid, "client")
         return json_response({"id": sid, "object": "session", "done": True, "known": known})
 
     async def prometheus(request: Request) -> Response:
-        proxy.check_auth(request)
+        users.require_admin(proxy.check_auth(request))  # everyone's counters; never a label per user
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     routes: list[BaseRoute] = [

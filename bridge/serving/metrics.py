@@ -1,9 +1,15 @@
-"""Prometheus exposition of the proxy's counters (and the learning loop's gauges, through a hook)."""
+"""What the server says of itself: Prometheus exposition of the proxy's counters (and the learning
+loop's gauges, through a hook) for machines, the status JSON (`/v1/status`) for people."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
+
+from clawbridge.protocol import NamesItsDtype
+from clawbridge.serving.users import OPERATOR, Caller
 
 if TYPE_CHECKING:
     from clawbridge.serving.proxy import Proxy
@@ -82,3 +88,30 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+async def status(proxy: Proxy, caller: Caller = OPERATOR) -> dict[str, Any]:
+    """The server's state; for a user's key only what is that user's or no one's: the model, the
+    version serving and the user's own open sessions (the counters, the store's counts, the
+    learner and the served instruction are everyone's)."""
+    backend = proxy.backend
+    about = {"model": proxy.model_name, "backend": backend.name, "version": backend.version,
+             **({"dtype": backend.dtype} if isinstance(backend, NamesItsDtype) else {}),
+             "uptime_s": round(time.time() - proxy.started, 1)}
+    if caller.user is not None:
+        return {**about, "user": caller.user, "sessions_open": proxy.sessions.open_of(caller.user)}
+    out: dict[str, Any] = {
+        **about,
+        "instruction": proxy.standing.served,  # the preferences served now
+        **asdict(proxy.counters),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens
+        "sessions_open": len(proxy.sessions),
+        "turn_counts": dict(proxy.sessions.counts),
+        "spool": proxy.durable.status(),
+    }
+    try:
+        out["store"] = asdict(await proxy.store.run(proxy.store.stats))
+    except Exception as e:  # the status page must work while the store is unhappy
+        out["store"] = {"error": str(e)}
+    if proxy.hooks.status_extra is not None:
+        out["extra"] = proxy.hooks.status_extra()
+    return out

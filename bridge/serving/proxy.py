@@ -16,19 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from clawbridge.chat.messages import PromptTooLong, RenderError
 from clawbridge.chat.renderer import Renderer
 from clawbridge.protocol import Backend, NamesItsDtype, SuggestsMaxTokens
-from clawbridge.serving import instructing, wire
+from clawbridge.serving import instructing, users, wire
 from clawbridge.serving.durable import Durable, Handler, SpoolConfig
 from clawbridge.serving.errors import context_length_exceeded
 from clawbridge.serving.sessions import (
@@ -36,6 +35,7 @@ from clawbridge.serving.sessions import (
     Admission,
     Lookup,
     NextState,
+    SessionOfAnotherUser,
     Sessions,
     TurnTag,
     agent_housekeeping,
@@ -43,7 +43,7 @@ from clawbridge.serving.sessions import (
 )
 from clawbridge.serving.wire import APIError
 from clawbridge.store.continuation import Continuation
-from clawbridge.store.records import JSONObject, TurnRecord, new_turn_id
+from clawbridge.store.records import DEFAULT_USER, JSONObject, TurnRecord, new_turn_id
 from clawbridge.store.writer import unavailable
 from clawbridge.types import Completion, SamplingParams
 from starlette.requests import ClientDisconnect, Request
@@ -167,7 +167,8 @@ class Proxy:
         self.counters = Counters()
         self.model_name = settings.serving.served_model_name or backend.model_name
         self.started = time.time()
-        self._key = settings.serving.api_key.get_secret_value().encode() if settings.serving.api_key else None
+        self.keys = users.Keys.of(settings)  # who each API key is, whom a request names (`serving.users`)
+        self.check_auth = self.keys.check  # the caller of a request by its key; a 401 without one
         self._background: set[asyncio.Task[Any]] = set()
         # the store's writes, or the spool while the store cannot take them (`durable`)
         self.durable = Durable(store, spool, landed=self._landed)
@@ -186,13 +187,30 @@ class Proxy:
             log.info("restored %d open sessions (%d turns) from the store", restored, len(turns))
         return restored
 
-    def check_auth(self, request: Request) -> None:
-        if self._key is None:
-            return
-        got = request.headers.get("authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    async def check_owner(self, request: Request, session_id: str) -> None:
+        """For a route acting on a session: a user's key, or a request naming its user, reaches
+        only that user's sessions; the operator naming nobody reaches every session."""
+        user = self.keys.named(request)
+        if user is not None and await self.session_owner(session_id) not in (None, user):
+            raise users.not_yours(session_id)
+
+    async def session_owner(self, session_id: str) -> str | None:
+        """The user of a session, as this process or, for a session it does not hold open, the
+        store knows it (None: a new session, or the store cannot say now)."""
+        return self.sessions.owner(session_id) or await self.ask_store(self.store.session_user, session_id)
+
+    async def ask_store(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """`fn(*args)` on the store; None when it cannot say (this proxy spools: the store is behind
+        its memory, or down; or it did not answer in time): what this process knows decides then."""
+        if self.durable.spooling:
+            return None
+        try:
+            async with asyncio.timeout(self.durable.cfg.write_timeout_s):
+                return await self.store.run(fn, *args)
+        except Exception as e:  # the store unreachable is reported once, by the writes that spool
+            log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
+                    "could not ask the store (%s); using this process's memory", fn.__name__, exc_info=True)
+            return None
 
     async def read_body(self, request: Request) -> bytes:
         limit = self.settings.serving.max_request_bytes
@@ -289,8 +307,17 @@ class Proxy:
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         )
+        if tag.session_id is not None:  # a session is its opener's: another user naming it is refused
+            owner = await self.session_owner(tag.session_id)
+            if tag.user is not None and owner not in (None, tag.user):
+                raise users.not_yours(tag.session_id)
+            tag = dataclasses.replace(tag, user=tag.user or owner)
         look = self.sessions.lookup(messages)
-        adm = self.sessions.admit(tag, look, await self._continuation(tag, look) if self.store.shared else None)
+        found = await self._continuation(tag, look) if self.store.shared else None
+        try:
+            adm = self.sessions.admit(tag, look, found)
+        except SessionOfAnotherUser as e:  # opened by another user while this request waited
+            raise users.not_yours(e.session_id) from None
         return Draft(
             id=f"chatcmpl-{os.urandom(12).hex()}", created=int(time.time()), model=self.model_name,
             messages=messages, tools=ask.tools, prompt_ids=prompt, params=params,
@@ -311,6 +338,7 @@ class Proxy:
             tag = read_tag(headers, ask.keys, path_sid)
         except ValueError as e:
             raise APIError(400, str(e), param="turn_type") from None
+        tag = dataclasses.replace(tag, user=self.keys.named(request, ask.req.user))
         if not tag.session_id and agent_housekeeping(ask.messages):  # no user is talking: side
             tag = dataclasses.replace(tag, turn_type="side")
         return tag
@@ -318,19 +346,8 @@ class Proxy:
     async def _continuation(self, tag: TurnTag, look: Lookup) -> Continuation | None:
         """What the shared store knows of the conversation this request continues (several
         proxies on one store: docs/scale-out.md). None when the store cannot say: the request is
-        admitted from this process's memory, as a single proxy admits it (and while this proxy
-        spools: the store is behind its memory, or down)."""
-        if self.durable.spooling:
-            return None
-        try:
-            async with asyncio.timeout(self.durable.cfg.write_timeout_s):
-                return await self.store.run(self.store.continuation, tag.session_id, look.reply_keys)
-        except Exception as e:
-            # the store unreachable is reported once, by the writes that spool
-            log.log(logging.DEBUG if unavailable(e) else logging.ERROR,
-                    "could not look the conversation up in the store; using this process's memory",
-                    exc_info=True)
-            return None
+        admitted from this process's memory, as a single proxy admits it (`ask_store`)."""
+        return await self.ask_store(self.store.continuation, tag.session_id, look.reply_keys, tag.user or DEFAULT_USER)
 
     def attach_next_state(self, d: Draft) -> None:
         """Write the next state this request carried for its session's previous turn (once): from
@@ -394,6 +411,7 @@ class Proxy:
                 ttft_ms=ttft_ms, total_ms=total_ms,
                 id=d.turn_ids[i] if i < len(d.turn_ids) else new_turn_id(),
                 prompt_key=d.adm.fps[-1] if d.adm.fps else None, reply_key=keys[i], instruction=d.instruction,
+                user=d.adm.user,
             )
             for i, (c, reply, fin) in enumerate(zip(comps, replies, finishes, strict=True))
         ]
@@ -471,27 +489,6 @@ class Proxy:
             "max_model_len": self.backend.context_length,
             "suggested_max_tokens": min(int(suggested), self.backend.context_length),
         } | ({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {})
-
-    async def status(self) -> dict[str, Any]:
-        c = self.counters
-        out: dict[str, Any] = {
-            "model": self.model_name,
-            "backend": self.backend.name,
-            "version": self.backend.version, "instruction": self.standing.served,  # the preferences served now
-            **({"dtype": self.backend.dtype} if isinstance(self.backend, NamesItsDtype) else {}),
-            "uptime_s": round(time.time() - self.started, 1),
-            **asdict(c),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens
-            "sessions_open": len(self.sessions),
-            "turn_counts": dict(self.sessions.counts),
-            "spool": self.durable.status(),
-        }
-        try:
-            out["store"] = asdict(await self.store.run(self.store.stats))
-        except Exception as e:  # the status page must work while the store is unhappy
-            out["store"] = {"error": str(e)}
-        if self.hooks.status_extra is not None:
-            out["extra"] = self.hooks.status_extra()
-        return out
 
 
 async def _disconnected(request: Request) -> None:

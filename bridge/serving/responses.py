@@ -187,6 +187,8 @@ async def _admit(proxy: Proxy, request: Request, raw: bytes) -> _Call:
     if prev_id is not None:
         m = _RESPONSE_ID.match(prev_id)
         prev = await proxy.store.run(proxy.store.get_turn, f"turn-{m.group(1)}") if m else None
+        if prev is not None and proxy.keys.named(request, body.get("user")) not in (None, prev.user):
+            prev = None  # another user's response is answered as one that does not exist
         if prev is None:
             raise APIError(400, f"Previous response with id '{prev_id}' not found.",
                            param="previous_response_id", code="previous_response_not_found")

@@ -14,6 +14,10 @@ request's admission is atomic with respect to every other. Several proxies on on
 (docs/scale-out.md) know only what they served themselves: there the proxy asks the store which
 turn a request continues (`Store.continuation`, by the fingerprints of the request's prefixes)
 and hands the answer to `admit`, which decides from it as it decides from its own memory.
+
+Users are strictly apart (`serving.users`): a session belongs to the user who opened it, a request
+for another user naming it is refused (`SessionOfAnotherUser`), and an untagged request is matched
+against its own user's conversations only, so two users' identical histories never join.
 """
 
 from __future__ import annotations
@@ -28,12 +32,21 @@ from typing import Any, Literal
 
 from clawbridge.chat.prefix import Recent, snapshot
 from clawbridge.store.continuation import Continuation, KeyedTurn
+from clawbridge.store.records import DEFAULT_USER
 from clawbridge.types import TurnType
 
 INTERNAL_CONTEXT_MARKER = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"
 _KEYS_PER_SESSION = 8  # fingerprints kept per session: the last few replies, to allow branching
 _TRUE = {"1", "true", "yes", "on"}
 TAG_HEADERS = ("x-session-id", "x-turn-type", "x-session-done", "x-train", "x-session-user", "x-instructions")
+
+
+class SessionOfAnotherUser(Exception):
+    """A request named a session that another user opened."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(session_id)
+        self.session_id = session_id
 
 
 @dataclass(frozen=True)
@@ -181,7 +194,7 @@ class Admission:
     matched: bool  # an untagged request joined an existing conversation
     untagged: bool
     source: Literal["header", "body", "path", "matched", "new"]
-    user: str | None
+    user: str
     fps: tuple[bytes, ...]  # fingerprints of the request's history
     next_state: NextState | None
 
@@ -248,6 +261,7 @@ def _shared_next_state(
 class _Session:
     id: str
     last_seen: float
+    user: str = DEFAULT_USER
     keys: list[bytes] = field(default_factory=list)
     # main turns awaiting their next state: every choice of the last request, and the turns of
     # earlier requests with the very same history (the same prompt sampled again); the request
@@ -290,12 +304,22 @@ class Sessions:
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._sessions: dict[str, _Session] = {}
-        self._index: dict[bytes, str] = {}  # fingerprint of history + reply -> session id
+        # (user, fingerprint of history + reply) -> session id: a user's conversations only
+        self._index: dict[tuple[str, bytes], str] = {}
         self._fingerprints = _Fingerprints()
         self.counts = {"untagged": 0, "matched": 0, "side": 0, "main": 0, "no_train": 0}
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def owner(self, session_id: str) -> str | None:
+        """The user of an open session this process knows (None: it knows no such session)."""
+        sess = self._sessions.get(session_id)
+        return None if sess is None else sess.user
+
+    def open_of(self, user: str) -> int:
+        """How many open sessions `user` has."""
+        return sum(s.user == user for s in self._sessions.values())
 
     def lookup(self, messages: Sequence[Mapping[str, Any]]) -> Lookup:
         hist = history(messages)
@@ -304,20 +328,25 @@ class Sessions:
     def admit(
         self, tag: TurnTag, messages: Sequence[Mapping[str, Any]] | Lookup, found: Continuation | None = None
     ) -> Admission:
-        """Admit a request. `found`: what the store knows of the conversation it continues (on a
-        store shared by several proxies); it decides the session of an untagged request and the
-        turn whose next state the request carries, instead of this process's own memory."""
+        """Admit a request for `tag.user` (None: `default`). `found`: what the store knows of the
+        conversation it continues (on a store shared by several proxies), among that user's
+        sessions; it decides the session of an untagged request and the turn whose next state the
+        request carries, instead of this process's own memory. Raises SessionOfAnotherUser, before
+        anything changes, when the request names a session another user opened."""
         look = messages if isinstance(messages, Lookup) else self.lookup(messages)
         hist, fps = look.hist, look.fps
+        user = tag.user or DEFAULT_USER
         sid, matched, untagged = tag.session_id, False, tag.session_id is None
+        if sid is not None and self.owner(sid) not in (None, user):
+            raise SessionOfAnotherUser(sid)
         if sid is None:
             self.counts["untagged"] += 1
             if found is not None:
                 sid = found.session_id
             else:
                 for k in range(len(fps) - 1, -1, -1):  # the longest known prefix wins
-                    if fps[k] in self._index:
-                        sid = self._index[fps[k]]
+                    if (user, fps[k]) in self._index:
+                        sid = self._index[user, fps[k]]
                         break
             if sid is not None:
                 matched = True
@@ -327,7 +356,7 @@ class Sessions:
             sid = f"s-{os.urandom(8).hex()}"
         sess = self._sessions.get(sid)
         if sess is None:
-            sess = self._sessions[sid] = _Session(sid, self._clock())
+            sess = self._sessions[sid] = _Session(sid, self._clock(), user)
         sess.last_seen = self._clock()
         ttype: TurnType = tag.turn_type or self.default_turn_type
         self.counts[ttype] += 1
@@ -349,7 +378,7 @@ class Sessions:
             matched=matched,
             untagged=untagged,
             source=tag.source or ("matched" if matched else "new"),
-            user=tag.user,
+            user=user,
             fps=tuple(fps),
             next_state=nxt,
         )
@@ -394,13 +423,13 @@ class Sessions:
             sess.awaiting = []
         for i, reply in enumerate(replies):
             fp = keys[i] if keys is not None else extend(base, reply)
-            self._index[fp] = sess.id
+            self._index[sess.user, fp] = sess.id
             sess.keys.append(fp)
             if adm.turn_type == "main" and i < len(turn_ids):
                 sess.awaiting.append(_Pending(turn_ids[i], fp, len(adm.fps) + 1, base, first=i == 0))
         del sess.awaiting[:-_AWAITING_PER_SESSION]
         while len(sess.keys) > _KEYS_PER_SESSION:
-            self._index.pop(sess.keys.pop(0), None)
+            self._index.pop((sess.user, sess.keys.pop(0)), None)
 
     def restore(self, turns: Sequence[Any]) -> int:
         """Rebuild the index from stored turns (`Store.open_session_turns`: the last few of each
@@ -410,14 +439,14 @@ class Sessions:
         for turn in turns:
             sess = self._sessions.get(turn.session_id)
             if sess is None:
-                sess = self._sessions[turn.session_id] = _Session(turn.session_id, self._clock())
+                sess = self._sessions[turn.session_id] = _Session(turn.session_id, self._clock(), turn.user)
             hist = history(turn.messages)
             fps = fingerprints(hist)
             fp = extend(fps[-1] if fps else b"", turn.response)
-            self._index[fp] = sess.id
+            self._index[sess.user, fp] = sess.id
             sess.keys.append(fp)
             while len(sess.keys) > _KEYS_PER_SESSION:
-                self._index.pop(sess.keys.pop(0), None)
+                self._index.pop((sess.user, sess.keys.pop(0)), None)
             if turn.turn_type != "main":
                 continue
             if turn.next_state is not None:
@@ -437,8 +466,8 @@ class Sessions:
         if sess is None:
             return False
         for k in sess.keys:
-            if self._index.get(k) == session_id:
-                del self._index[k]
+            if self._index.get((sess.user, k)) == session_id:
+                del self._index[sess.user, k]
         return True
 
     def expire(self) -> list[str]:

@@ -9,6 +9,7 @@ from clawbridge.store.episodes import EpisodeError, EpisodeRow, GroupRow, NewEpi
 from clawbridge.store.history import GateRecord, History, Preference
 from clawbridge.store.lease import LeaseRow, StoreInUse
 from clawbridge.store.records import (
+    DEFAULT_USER,
     JudgeVote,
     Judgment,
     PolicyVersionRow,
@@ -24,6 +25,7 @@ from clawbridge.store.training import TRANSITIONS
 from clawbridge.store.writer import AsyncWriter, WriterClosed
 
 __all__ = [
+    "DEFAULT_USER",
     "TRANSITIONS",
     "AsyncWriter",
     "Continuation",

@@ -21,6 +21,7 @@ from clawbridge.store import schema as t
 from clawbridge.store.base import StoreBase
 from clawbridge.store.fast import Prepared, existing_ids_sql
 from clawbridge.store.records import (
+    DEFAULT_USER,
     JSONObject,
     SessionRow,
     SessionSource,
@@ -112,8 +113,9 @@ class CaptureStore(StoreBase):
     ) -> bool:
         return await self.writer.write(partial(self._attach_next_state, turn_id, next_state, at))
 
-    async def upsert_session_async(self, session_id: str, source: SessionSource = "new") -> bool:
-        return await self.writer.write(partial(self._upsert_session, session_id, source))
+    async def upsert_session_async(self, session_id: str, source: SessionSource = "new",
+                                   user: str = DEFAULT_USER) -> bool:
+        return await self.writer.write(partial(self._upsert_session, session_id, source, user))
 
     async def close_session_async(self, session_id: str, reason: str) -> bool:
         return await self.writer.write(partial(self._close_session, session_id, reason))
@@ -134,12 +136,12 @@ class CaptureStore(StoreBase):
                 self._close_session(w.session_id, w.reason, conn)
 
     # --- sessions -----------------------------------------------------------------------------
-    def upsert_session(self, session_id: str, source: SessionSource = "new") -> bool:
-        """Create the session if it is new (True); otherwise only touch `updated_at`."""
+    def upsert_session(self, session_id: str, source: SessionSource = "new", user: str = DEFAULT_USER) -> bool:
+        """Create the session, for `user`, if it is new (True); otherwise only touch `updated_at`."""
         with self._write() as conn:
-            return self._upsert_session(session_id, source, conn)
+            return self._upsert_session(session_id, source, user, conn)
 
-    def _upsert_session(self, session_id: str, source: str, conn: sa.Connection) -> bool:
+    def _upsert_session(self, session_id: str, source: str, user: str, conn: sa.Connection) -> bool:
         now = utcnow()
         exists = conn.execute(
             sa.update(t.sessions).where(t.sessions.c.id == session_id).values(updated_at=now)
@@ -149,7 +151,7 @@ class CaptureStore(StoreBase):
         conn.execute(
             t.sessions.insert().values(
                 id=session_id, source=source, created_at=now, updated_at=now, turns=0,
-                main_turns=0, done=False,
+                main_turns=0, done=False, user_name=user,
             )
         )
         return True
@@ -171,7 +173,26 @@ class CaptureStore(StoreBase):
     def get_session(self, session_id: str) -> SessionRow | None:
         with self._read() as conn:
             row = conn.execute(sa.select(t.sessions).where(t.sessions.c.id == session_id)).first()
-        return None if row is None else SessionRow(**row._asdict())
+        if row is None:
+            return None
+        fields = row._asdict()
+        user = fields.pop("user_name")
+        return SessionRow(**fields, user=user)
+
+    def session_user(self, session_id: str) -> str | None:
+        """The user a stored session belongs to (None: no such session)."""
+        with self._read() as conn:
+            return conn.execute(sa.select(t.sessions.c.user_name).where(t.sessions.c.id == session_id)).scalar()
+
+    def turn_users(self, turn_ids: Sequence[str]) -> dict[str, str]:
+        """The user of each stored turn among `turn_ids` (its session's); unknown ids are left out."""
+        if not turn_ids:
+            return {}
+        tu, se = t.turns, t.sessions
+        with self._read() as conn:
+            rows = conn.execute(sa.select(tu.c.id, se.c.user_name).join(se, se.c.id == tu.c.session_id)
+                                .where(tu.c.id.in_(sorted(set(turn_ids)))))
+            return {r.id: r.user_name for r in rows}
 
     def idle_sessions(self, updated_before: datetime) -> list[str]:
         """Open sessions with no activity since `updated_before` (for the idle timeout)."""
@@ -223,6 +244,7 @@ class CaptureStore(StoreBase):
                     "created_at": new[0].created_at,
                     "updated_at": max(r.created_at for r in new),
                     "turns": len(new), "main_turns": main, "done": False,
+                    "user_name": new[0].user,
                 },
             ).fetchone()[0]
             bases = [c for c in recent[session_id] if c.turn_id in stored]
@@ -335,6 +357,7 @@ class CaptureStore(StoreBase):
             sa.select(
                 t.turns,
                 t.sessions.c.source.label("session_source"),
+                t.sessions.c.user_name.label("user"),
                 ns.messages.label("next_state"),
                 ns.created_at.label("next_state_at"),
             )

@@ -86,6 +86,7 @@ def turn_from_row(r: Any, judged: frozenset[str], messages: list[JSONObject]) ->
         prompt_key=r.prompt_key,
         reply_key=r.reply_key,
         instruction=r.instruction,
+        user=r.user,
         next_state=r.next_state,
         next_state_at=r.next_state_at,
         judged_kinds=judged,

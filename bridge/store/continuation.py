@@ -5,7 +5,8 @@ history it answered, and `reply_key`, of that history plus its reply. A request 
 a conversation starts with a turn's history + reply, so one indexed lookup of the request's
 prefixes finds the turn it continues, whichever proxy served that turn: the session of an
 untagged request, and the turns whose next state the request carries. One process alone keeps
-the same knowledge in memory (`Sessions`) and never asks.
+the same knowledge in memory (`Sessions`) and never asks. A conversation is looked up among the
+sessions of the request's user only: two users' identical histories never continue each other.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import sqlalchemy as sa
 from clawbridge.store import schema as t
 from clawbridge.store.base import StoreBase
+from clawbridge.store.records import DEFAULT_USER
 
 AWAITING_SPAN = 64  # turns of a session looked through for the newest request's choices
 
@@ -54,12 +56,12 @@ class ContinuationStore(StoreBase):
         continued through it. A SQLite store has one serving process (`store.lease.hold_file`)."""
         return self.dialect != "sqlite"
 
-    def continuation(self, session_id: str | None, keys: Sequence[bytes]) -> Continuation:
-        """The conversation a request continues: `keys`, the fingerprints of its history's
-        prefixes that end with an assistant message (a reply); `session_id`, the session it
-        names, if any. Without one, the session is that of the turn whose reply is the longest
-        prefix of the request (the newest such turn when several are)."""
-        tu, ns = t.turns, t.next_states
+    def continuation(self, session_id: str | None, keys: Sequence[bytes], user: str = DEFAULT_USER) -> Continuation:
+        """The conversation a request for `user` continues: `keys`, the fingerprints of its
+        history's prefixes that end with an assistant message (a reply); `session_id`, the session
+        it names, if any. Without one, the session is that of the user's turn whose reply is the
+        longest prefix of the request (the newest such turn when several are)."""
+        tu, ns, se = t.turns, t.next_states, t.sessions
         cols = (tu.c.id, tu.c.session_id, tu.c.turn_type, tu.c.idx, tu.c.prompt_key, tu.c.reply_key,
                 ns.c.turn_id.is_not(None).label("answered"))
 
@@ -69,7 +71,8 @@ class ContinuationStore(StoreBase):
         with self._read() as conn:
             matches: list[KeyedTurn] = []
             if keys:
-                q = select(tu.c.reply_key.in_(list(keys)))
+                mine = sa.select(se.c.id).where(se.c.id == tu.c.session_id, se.c.user_name == user).exists()
+                q = select(tu.c.reply_key.in_(list(keys)), mine)
                 if session_id is not None:
                     q = q.where(tu.c.session_id == session_id)
                 matches = [_keyed(r) for r in conn.execute(q.order_by(tu.c.created_at, tu.c.idx))]

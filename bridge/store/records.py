@@ -66,6 +66,10 @@ def unpack_floats(data: bytes) -> tuple[float, ...]:
     return tuple(a)
 
 
+# The user a request is for when it names none (`serving.users`): a single-user install's only one.
+DEFAULT_USER = "default"
+
+
 # --- turns --------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class TurnRecord:
@@ -102,6 +106,8 @@ class TurnRecord:
     # (`chat.instructions.instructed`): `messages` are as the client sent them, `prompt_ids` what
     # was rendered with it; the student's view is the prompt rendered from `messages` alone
     instruction: str | None = None
+    # the user the request was for: its session's user (the session row keeps it, `user_name`)
+    user: str = DEFAULT_USER
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -134,6 +140,7 @@ class SessionRow:
     done: bool
     done_reason: str | None
     done_at: datetime | None
+    user: str = DEFAULT_USER
 
 
 # --- judgments ----------------------------------------------------------------------------------

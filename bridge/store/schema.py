@@ -58,6 +58,9 @@ sessions = sa.Table(
     sa.Column("done", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("done_reason", sa.Text),
     sa.Column("done_at", UTCDateTime()),
+    # The user the session is for (0009): a session belongs to the user who opened it. Named
+    # user_name, since `user` is a reserved word of PostgreSQL (a bare `SELECT user` is the role).
+    sa.Column("user_name", sa.Text, nullable=False, server_default="default"),
 )
 
 turns = sa.Table(

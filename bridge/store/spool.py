@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 from clawbridge.store import codec
 from clawbridge.store.base import private_dir
 from clawbridge.store.records import (
+    DEFAULT_USER,
     JSONObject,
     TurnRecord,
     pack_floats,
@@ -292,7 +293,7 @@ def turn_to_json(rec: TurnRecord) -> JSONObject:
         "created_at": rec.created_at.isoformat(),
         "prompt_key": None if rec.prompt_key is None else _b64(rec.prompt_key),
         "reply_key": None if rec.reply_key is None else _b64(rec.reply_key),
-        "instruction": rec.instruction,
+        "instruction": rec.instruction, "user": rec.user,
     }
 
 
@@ -311,6 +312,7 @@ def turn_from_json(d: JSONObject) -> TurnRecord:
         prompt_key=None if d["prompt_key"] is None else _unb64(d["prompt_key"]),
         reply_key=None if d["reply_key"] is None else _unb64(d["reply_key"]),
         instruction=d.get("instruction"),  # None in a spool written before turns kept it
+        user=d.get("user", DEFAULT_USER),  # a spool written before sessions kept their user
     )
 
 

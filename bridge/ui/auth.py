@@ -5,6 +5,10 @@ once (`POST /ui/login`) and answers with an HttpOnly, SameSite=Strict cookie hol
 derived from the key (HMAC-SHA256; the key itself never sits in the cookie jar, and changing
 the key signs every browser out). Every data route takes the header too, as the API does.
 
+The keys that open the page are the server's admin keys (`serving.users`): its `api_key` and
+the keys file's admin keys; a user's key opens none of it. With several, the cookie is the one
+of the key that signed in.
+
 A state-changing request authenticated by the cookie must also carry `X-Clawbridge-UI: 1`:
 SameSite treats other ports of the same host as the same site, and a page there could post a
 form; a form cannot set a header, and a script that sets one needs a CORS preflight this server
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 from starlette.requests import Request
 
@@ -43,9 +48,19 @@ def cookie_ok(request: Request, key: str) -> bool:
     return request.method in SAFE_METHODS or request.headers.get(UI_HEADER) == "1"
 
 
-def authorized(request: Request, key: str | None) -> bool:
-    """No key (a loopback server): everyone on the machine. With one: the header or the cookie."""
-    return key is None or bearer_ok(request, key) or cookie_ok(request, key)
+def authorized(request: Request, keys: Sequence[str] | None) -> bool:
+    """No keys (a loopback server): everyone on the machine. With them: the header or the cookie
+    of one of them."""
+    return keys is None or any(bearer_ok(request, k) or cookie_ok(request, k) for k in keys)
+
+
+def matching(given: str, keys: Sequence[str]) -> str | None:
+    """The key among `keys` that `given` is (each compared in constant time), or None."""
+    found = None
+    for k in keys:
+        if key_matches(given, k):
+            found = k
+    return found
 
 
 def cookie_header(key: str, secure: bool) -> str:

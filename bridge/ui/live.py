@@ -13,6 +13,7 @@ from clawbridge.backends.costs import read_spend
 from clawbridge.learning import standing
 from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
+from clawbridge.serving.users import Keys
 from clawbridge.ui.routes import Board, RouteError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -87,8 +88,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
             raise RouteError(409, str(e), "preference_refused", "id") from None
         return {**out, "instruction": proxy.standing.served}  # served (or no longer) from the next request on
 
-    key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
-    return Board(proxy.store, key, status,
+    return Board(proxy.store, page_keys(proxy.keys), status,
                  rollback=rollback if learner is not None else None,
                  pause=pause if learner is not None else None,
                  preference=preference)
@@ -118,8 +118,12 @@ def offline_board(settings: Settings, store: Store) -> Board:
                 "version": latest.version if latest is not None else 0, "data_dir": str(settings.data_dir),
                 "spend": spend(settings.data_dir), "learner": None}
 
-    key = settings.serving.api_key.get_secret_value() if settings.serving.api_key else None
-    return Board(store, key, status)
+    return Board(store, page_keys(Keys.of(settings)), status)
+
+
+def page_keys(keys: Keys) -> tuple[str, ...] | None:
+    """The keys that open the page: the admin keys, or None where the server takes no key."""
+    return keys.admin_keys if keys.required else None
 
 
 def data_dir_app(settings: Settings) -> tuple[Starlette, Store]:

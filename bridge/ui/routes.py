@@ -64,7 +64,9 @@ class Board:
     backend, model, learner); `rollback` and `pause` are None where no server runs (read-only)."""
 
     store: Store
-    api_key: str | None
+    # the keys that open the page: the admin keys (a user's key never does); None: the server
+    # takes no keys, and the page is open to whoever reaches it (a loopback server)
+    keys: tuple[str, ...] | None
     status: Callable[[], Awaitable[JSON]]
     rollback: Callable[[int], Awaitable[JSON]] | None = None
     pause: Callable[[bool], JSON] | None = None
@@ -133,8 +135,8 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
     def guarded(fn: Callable[[Request, Board], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             board = board_of(request)
-            if not auth.authorized(request, board.api_key):
-                if board.api_key is not None and auth.COOKIE in request.cookies and request.method not in auth.SAFE_METHODS:
+            if not auth.authorized(request, board.keys):
+                if board.keys is not None and auth.COOKIE in request.cookies and request.method not in auth.SAFE_METHODS:
                     return error(403, "A signed-in page sends `X-Clawbridge-UI: 1` with every action.", "missing_ui_header")
                 return error(401, "Incorrect API key provided: send `Authorization: Bearer KEY`, or sign in at /ui.",
                              "invalid_api_key")
@@ -152,22 +154,23 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
 
     async def page(request: Request) -> Response:
         board = board_of(request)
-        if not auth.authorized(request, board.api_key):
+        if not auth.authorized(request, board.keys):
             return _page("login.html", 401)
         return _page("index.html")
 
     async def login(request: Request) -> Response:
         board = board_of(request)
-        if board.api_key is None:
+        if board.keys is None:
             return RedirectResponse("/ui", status_code=303)
         raw = await request.body()
         given = urllib.parse.parse_qs(raw[:MAX_BODY].decode("utf-8", "replace")).get("key", [""])[0]
-        if not auth.key_matches(given, board.api_key):
+        key = auth.matching(given, board.keys)
+        if key is None:
             log.warning("ui: a sign-in with a wrong key")
             body = asset("login.html").replace(b"<!--status-->", WRONG_KEY)
             return Response(body, status_code=401, media_type="text/html", headers=SECURITY_HEADERS)
         r = RedirectResponse("/ui", status_code=303)
-        r.headers["set-cookie"] = auth.cookie_header(board.api_key, secure=request.url.scheme == "https")
+        r.headers["set-cookie"] = auth.cookie_header(key, secure=request.url.scheme == "https")
         return r
 
     async def logout(request: Request) -> Response:
