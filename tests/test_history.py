@@ -123,7 +123,8 @@ def test_version_origins_are_columns_of_their_rows(store: Store) -> None:
 
 def test_preferences_keep_their_order_and_update_in_place(store: Store) -> None:
     first = [Preference("be brief", 1, ("a",), 1), Preference("use lists", 1, ("b",), 1)]
-    store.save_preferences(first)
-    more = [Preference("brief", 2, ("a", "c"), 1), first[1], Preference("in French", 1, ("d",), 2)]
+    stored = store.save_preferences(first)
+    assert [p.id for p in stored] == [1, 2]  # numbered by the store, first heard first
+    more = [replace(stored[0], text="brief", count=2, turns=("a", "c")), stored[1], Preference("in French", 1, ("d",), 2)]
     store.save_preferences(more)
     assert store.history().preferences == tuple(replace(p, id=i + 1) for i, p in enumerate(more))

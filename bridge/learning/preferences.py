@@ -1,5 +1,8 @@
 """The user's preferences: heard in their corrections, applied at once, learned by the weights.
 
+Each user has their own (the store keeps them apart, `store.update_preferences(..., user)`): the
+functions here see one user's list at a time, so one user's hearings never count for another's.
+
 A correction the judges turn into a hint is **heard** (the collector, as soon as the turn is
 judged): the hint, less the sentences that quote the turn's own question (`unquoted`), counts for
 the known preference that says the same thing (`same`; a negated wish never matches the wish;
@@ -120,7 +123,8 @@ def merge(
         heard.add(turn_id)
         at = next((i for i, p in enumerate(out) if same(p.text, text)), None)
         if at is None:
-            out.append(Preference(text, 1, (turn_id,), version, id=len(out) + 1, kind=form(text), count_since=1,
+            number = max((p.id for p in out), default=0) + 1  # the store numbers it among all users
+            out.append(Preference(text, 1, (turn_id,), version, id=number, kind=form(text), count_since=1,
                                   state_at=now))
             at = len(out) - 1
         else:
@@ -170,6 +174,17 @@ def served_instruction(prefs: Sequence[Preference]) -> str | None:
     return instruction([p for p in prefs if p.state == "applied" and refusal(p) is None][:MAX_APPLIED])
 
 
+def served_by_user(prefs: Sequence[Preference]) -> dict[str, str]:
+    """Each user's served instruction (`served_instruction` of their own preferences alone; a user
+    served nothing is left out), the user whose preferences applied most recently first."""
+    mine: dict[str, list[Preference]] = {}
+    for p in prefs:
+        mine.setdefault(p.user, []).append(p)
+    latest = {u: max((p.applied_at.timestamp() for p in ps if p.applied_at), default=0.0) for u, ps in mine.items()}
+    served = {u: served_instruction(mine[u]) for u in sorted(mine, key=lambda u: -latest[u])}
+    return {u: text for u, text in served.items() if text}
+
+
 def wanted_instruction(prefs: Sequence[Preference]) -> str | None:
     """What the user wants of every answer: the applied and the learned preferences (what the
     gate's prompted twin is asked with, and the price is measured for)."""
@@ -177,12 +192,12 @@ def wanted_instruction(prefs: Sequence[Preference]) -> str | None:
 
 
 def instruction(prefs: Sequence[Preference]) -> str | None:
-    """The preferences, one a line (None: none), in a canonical order (sorted), so the same
-    preferences are asked the same way whichever the user gave first (the order is part of the
-    prompt the twin's price is measured with)."""
-    return "\n".join(sorted(p.text for p in prefs)) or None
+    """The preferences, one a line (None: none), in a canonical order (sorted, each text once:
+    several users may want the same), so the same preferences are asked the same way whichever
+    the user gave first (the order is part of the prompt the twin's price is measured with)."""
+    return "\n".join(sorted({p.text for p in prefs})) or None
 
 
 __all__ = ["HEARINGS", "MAX_APPLIED", "MAX_CHARS", "NEGATIONS", "STATES", "PreferenceRefused", "applicable",
-           "confirm", "instruction", "merge", "refusal", "reheard", "same", "senses", "served_instruction", "unquoted",
-           "wanted_instruction"]
+           "confirm", "instruction", "merge", "refusal", "reheard", "same", "senses", "served_by_user",
+           "served_instruction", "unquoted", "wanted_instruction"]

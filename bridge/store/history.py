@@ -5,6 +5,11 @@ One reader (`read_history`, `HistoryStore.history`) serves the page, `clawbridge
 `status`, the demo and the trainer. The writers append: a decision is a new row, a version's
 origin is written with its row (`PolicyVersionRow.copy_of`, `.blend_of`), and a preference is
 a row updated in place when a new hint says the same thing.
+
+Preferences belong to a user (`Preference.user`, the user of the turns they were heard from): a
+user's are read, changed and written apart from everyone else's (`user`, default `default`: a
+single-user install's only one). Their numbers (`Preference.id`) are one sequence over every
+user's, so a number names one preference of one user: the store gives a new one the next.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from clawbridge.store import schema as t
 from clawbridge.store.base import StoreBase
-from clawbridge.store.records import utcnow
+from clawbridge.store.records import DEFAULT_USER, utcnow
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Preference:
     applied_version: int | None = None  # the policy version serving when it was last applied
     learned_version: int | None = None  # the version whose weights alone keep it (state "learned")
     dropped_at: datetime | None = None  # when the user dropped it
+    user: str = DEFAULT_USER  # whose it is: the user whose corrections it was heard from
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,7 @@ class History:
     decisions: tuple[GateRecord, ...] = ()  # oldest first
     copies: dict[int, int] = field(default_factory=dict)  # version -> the version whose weights it copies
     blends: dict[int, tuple[int, float]] = field(default_factory=dict)  # version -> (candidate, alpha)
-    preferences: tuple[Preference, ...] = ()  # first seen first
+    preferences: tuple[Preference, ...] = ()  # every user's, first seen first
 
     def decision(self, version: int) -> GateRecord | None:
         """The gate's newest decision on `version` (None: never judged)."""
@@ -117,11 +123,17 @@ PREFERENCE_COLUMNS = ("state", "kind", "confirmed", "count_since", "state_at", "
                       "learned_version", "dropped_at")
 
 
-def read_preferences(conn: sa.Connection) -> tuple[Preference, ...]:
+def read_preferences(conn: sa.Connection, user: str | None = None,
+                     states: Sequence[str] | None = None) -> tuple[Preference, ...]:
+    """`user`'s preferences (None: every user's), those in `states` only if given, first heard first."""
     p = t.preferences.c
-    rows = conn.execute(sa.select(t.preferences, p.count.label("n")).order_by(p.position))
-    return tuple(Preference(r.text, r.n, tuple(r.turns), r.first_version, id=r.position + 1,
-                            **{k: getattr(r, k) for k in PREFERENCE_COLUMNS}) for r in rows)
+    q = sa.select(t.preferences, p.count.label("n")).order_by(p.position)
+    if user is not None:
+        q = q.where(p.user_name == user)
+    if states is not None:
+        q = q.where(p.state.in_(list(states)))
+    return tuple(Preference(r.text, r.n, tuple(r.turns), r.first_version, id=r.position + 1, user=r.user_name,
+                            **{k: getattr(r, k) for k in PREFERENCE_COLUMNS}) for r in conn.execute(q))
 
 
 def _row(pref: Preference) -> dict[str, Any]:
@@ -148,33 +160,48 @@ class HistoryStore(StoreBase):
                 reason=record.reason, figures=record.figures, reference=record.reference, asked=record.asked,
                 created_at=record.created_at or utcnow()))
 
-    def preferences(self) -> tuple[Preference, ...]:
-        """The preferences alone, first heard first (what the served instruction is made of)."""
+    def preferences(self, user: str = DEFAULT_USER) -> tuple[Preference, ...]:
+        """`user`'s preferences, first heard first (what their served instruction is made of)."""
         with self._read() as conn:
-            return read_preferences(conn)
+            return read_preferences(conn, user)
 
-    def save_preferences(self, prefs: Sequence[Preference]) -> None:
-        """The preferences as `learning.preferences` left them: a known one keeps its position
-        (its row is updated when it changed), a new one is appended."""
+    def all_preferences(self, states: Sequence[str] | None = None) -> tuple[Preference, ...]:
+        """Every user's preferences (those in `states` only, if given), first heard first: what the
+        proxy serves each user, and what the one shared adapter's gate is asked with."""
+        with self._read() as conn:
+            return read_preferences(conn, None, states)
+
+    def preference_owner(self, pref_id: int) -> str:
+        """The user preference `pref_id` belongs to. KeyError: no such preference."""
+        with self._read() as conn:
+            owner = conn.execute(sa.select(t.preferences.c.user_name)
+                                 .where(t.preferences.c.position == pref_id - 1)).scalar()
+        if owner is None:
+            raise KeyError(pref_id)
+        return str(owner)
+
+    def save_preferences(self, prefs: Sequence[Preference], user: str = DEFAULT_USER) -> list[Preference]:
+        """`user`'s preferences as `learning.preferences` left them: a known one keeps its number
+        (its row is updated when it changed), a new one gets the next number. Returns them so."""
         with self._write() as conn:
-            self._save_preferences(conn, prefs)
+            return self._save_preferences(conn, prefs, user)
 
-    def update_preferences(self, change: Callable[[list[Preference]], list[Preference]]) -> list[Preference]:
-        """Read the preferences, `change` them (a pure function of the list) and write the result,
-        in one transaction that no other writer interleaves with (SQLite: BEGIN IMMEDIATE;
+    def update_preferences(self, change: Callable[[list[Preference]], list[Preference]],
+                           user: str = DEFAULT_USER) -> list[Preference]:
+        """Read `user`'s preferences, `change` them (a pure function of the list) and write the
+        result, in one transaction that no other writer interleaves with (SQLite: BEGIN IMMEDIATE;
         PostgreSQL: the table locked), so concurrent hearings, confirmations and forgets never
-        lose one another. Returns the list written."""
+        lose one another nor give two preferences one number. Returns the list written."""
         with self._write() as conn:
             if conn.dialect.name == "postgresql":
                 conn.execute(sa.text("LOCK TABLE preferences IN SHARE ROW EXCLUSIVE MODE"))
-            out = change(list(read_preferences(conn)))
-            self._save_preferences(conn, out)
-            return out
+            return self._save_preferences(conn, change(list(read_preferences(conn, user))), user)
 
-    def set_preference_state(self, pref_id: int, state: PreferenceState, version: int | None = None) -> Preference:
+    def set_preference_state(self, pref_id: int, state: PreferenceState, version: int | None = None,
+                             user: str = DEFAULT_USER) -> Preference:
         """Set preference `pref_id`'s state as the gate decides it: "learned" (the weights of
         `version` alone keep it: its instruction is no longer served) or back to "applied" (a
-        later version lost it: it is served again). KeyError: no such preference."""
+        later version lost it: it is served again). KeyError: `user` has no such preference."""
         if state not in ("learned", "applied"):
             raise ValueError(f"the gate sets a preference learned or applied, not {state!r}")
 
@@ -189,26 +216,27 @@ class HistoryStore(StoreBase):
                                     applied_version=version if version is not None else p.applied_version)
             return prefs
 
-        out = self.update_preferences(change)
+        out = self.update_preferences(change, user)
         return out[_index(out, pref_id)]
 
-    def forget_preference(self, pref_id: int) -> Preference:
-        """The user drops preference `pref_id`: its instruction stops (state "dropped"; its
-        samples: `drop_preference_samples`). KeyError: no such preference."""
+    def forget_preference(self, pref_id: int, user: str = DEFAULT_USER) -> Preference:
+        """`user` drops their preference `pref_id`: its instruction stops (state "dropped"; its
+        samples: `drop_preference_samples`). KeyError: `user` has no such preference."""
 
         def change(prefs: list[Preference]) -> list[Preference]:
             at, now = _index(prefs, pref_id), utcnow()
             prefs[at] = replace(prefs[at], state="dropped", state_at=now, dropped_at=now, confirmed=False)
             return prefs
 
-        out = self.update_preferences(change)
+        out = self.update_preferences(change, user)
         return out[_index(out, pref_id)]
 
-    def drop_preference_samples(self, pref_id: int) -> int:
+    def drop_preference_samples(self, pref_id: int, user: str = DEFAULT_USER) -> int:
         """The samples of the turns whose hint counted for preference `pref_id` and that are not
         trained yet are dropped, with the reason; returns how many. Run it where no training step
         is under way (the learner's lock): a step commits its batch as trained all or nothing."""
-        p = self.preferences()[_index(self.preferences(), pref_id)]
+        known = self.preferences(user)
+        p = known[_index(known, pref_id)]
         if not p.turns:
             return 0
         s = t.samples.c
@@ -220,18 +248,23 @@ class HistoryStore(StoreBase):
             ).rowcount
         return int(dropped or 0)
 
-    def _save_preferences(self, conn: sa.Connection, prefs: Sequence[Preference]) -> None:
+    def _save_preferences(self, conn: sa.Connection, prefs: Sequence[Preference], user: str) -> list[Preference]:
+        """A preference whose number is one of `user`'s stored ones updates its row; any other is
+        new and gets the next number of all (`learning.preferences.merge` numbers a new one only
+        within the one user's list it is given)."""
         p = t.preferences.c
-        stored = {q.id: _row(q) for q in read_preferences(conn)}
-        now = utcnow()
-        for i, pref in enumerate(prefs):
+        stored = {q.id: _row(q) for q in read_preferences(conn, user)}
+        nxt = int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(p.position), -1))).scalar_one()) + 1
+        now, out = utcnow(), []
+        for pref in prefs:
             row = _row(pref)
-            if stored.get(i + 1) == row:
-                continue
-            if i + 1 in stored:
-                conn.execute(t.preferences.update().where(p.position == i).values(**row, updated_at=now))
-            else:
-                conn.execute(t.preferences.insert().values(position=i, **row, updated_at=now))
+            if pref.id not in stored:
+                conn.execute(t.preferences.insert().values(position=nxt, user_name=user, **row, updated_at=now))
+                pref, nxt = replace(pref, id=nxt + 1), nxt + 1
+            elif stored[pref.id] != row:
+                conn.execute(t.preferences.update().where(p.position == pref.id - 1).values(**row, updated_at=now))
+            out.append(replace(pref, user=user))
+        return out
 
 
 def _index(prefs: Sequence[Preference], pref_id: int) -> int:

@@ -211,7 +211,9 @@ gate_decisions = sa.Table(
 
 # The user's preferences (0007): what the judged hints asked for, in the order first heard
 # (`position`); a hint that says what a known one says counts for it (its row is updated). Each
-# has a state (0008: heard, applied, learned, superseded, dropped; learning.preferences).
+# has a state (0008: heard, applied, learned, superseded, dropped; learning.preferences) and
+# belongs to the user whose corrections it was heard from (0010). `position` numbers every user's
+# preferences together, so a preference's number (`position + 1`) names one preference of one user.
 preferences = sa.Table(
     "preferences",
     metadata,
@@ -230,6 +232,8 @@ preferences = sa.Table(
     sa.Column("applied_version", sa.Integer),
     sa.Column("learned_version", sa.Integer),
     sa.Column("dropped_at", UTCDateTime()),
+    sa.Column("user_name", sa.Text, nullable=False, server_default="default"),
+    sa.Index(None, "user_name"),
 )
 
 meta = sa.Table(
