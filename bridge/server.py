@@ -143,7 +143,7 @@ def bind_learner(learner: Learner, backend: Backend, store: Store, renderer: Ren
 def build_learning(
     settings: Settings, backend: Backend, store: Store, renderer: Renderer, *,
     lock: asyncio.Lock | None = None, probes: Sequence[GateProbe] = (), resumed: Resumed | None = None,
-    on_preferences: Callable[[Sequence[Preference]], None] | None = None,
+    on_preferences: Callable[[str, Sequence[Preference]], None] | None = None,
 ) -> LearningParts:
     """The learner's parts, each built once: the teacher scorer shared by the collector, the
     episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
@@ -178,11 +178,11 @@ def build_retirement(settings: GateSettings, backend: Backend, renderer: Rendere
                       settings.restore_share)
 
 
-def serves_preferences(proxy: Proxy) -> Callable[[Sequence[Preference]], None]:
-    """What the collector calls when a hearing changed the preferences: the proxy serves the
-    applied ones from the next request on (docs/serving.md#the-users-preferences)."""
-    def changed(prefs: Sequence[Preference]) -> None:
-        proxy.standing.text = preferences.served_instruction(prefs)
+def serves_preferences(proxy: Proxy) -> Callable[[str, Sequence[Preference]], None]:
+    """What the collector calls when a hearing changed a user's preferences: the proxy serves
+    that user the applied ones from their next request on (docs/serving.md#the-users-preferences)."""
+    def changed(user: str, prefs: Sequence[Preference]) -> None:
+        proxy.standing.set(user, preferences.served_instruction(prefs))
 
     return changed
 
@@ -375,8 +375,8 @@ async def serve(
     if coordinator is not None:
         proxy.hooks.status_extra = _with_trainer(coordinator, proxy.hooks.status_extra)
 
-    async def applied() -> str | None:  # the instruction the store's preferences serve
-        return preferences.served_instruction(await store.run(store.preferences))
+    async def applied() -> dict[str, str]:  # each user's instruction, the most recently applied first
+        return preferences.served_by_user(await store.run(store.all_preferences, ("applied",)))
 
     proxy.standing.source = applied
     await proxy.standing.refresh()

@@ -129,7 +129,7 @@ async def test_the_collector_hears_each_judged_correction_once_and_a_dropped_one
     try:
         tids = record_turns(store, 6)
         collector = collector_for(settings, backend, store)
-        collector.on_preferences = lambda known: told.append(prefs.served_instruction(known))
+        collector.on_preferences = lambda _user, known: told.append(prefs.served_instruction(known))
         await collector.run_once()
         [p] = store.preferences()
         # (samples settle concurrently: the turns in the order they were heard)

@@ -127,7 +127,7 @@ def asked_of(turn: StoredTurn) -> str | None:
 class Collector:
     def __init__(
         self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher, *,
-        method: Method, on_preferences: Callable[[Sequence[Preference]], None] | None = None,
+        method: Method, on_preferences: Callable[[str, Sequence[Preference]], None] | None = None,
         distils_topk: bool = False,
     ) -> None:
         self.settings = settings
@@ -140,24 +140,27 @@ class Collector:
         self.judges = judges
         self.teacher = teacher  # OPD's hinted scoring, shared with the hint judge's ranking
         self.stats = CollectorStats()
-        # told the preferences whenever a hearing changed them (the proxy's served instruction)
+        # told a user's preferences whenever a hearing changed them (the proxy's served instruction)
         self.on_preferences = on_preferences
         self._judging: dict[str, _TurnLock] = {}  # one judging of a turn at a time (both passes judge)
 
     async def hear(self, turn: StoredTurn, hint: str) -> Preference | None:
         """The user's correction heard: the hint (less what quotes the turn's question) counts for
-        the preference it says, once per turn (`preferences.merge` skips a turn heard before, so a
-        sample settled again after a crash hears nothing twice); read, merged and written in one
-        store transaction. Returns the preference it counted for (None: it said nothing)."""
+        the preference of the turn's user that says it, once per turn (`preferences.merge` skips a
+        turn heard before, so a sample settled again after a crash hears nothing twice); read,
+        merged and written in one store transaction. Another user's preferences are never read:
+        their hearings never count for this user's. Returns the preference it counted for (None:
+        it said nothing)."""
         text = preferences.unquoted(hint, asked_of(turn))
         if not text:
             return None
-        version = self.backend.version
-        before = await self.store.run(self.store.preferences)
+        version, user = self.backend.version, turn.user
+        before = await self.store.run(self.store.preferences, user)
         after = await self.store.run(
-            self.store.update_preferences, lambda known: preferences.merge(known, [(text, turn.id)], version, utcnow()))
+            self.store.update_preferences, lambda known: preferences.merge(known, [(text, turn.id)], version, utcnow()),
+            user)
         if self.on_preferences is not None and tuple(after) != before:
-            self.on_preferences(after)
+            self.on_preferences(user, after)
         return next((p for p in after if turn.id in p.turns), None)
 
     async def judge_once(self, limit: int = 32) -> int:

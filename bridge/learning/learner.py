@@ -69,7 +69,7 @@ class Learner:
         self.elsewhere: Callable[[], str | None] = lambda: None
         # told the preferences whenever the collector's hearing changed them (the composition
         # root serves the applied ones at once)
-        self.on_preferences: Callable[[Sequence[Preference]], None] | None = None
+        self.on_preferences: Callable[[str, Sequence[Preference]], None] | None = None
 
     def bind(self, parts: LearningParts) -> None:
         self.parts = parts

@@ -15,58 +15,92 @@ and only when it fits: a prompt that fits the context only without it is served 
 turn records the messages as the client sent them, the prompt ids as rendered, and the
 instruction (`TurnRecord.instruction`).
 
-The proxy never reads the store on a request: `Standing` keeps the served instruction in memory.
-It is set when the preferences change in this process (the collector hears one, a route confirms
-or forgets one) and read again from the store every REFRESH_S by the composition root, which is
-how the other proxies on a shared store (docs/scale-out.md) see a change within seconds.
+Each user is served their own preferences' instruction, never another user's: the request's
+user (`serving.users`; `default` for a request that names nobody) picks it.
+
+The proxy never reads the store on a request: `Standing` keeps each user's served instruction in
+memory (only users with one, at most MAX_USERS). It is set when a user's preferences change in
+this process (the collector hears one, a route confirms or forgets one) and read again from the
+store every REFRESH_S by the composition root, which is how the other proxies on a shared store
+(docs/scale-out.md) see a change within seconds.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 from clawbridge.chat.instructions import instructed
 from clawbridge.chat.messages import PromptTooLong
 from clawbridge.serving.sessions import history
 from clawbridge.serving.wire import APIError
+from clawbridge.store import DEFAULT_USER
 
 log = logging.getLogger(__name__)
 
 HEADER = "x-instructions"
 REFRESH_S = 5.0  # how often the served instruction is read again from the store
+# Users whose instruction is kept in memory (each at most MAX_APPLIED lines of form.MAX_CHARS: a
+# few MB at most); past it, those whose preferences applied longest ago are served none.
+MAX_USERS = 10_000
 _OFF, _ON = frozenset({"off", "false", "0", "no"}), frozenset({"on", "true", "1", "yes"})
 
 
 class Standing:
-    """The applied preferences' instruction (None: nothing applied), where to read it again from,
-    and whether it is served at all (`instant_preferences`)."""
+    """Each user's applied preferences' instruction (a user with none is not kept), where to read
+    them again from, and whether they are served at all (`instant_preferences`)."""
 
-    def __init__(self, enabled: bool = True, source: Callable[[], Awaitable[str | None]] | None = None) -> None:
-        self.text: str | None = None
+    def __init__(self, enabled: bool = True,
+                 source: Callable[[], Awaitable[Mapping[str, str]]] | None = None) -> None:
+        self.texts: dict[str, str] = {}  # user -> instruction, the most recently applied last
         self.enabled = enabled
-        self.source = source  # the store's applied preferences, as the composition root reads them
+        # every user's instruction, as the composition root reads them, the most recently applied first
+        self.source = source
         self._failing = False
+
+    def of(self, user: str) -> str | None:
+        """The instruction `user`'s applied preferences make (None: none), served or not."""
+        return self.texts.get(user)
+
+    def served_to(self, user: str) -> str | None:
+        """What `user`'s turn is served with now."""
+        return self.texts.get(user) if self.enabled else None
+
+    @property
+    def text(self) -> str | None:
+        """The instruction of `default`, the user of a request that names nobody."""
+        return self.of(DEFAULT_USER)
 
     @property
     def served(self) -> str | None:
-        """What a user's turn is served with now."""
-        return self.text if self.enabled else None
+        """What a request naming nobody is served with now."""
+        return self.served_to(DEFAULT_USER)
 
-    async def refresh(self) -> str | None:
-        """Read it again from the store (a failure keeps the last one: serving never waits on it;
-        logged once until a read succeeds again)."""
+    def set(self, user: str, text: str | None) -> None:
+        """`user`'s instruction, now (None: none), the most recent one kept first past MAX_USERS."""
+        self.texts.pop(user, None)
+        if text:
+            self.texts[user] = text
+            while len(self.texts) > MAX_USERS:
+                del self.texts[next(iter(self.texts))]
+
+    async def refresh(self) -> None:
+        """Read every user's again from the store (a failure keeps the last ones: serving never
+        waits on it; logged once until a read succeeds again)."""
         if self.source is not None:
             try:
-                self.text = await self.source()
+                texts = await self.source()
                 self._failing = False
             except Exception:
                 if not self._failing:
-                    log.warning("could not read the preferences from the store; serving the last instruction",
+                    log.warning("could not read the preferences from the store; serving the last instructions",
                                 exc_info=True)
                 self._failing = True
-        return self.text
+                return
+            newest = list(islice(((u, x) for u, x in texts.items() if x), MAX_USERS))
+            self.texts = dict(reversed(newest))
 
 
 def wanted(header: str | None) -> bool:

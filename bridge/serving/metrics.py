@@ -70,8 +70,8 @@ class Metrics:
             ("clawbridge_completion_tokens", "Tokens generated", lambda: c.completion_tokens),
             ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
             ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
-            ("clawbridge_preferences_applied", "The user's preferences served as an instruction now",
-             lambda: len((proxy.standing.served or "").splitlines())),
+            ("clawbridge_preferences_applied", "Preferences served as an instruction now, every user's together",
+             lambda: proxy.standing.enabled * sum(len(x.splitlines()) for x in proxy.standing.texts.values())),
         ):
             Gauge(name, doc, registry=self.registry).set_function(fn)
         if proxy.hooks.metrics_extra is not None:
@@ -102,7 +102,7 @@ async def status(proxy: Proxy, caller: Caller = OPERATOR) -> dict[str, Any]:
         return {**about, "user": caller.user, "sessions_open": proxy.sessions.open_of(caller.user)}
     out: dict[str, Any] = {
         **about,
-        "instruction": proxy.standing.served,  # the preferences served now
+        "instruction": proxy.standing.served,  # what a request naming nobody is served now (`default`'s)
         **asdict(proxy.counters),  # requests, in_flight, errors, turns recorded / spooled / lost, tokens
         "sessions_open": len(proxy.sessions),
         "turn_counts": dict(proxy.sessions.counts),

@@ -265,9 +265,14 @@ class Proxy:
                            type="server_error", code="store_unavailable")
         req = ask.req
         tag = self._tag(request, ask)
-        instruction = None if ask.prompt is not None else instructing.chosen(
+        if tag.session_id is not None:  # a session is its opener's: another user naming it is refused
+            owner = await self.session_owner(tag.session_id)
+            if tag.user is not None and owner not in (None, tag.user):
+                raise users.not_yours(tag.session_id)
+            tag = dataclasses.replace(tag, user=tag.user or owner)
+        instruction = None if ask.prompt is not None else instructing.chosen(  # the user's own preferences
             ask.messages, tag.turn_type or self.sessions.default_turn_type, request.headers.get(instructing.HEADER),
-            self.standing.enabled, self.standing.text)
+            self.standing.enabled, self.standing.of(tag.user or DEFAULT_USER))
         if ask.prompt is not None:
             prompt = ask.prompt
         else:
@@ -307,11 +312,6 @@ class Proxy:
             seed=req.seed,
             top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         )
-        if tag.session_id is not None:  # a session is its opener's: another user naming it is refused
-            owner = await self.session_owner(tag.session_id)
-            if tag.user is not None and owner not in (None, tag.user):
-                raise users.not_yours(tag.session_id)
-            tag = dataclasses.replace(tag, user=tag.user or owner)
         look = self.sessions.lookup(messages)
         found = await self._continuation(tag, look) if self.store.shared else None
         try:
