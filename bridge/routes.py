@@ -3,7 +3,7 @@ format and errors are serving's, the work is learning's, and neither room import
 
     POST /v1/feedback         {"session_id", "turn_id", "reward", "hint"}   (learning.feedback)
     POST /v1/admin/rollback   {"version": K}                                (learning.learner)
-    GET  /v1/preferences, POST /v1/admin/preferences/{n}/confirm|forget      (learning.standing)
+    GET  /v1/preferences[?user=], POST /v1/admin/preferences/{n}/confirm|forget (learning.standing)
     POST /v1/groups, GET /v1/groups/{id}, POST /v1/groups/{id}/close,
     POST /v1/episodes/{id}/outcome                                          (learning.episodes)
 """
@@ -24,7 +24,7 @@ from clawbridge.protocol import BackendError, TransientBackendError, UnknownVers
 from clawbridge.serving import users, wire
 from clawbridge.serving.durable import Dropped
 from clawbridge.serving.wire import APIError
-from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode, Preference
+from clawbridge.store import EpisodeError, EpisodeRow, GroupRow, NewEpisode
 from clawbridge.store.writer import unavailable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -169,39 +169,46 @@ def rollback_route(learner: Learner) -> Route:
 
 # --- preferences (learning.standing) ------------------------------------------------------------
 def preference_routes(learner: Learner | None = None) -> list[Route]:
-    """The user's preferences: the list, and confirming (applied at once) or forgetting one (its
+    """Each user's preferences: the list, and confirming (applied at once) or forgetting one (its
     instruction stops at once, its samples not trained yet are dropped once no training step runs
-    (the learner's lock), and the rollback to the version before it is offered)."""
+    (the learner's lock), and the rollback to the version before it is offered). A user's key
+    lists its own with the instruction it is served; the operator lists one user's (`?user=`) or
+    everyone's, each naming its user. Confirming and forgetting are the operator's: a preference's
+    number names one user's, and only that user's preferences change."""
 
     async def listing(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         caller = proxy.check_auth(request)
-        prefs = await proxy.store.run(proxy.store.preferences)
-        if caller.user is not None:
-            return _json({"object": "list", "data": await own_preferences(proxy.store, prefs, caller.user)})
-        return _json({"object": "list", "data": [standing.view(p) for p in prefs], "instruction": proxy.standing.served})
+        asked = request.query_params.get("user")
+        if caller.user is not None and asked not in (None, caller.user):
+            raise APIError(403, f"This API key is {caller.user!r}'s: it lists that user's preferences only.",
+                           param="user", code="user_mismatch")
+        user = caller.user or (users.checked_name(asked, "user") if asked is not None else None)
+        if user is not None:
+            prefs = await proxy.store.run(proxy.store.preferences, user)
+            return _json({"object": "list", "user": user, "data": [standing.view(p) for p in prefs],
+                          "instruction": proxy.standing.served_to(user)})
+        prefs = await proxy.store.run(proxy.store.all_preferences)
+        served = {u: text for u in dict.fromkeys(p.user for p in prefs) if (text := proxy.standing.served_to(u))}
+        return _json({"object": "list", "data": [standing.view(p) for p in prefs],
+                      "instruction": proxy.standing.served, "instructions": served})
 
     async def act(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         users.require_admin(proxy.check_auth(request))
+        user = request.query_params.get("user")  # given: the preference must be that user's
         out = await preference_action(proxy, request.path_params["action"], request.path_params["pid"],
-                                      learner.lock if learner is not None else None)
+                                      learner.lock if learner is not None else None,
+                                      users.checked_name(user, "user") if user is not None else None)
         return _json(out)
 
     return [Route("/v1/preferences", listing, methods=["GET"]),
             Route("/v1/admin/preferences/{pid}/{action}", act, methods=["POST"])]
 
 
-async def own_preferences(store: Store, prefs: Sequence[Preference], user: str) -> list[dict[str, Any]]:
-    """The preferences a user's key may read: those heard from that user's turns alone. The list,
-    and the instruction served from it, are the whole server's; a preference heard from anyone
-    else's turn (its text written from their words) is not shown."""
-    owners = await store.run(store.turn_users, [tid for p in prefs for tid in p.turns])
-    return [standing.view(p) for p in prefs if p.turns and all(owners.get(tid) == user for tid in p.turns)]
-
-
-async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.Lock | None = None) -> dict[str, Any]:
-    """Confirm or forget preference `pid`; OpenAI-style errors."""
+async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.Lock | None = None,
+                            user: str | None = None) -> dict[str, Any]:
+    """Confirm or forget preference `pid`, `user`'s (None: whoever's it is); OpenAI-style errors."""
     if action not in standing.ACTIONS:
         raise APIError(404, f"No action `{action}`: confirm or forget.", code="not_found")
     try:
@@ -209,12 +216,14 @@ async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.L
     except (TypeError, ValueError):
         raise APIError(400, f"The preference must be a number, got {pid!r}.", param="id", code="invalid_value") from None
     try:
-        out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh, lock)
+        out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh, lock,
+                                 user)
     except KeyError:
-        raise APIError(404, f"No preference {pref_id}.", param="id", code="preference_not_found") from None
+        whose = f" of {user!r}'s" if user else ""
+        raise APIError(404, f"No preference {pref_id}{whose}.", param="id", code="preference_not_found") from None
     except PreferenceRefused as e:
         raise APIError(409, str(e), param="id", code="preference_refused") from None
-    return {**out, "instruction": proxy.standing.served}
+    return {**out, "instruction": proxy.standing.served_to(out["user"])}  # what its user is served now
 
 
 # --- groups and episodes (learning.episodes trains them) ----------------------------------------

@@ -348,25 +348,25 @@ def test_a_users_key_reads_only_its_own_and_no_admin_route(live: LiveServer) -> 
         r = post(live, path, BOB, {"version": 0})
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
     prefs = get(live, "/v1/preferences", BOB).json()
-    assert prefs["data"] == [] and "instruction" not in prefs
-    assert "instruction" in get(live, "/v1/preferences", ADMIN).json()
+    assert prefs["user"] == "bob" and prefs["data"] == [] and prefs["instruction"] is None  # their own
+    assert "instructions" in get(live, "/v1/preferences", ADMIN).json()
 
 
-def test_a_users_key_lists_the_preferences_heard_from_their_own_turns_alone(live: LiveServer) -> None:
+def test_a_users_key_lists_their_own_preferences_alone(live: LiveServer) -> None:
     from clawbridge.learning import preferences as prefs
 
     store = store_of(live)
     ask(client(live, ALICE), QUESTION, **{"X-Session-Id": "alice-pref"})
-    ask(client(live, ALICE), QUESTION, **{"X-Session-Id": "alice-pref-2"})
     ask(client(live, BOB), QUESTION, **{"X-Session-Id": "bob-pref"})
-    [a], [a2], [b] = (store.session_turns(sid) for sid in ("alice-pref", "alice-pref-2", "bob-pref"))
-    heard = [("Answer in one sentence.", a.id), ("Use bullet points.", b.id), ("Use bullet points.", a2.id)]
-    store.update_preferences(lambda known: prefs.merge(known, heard, 0))
+    [a], [b] = (store.session_turns(sid) for sid in ("alice-pref", "bob-pref"))
+    store.update_preferences(lambda known: prefs.merge(known, [("Answer in one sentence.", a.id)], 0), "alice")
+    store.update_preferences(lambda known: prefs.merge(known, [("Use bullet points.", b.id)], 0), "bob")
     texts = {u: [p["text"] for p in get(live, "/v1/preferences", key).json()["data"]]
              for u, key in (("alice", ALICE), ("bob", BOB), ("admin", ADMIN))}
-    assert texts["alice"] == ["Answer in one sentence."]  # the one heard from bob's turn too is not hers alone
-    assert texts["bob"] == []
+    assert texts["alice"] == ["Answer in one sentence."] and texts["bob"] == ["Use bullet points."]
     assert sorted(texts["admin"]) == ["Answer in one sentence.", "Use bullet points."]
+    r = get(live, "/v1/preferences?user=alice", BOB)  # naming another user: refused
+    assert r.status_code == 403 and r.json()["error"]["code"] == "user_mismatch"
 
 
 def test_a_previous_response_of_another_user_does_not_exist_for_them(live: LiveServer) -> None:

@@ -62,16 +62,19 @@ def print_status(data_dir: str | None, db: str | None) -> None:
 
 
 def preferences_line(known: Sequence[Preference]) -> str:
-    """How many preferences are in each state, and what is served as an instruction now."""
-    from clawbridge.learning.preferences import served_instruction
+    """How many preferences are in each state (every user's), and what is served as an instruction
+    now: the one user's, or how many users are served one."""
+    from clawbridge.learning.preferences import served_by_user
 
     if not known:
         return "none heard yet"
     counts = {s: sum(p.state == s for p in known) for s in ("applied", "learned", "heard", "superseded", "dropped")}
-    served = served_instruction(known)
-    return (" · ".join(f"{n} {s}" for s, n in counts.items() if n)
-            + (f"; served now: {' / '.join(served.splitlines())}" if served else "; none served now")
-            + " (clawbridge preferences)")
+    served = served_by_user(known)
+    if len({p.user for p in known}) > 1:
+        now = f"; served now to {len(served)} user{'s' * (len(served) != 1)}"
+    else:
+        now = "".join(f"; served now: {' / '.join(x.splitlines())}" for x in served.values()) or "; none served now"
+    return " · ".join(f"{n} {s}" for s, n in counts.items() if n) + now + " (clawbridge preferences)"
 
 
 def version_origin(row: PolicyVersionRow) -> str:

@@ -86,7 +86,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
             raise RouteError(404, f"No preference {pref_id}.", "preference_not_found", "id") from None
         except PreferenceRefused as e:
             raise RouteError(409, str(e), "preference_refused", "id") from None
-        return {**out, "instruction": proxy.standing.served}  # served (or no longer) from the next request on
+        return {**out, "instruction": proxy.standing.served_to(out["user"])}  # its user's, from their next request on
 
     return Board(proxy.store, page_keys(proxy.keys), status,
                  rollback=rollback if learner is not None else None,

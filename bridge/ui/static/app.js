@@ -316,7 +316,7 @@ function renderPreferences(prefs, canAct) {
   for (const p of prefs || []) {
     const li = el("li", { class: p.state === "applied" || p.state === "learned" ? "" : "muted", "data-preference": p.id },
       `#${p.id} `, el("span", { class: "badge " + p.state }, p.state), " ", el("q", {}, p.text),
-      ` — ${p.kind || "not form"} · heard ${p.count}× · since ${when(p.since)} · ${p.note}`);
+      ` — ${p.user}'s · ${p.kind || "not form"} · heard ${p.count}× · since ${when(p.since)} · ${p.note}`);
     if (canAct && p.state !== "applied" && p.state !== "learned" && !p.note.startsWith("never")) {
       const b = el("button", { type: "button", class: "confirm" }, "Confirm");
       b.addEventListener("click", () => preferenceAction(p.id, "confirm"));
