@@ -81,11 +81,14 @@ def blend_name(of: int, alpha: float) -> str:
 # --- standing preferences -----------------------------------------------------------------------
 
 async def what_was_asked(store: Store, *, served: bool) -> Asked:
-    """What the user asked for, as the gate asks it: the twin with every applied or learned
-    preference the collector heard; the candidate with the instruction served now (None when
-    no instruction is served: `instant_preferences` off)."""
-    known = await store.run(store.preferences)
-    return Asked(preferences.wanted_instruction(known), preferences.served_instruction(known) if served else None)
+    """What the users asked for, as the gate asks it: the twin with every applied or learned
+    preference the collector heard; the candidate with the instructions served now (None when
+    no instruction is served: `instant_preferences` off). Every user's together: one adapter
+    serves them all, so its candidate is judged against what each of them wants (a single user's
+    are exactly that user's)."""
+    known = await store.run(store.all_preferences, ("applied", "learned"))
+    applied = [p for p in known if p.state == "applied" and preferences.refusal(p) is None]
+    return Asked(preferences.wanted_instruction(known), preferences.instruction(applied) if served else None)
 
 
 # --- restarts -----------------------------------------------------------------------------------
@@ -241,7 +244,7 @@ class Promotion:
         the batch's prompts (`baking.Retirement`); a preference they carry is learned (its
         instruction stops), one a learned preference's version lost is applied again."""
         assert self.retirement is not None
-        prefs = [p for p in await self.store.run(self.store.preferences) if p.state in ("applied", "learned")]
+        prefs = list(await self.store.run(self.store.all_preferences, ("applied", "learned")))  # every user's
         prompts = await self._prompts(batch)
         if not prefs or not prompts:
             return
@@ -255,10 +258,10 @@ class Promotion:
                                                                    else " -> applied again"))
             if learned != (p.state == "learned"):
                 changed[p.id] = learned
-        if changed:
-            now = datetime.now(UTC)
+        now = datetime.now(UTC)
+        for user in dict.fromkeys(p.user for p in prefs if p.id in changed):  # each user's apart
             await self.store.run(self.store.update_preferences,
-                                 lambda known: baking.retired(known, changed, version, now))
+                                 lambda known: baking.retired(known, changed, version, now), user)
 
     async def _prompts(self, batch: Sequence[Sample]) -> list[baking.Prompt]:
         """The user's own prompts of the batch that an instruction would be served with (the last
