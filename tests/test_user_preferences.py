@@ -225,3 +225,24 @@ def test_each_user_is_served_their_own_preferences_and_changes_only_their_own(li
                                 env={"COLUMNS": "250"})
     assert listed.exit_code == 0 and "bob" in listed.output and "alice" not in listed.output, listed.output
     assert f"served as an instruction now: {CORRECTION}" in listed.output
+
+
+def test_the_proxy_keeps_each_users_instruction_and_at_most_max_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clawbridge.serving import instructing
+
+    monkeypatch.setattr(instructing, "MAX_USERS", 2)
+    standing = instructing.Standing()
+    for user in ("alice", "bob", "carol"):
+        standing.set(user, f"{user}'s")
+    assert (standing.of("alice"), standing.of("bob"), standing.of("carol")) == (None, "bob's", "carol's")
+    standing.set("bob", None)
+    assert standing.texts == {"carol": "carol's"} and standing.served == standing.text is None  # default's: none
+
+    async def newest_first() -> dict[str, str]:
+        return {"dave": "dave's", "erin": "erin's", "frank": "frank's"}
+
+    standing.source = newest_first
+    asyncio.run(standing.refresh())
+    assert standing.texts == {"erin": "erin's", "dave": "dave's"}  # the most recently applied kept
+    standing.enabled = False  # instant_preferences: false
+    assert standing.served_to("dave") is None and standing.of("dave") == "dave's"
