@@ -216,7 +216,7 @@ async def test_the_quick_pass_hears_a_correction_without_the_engine_and_the_sett
         assert len(judged) == 6
         await backend.start()
         more = record_turns(store, 3)
-        settled, again = await asyncio.gather(collector.run_once(), collector.judge_once())
+        settled, _again = await asyncio.gather(collector.run_once(), collector.judge_once())
         assert settled + await collector.run_once() == 9 and len(judged) == 6 + len(more)
         assert store.preferences()[0].count == 3  # the new session's correction, heard once
         assert "pending" not in {s.state for s in store.get_samples(list(range(1, 10)))}
