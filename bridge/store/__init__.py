@@ -22,6 +22,7 @@ from clawbridge.store.records import (
     TurnRecord,
 )
 from clawbridge.store.training import TRANSITIONS
+from clawbridge.store.users import Deleted, UserCounts
 from clawbridge.store.writer import AsyncWriter, WriterClosed
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "TRANSITIONS",
     "AsyncWriter",
     "Continuation",
+    "Deleted",
     "EpisodeError",
     "EpisodeRow",
     "GateRecord",
@@ -52,6 +54,7 @@ __all__ = [
     "StoredTurn",
     "TrainingStep",
     "TurnRecord",
+    "UserCounts",
     "VersionReused",
     "WriterClosed",
 ]

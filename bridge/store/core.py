@@ -27,12 +27,13 @@ from clawbridge.store.records import (
     StoreStats,
 )
 from clawbridge.store.training import TRANSITIONS, TrainingStore
+from clawbridge.store.users import UserStore
 
 log = logging.getLogger(__name__)
 
 
 
-class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseStore, HistoryStore):
+class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseStore, HistoryStore, UserStore):
     """Everything the loops keep, in one database."""
 
     def claim_serving(self) -> None:
@@ -95,5 +96,6 @@ class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseS
             target.close()
         return dest
 
-    def export_jsonl(self, dest: str | Path | IO[str], since: datetime | None = None) -> int:
-        return export_jsonl(self, dest, since)
+    def export_jsonl(self, dest: str | Path | IO[str], since: datetime | None = None, user: str | None = None) -> int:
+        """Every turn (created at or after `since`), or `user`'s only; returns the count."""
+        return export_jsonl(self, dest, since, user)

@@ -1,5 +1,6 @@
 """`clawbridge export`: one JSON object per turn, with its exact token ids, logprobs, judgments
-and samples. Streams in pages so a large store never sits in memory."""
+and samples; every user's turns, or one user's (their sessions' turns, and what hangs off them).
+Streams in pages so a large store never sits in memory."""
 
 from __future__ import annotations
 
@@ -20,18 +21,20 @@ if TYPE_CHECKING:
 PAGE = 200
 
 
-def export_jsonl(store: Store, dest: str | Path | IO[str], since: datetime | None = None) -> int:
-    """Write every turn created at or after `since` (all when None); returns the count."""
+def export_jsonl(store: Store, dest: str | Path | IO[str], since: datetime | None = None,
+                 user: str | None = None) -> int:
+    """Write every turn created at or after `since` (all when None), of `user`'s sessions only
+    when given; returns the count."""
     if isinstance(dest, str | Path):
         Path(dest).parent.mkdir(parents=True, exist_ok=True)
         with open(dest, "w", encoding="utf-8") as f:
-            return _write(store, f, since)
-    return _write(store, dest, since)
+            return _write(store, f, since, user)
+    return _write(store, dest, since, user)
 
 
-def _write(store: Store, out: IO[str], since: datetime | None) -> int:
+def _write(store: Store, out: IO[str], since: datetime | None, user: str | None) -> int:
     n = 0
-    for obj in iter_export(store, since):
+    for obj in iter_export(store, since, user):
         out.write(dumps(obj))
         out.write("\n")
         n += 1
@@ -39,13 +42,15 @@ def _write(store: Store, out: IO[str], since: datetime | None) -> int:
     return n
 
 
-def iter_export(store: Store, since: datetime | None = None) -> Iterator[JSONObject]:
+def iter_export(store: Store, since: datetime | None = None, user: str | None = None) -> Iterator[JSONObject]:
     # Keyset pagination on (created_at, id): stable while the proxy keeps writing.
     after: tuple[datetime, str] | None = None
     while True:
         where: list[Any] = []
         if since is not None:
             where.append(t.turns.c.created_at >= since)
+        if user is not None:  # the turns are joined with their sessions
+            where.append(t.sessions.c.user_name == user)
         if after is not None:
             where.append(sa.tuple_(t.turns.c.created_at, t.turns.c.id) > sa.tuple_(*after))
         with store._read() as conn:
@@ -81,6 +86,7 @@ def _turn_json(tu: StoredTurn, judgments: list[JSONObject], samples: list[JSONOb
         "id": tu.id,
         "session_id": tu.session_id,
         "session_source": tu.session_source,
+        "user": tu.user,
         "index": tu.index,
         "turn_type": tu.turn_type,
         "tagged": tu.tagged,
