@@ -6,11 +6,13 @@ format and errors are serving's, the work is learning's, and neither room import
     GET  /v1/preferences[?user=], POST /v1/admin/preferences/{n}/confirm|forget (learning.standing)
     POST /v1/groups, GET /v1/groups/{id}, POST /v1/groups/{id}/close,
     POST /v1/episodes/{id}/outcome                                          (learning.episodes)
+    DELETE /v1/admin/users/{name}                                           (store.users)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -224,6 +226,30 @@ async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.L
     except PreferenceRefused as e:
         raise APIError(409, str(e), param="id", code="preference_refused") from None
     return {**out, "instruction": proxy.standing.served_to(out["user"])}  # what its user is served now
+
+
+# --- users: deleting one user's data (store.users) ------------------------------------------------
+def user_routes(learner: Learner | None = None) -> list[Route]:
+    """`DELETE /v1/admin/users/{name}`: delete the user's sessions, all that hangs off them and
+    their preferences (`store.users`); the operator's only. It runs once no training step runs
+    (the learner's lock: a batch in training never loses a sample under it); then the proxy
+    forgets the user's open sessions and stops serving their preferences. 404 when the store
+    holds nothing of the user's."""
+
+    async def delete(request: Request) -> Response:
+        proxy: Proxy = request.app.state.proxy
+        users.require_admin(proxy.check_auth(request))
+        name = users.checked_name(request.path_params["name"], "name")
+        async with learner.lock if learner is not None else contextlib.nullcontext():
+            deleted = await proxy.store.run(proxy.store.delete_user, name)
+        proxy.sessions.close_user(name)
+        await proxy.standing.refresh()
+        if not deleted.total:
+            raise APIError(404, f"The store holds no data of user {name!r}.", param="name", code="user_not_found")
+        log.info("deleted user %s's data: %s", name, deleted.rows)
+        return _json(deleted.as_json())
+
+    return [Route("/v1/admin/users/{name}", delete, methods=["DELETE"])]
 
 
 # --- groups and episodes (learning.episodes trains them) ----------------------------------------

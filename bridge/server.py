@@ -45,6 +45,7 @@ from clawbridge.routes import (
     feedback_route,
     preference_routes,
     rollback_route,
+    user_routes,
 )
 from clawbridge.serving import anthropic, completions, metrics, responses
 from clawbridge.serving.app import create_app
@@ -101,7 +102,7 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
     fields of the status line and /metrics."""
     return ProxyHooks(
         routes=[feedback_route(learner.wake), rollback_route(learner), *episode_routes(learner.wake),
-                *preference_routes(learner), *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
+                *preference_routes(learner), *user_routes(learner), *ui_routes(live_board(learner))],  # the page at /ui (docs/ui.md)
         on_next_state=lambda _ns: learner.wake.set(),
         status_extra=learner.status,
         metrics_extra=learner.metrics,
@@ -221,7 +222,7 @@ def serving_extras(settings: Settings) -> dict[str, Any]:
     """What `clawbridge up` adds to the server: the learning loop, when training is on
     (`{"hooks": ..., "background": [...]}` for `serve`); without it `up` serves and captures."""
     if not settings.train:  # the page still shows what is captured (docs/ui.md)
-        return {"hooks": ProxyHooks(routes=[*preference_routes(), *ui_routes(live_board(None))])}
+        return {"hooks": ProxyHooks(routes=[*preference_routes(), *user_routes(), *ui_routes(live_board(None))])}
     learner = Learner(settings)
     return {"hooks": learner_hooks(learner), "background": [learner_task(learner)]}
 

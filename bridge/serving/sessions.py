@@ -470,6 +470,13 @@ class Sessions:
                 del self._index[sess.user, k]
         return True
 
+    def close_user(self, user: str) -> list[str]:
+        """Forget every open session of `user` (their data was deleted); returns their ids."""
+        ids = [s.id for s in self._sessions.values() if s.user == user]
+        for sid in ids:
+            self.close(sid)
+        return ids
+
     def expire(self) -> list[str]:
         """Close the sessions idle for longer than the timeout; returns their ids."""
         cutoff = self._clock() - self.idle_timeout_s
