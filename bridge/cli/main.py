@@ -131,8 +131,10 @@ def export_cmd(
     out: str | None = typer.Option(None, "--out", "-o", help="File to write (default stdout)."),
     data_dir: str | None = typer.Option(None, "--data-dir"),
     db: str | None = typer.Option(None, help="SQLAlchemy URL (default SQLite in the data directory)."),
+    user: str | None = typer.Option(None, "--user", help="Only this user's sessions' turns (default: every user's)."),
 ) -> None:
-    """Write every captured turn (ids, logprobs, next state, judgments) as JSON lines."""
+    """Write every captured turn (ids, logprobs, next state, judgments) as JSON lines; with
+    --user, only that user's (what they may take with them)."""
     import sys
 
     from clawbridge.config import Settings
@@ -143,8 +145,8 @@ def export_cmd(
         raise typer.Exit(2)
     settings = Settings.load(data_dir=data_dir, db=db)
     with Store.open(settings.db_url) as store:
-        n = store.export_jsonl(out if out else sys.stdout)
-    typer.echo(f"{n} turns exported", err=True)
+        n = store.export_jsonl(out if out else sys.stdout, user=user)
+    typer.echo(f"{n} turns exported" + (f" of {user}'s" if user else ""), err=True)
 
 
 @app.command("export-model")
@@ -276,9 +278,11 @@ def rollback_cmd(
 
 from clawbridge.cli.preferences import preferences_app  # noqa: E402 - beside the other sub-commands
 from clawbridge.cli.spool import spool_app  # noqa: E402
+from clawbridge.cli.users import users_app  # noqa: E402
 
 app.add_typer(preferences_app, name="preferences")
 app.add_typer(spool_app, name="spool")
+app.add_typer(users_app, name="users")
 
 openclaw_app = typer.Typer(help="Use clawbridge as an OpenClaw model provider (docs/openclaw.md).")
 app.add_typer(openclaw_app, name="openclaw")
