@@ -11,6 +11,11 @@ a random pause before each), in three conditions:
   tokens, packed into rows of 256: one micro-batch a row; the top-20 distillation on), learning
   rate 0.
 
+- busy: the sampling above while two users' requests are always in flight (each sent as the
+  one before it ends, no pause): what the learner's share of a busy engine
+  (`engine_background_share`) is for; modes `on` (the default share) and `on-strict` (share 0: the
+  learner waits for a pause that never comes).
+
 Modes, alternating round by round in the same process so that a busy machine slows all alike:
 `off` (the engine's `user_first` off: arrival order, jobs between decode steps), `on`;
 `on-nopause` (sampling: a user's request admitted first but never pausing the background rows: it
@@ -173,6 +178,23 @@ def measure(client: openai.OpenAI, model: str, n: int, rng: random.Random) -> li
     return out
 
 
+def measure_busy(client: openai.OpenAI, model: str, n: int) -> list[float]:
+    """`n` requests' seconds from two users who never pause (each sends the next as soon as its
+    previous one ends), so a user's request is always in flight."""
+    out: list[float] = []
+
+    def user() -> None:
+        for _ in range(n // 2):
+            out.append(ask(client, model)[0])
+
+    users = [threading.Thread(target=user) for _ in range(2)]
+    for t in users:
+        t.start()
+    for t in users:
+        t.join()
+    return out
+
+
 def p95(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
@@ -202,25 +224,28 @@ def main() -> None:
     # condition -> its modes: (name, user_first, pausing background rows, split training off to a process)
     plan = {"idle": [("off", False, True, False), ("on", True, True, False)],
             "sampling": [("off", False, True, False), ("on", True, True, False), ("on-nopause", True, False, False)],
-            "training": [("off", False, True, False), ("on", True, True, False), ("split", True, True, True)]}
-    pause, threads = engine._pause, torch.get_num_threads()
+            "training": [("off", False, True, False), ("on", True, True, False), ("split", True, True, True)],
+            "busy": [("on", True, True, False), ("on-strict", True, True, False)]}
+    pause, threads, share = engine._pause, torch.get_num_threads(), engine.background_share
     lat: dict[str, list[float]] = {}
     work: dict[str, dict[str, float]] = {}
     for rnd in range(args.rounds):
         for condition, modes in plan.items():
             for name, user_first, pausing, split in (modes if rnd % 2 == 0 else modes[::-1]):
                 engine.user_first = user_first
+                engine.background_share = 0.0 if name == "on-strict" else share
                 engine._pause = pause if pausing else (lambda: None)  # type: ignore[method-assign]
                 load = Load(backend, probes, training_batch())
                 trainer = Trainer() if split else None
                 task = None if condition == "idle" or split else asyncio.run_coroutine_threadsafe(
-                    getattr(load, condition)(), loop)
+                    getattr(load, "sampling" if condition == "busy" else condition)(), loop)
                 if split:
                     engine_threads(engine, loop, 1)
                 time.sleep(0.5 if task else 0)
                 key = f"{condition}/{name}"
                 t0 = time.perf_counter()
-                lat.setdefault(key, []).extend(measure(client, model, args.requests, rng))
+                lat.setdefault(key, []).extend(measure_busy(client, model, args.requests) if condition == "busy"
+                                               else measure(client, model, args.requests, rng))
                 seconds = time.perf_counter() - t0
                 if task is not None:
                     loop.call_soon_threadsafe(load.stop.set)
@@ -241,13 +266,13 @@ def main() -> None:
     rows = {}
     print(f"{'condition/mode':24s} {'p50 s':>7s} {'p95 s':>7s} {'p50/idle':>9s} {'p95/idle':>9s}  background")
     for key, xs in lat.items():
-        idle = lat["idle/off" if key.endswith("/off") else "idle/on"]
+        idle = lat["idle/off" if key.endswith("/off") else "idle/on"]  # busy: against one user's idle request
         w = work[key]
         rows[key] = {"p50": statistics.median(xs), "p95": p95(xs), "n": len(xs), "p50_ratio": statistics.median(xs) / statistics.median(idle),
                      "p95_ratio": p95(xs) / p95(idle), "background_tokens_per_s": w["background_tokens"] / w["seconds"],
                      "steps_per_min": 60 * w["steps"] / w["seconds"], "step_seconds": w["step_s"]}
         r = rows[key]
-        extra = (f"{r['background_tokens_per_s']:.0f} tok/s" if key.startswith("sampling") else
+        extra = (f"{r['background_tokens_per_s']:.0f} tok/s" if key.startswith(("sampling", "busy")) else
                  f"{r['steps_per_min']:.1f} steps/min, a step {r['step_seconds']:.1f} s" if key.startswith("training") else "")
         print(f"{key:24s} {r['p50']:7.2f} {r['p95']:7.2f} {r['p50_ratio']:9.2f} {r['p95_ratio']:9.2f}  {extra}")
     if args.json:
