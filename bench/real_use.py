@@ -291,12 +291,13 @@ async def _day(user: User, scenario: Scenario, args: argparse.Namespace, t0: flo
             report.weights_curve.append(weights)
             status = await user.status()
             report.status = status
+            learner = status.get("extra") or {}  # the learner's fields on /v1/status
             if report.first_shown_at is None and paired_interval(v0.per_prompt, served.per_prompt)[1] > 0:
                 report.first_shown_at = i
             if report.retired_at is None and _retired(status):
                 report.retired_at = i
             say(f"{i} conversations: served {served.truly:.0%}, weights alone {weights.truly:.0%} "
-                f"(v{served.served_version}); status {json.dumps({k: status.get(k) for k in ('step', 'gate')})}")
+                f"(v{served.served_version}); learner {json.dumps({k: learner.get(k) for k in ('step', 'gate', 'samples')})}")
     metrics = await user.metrics()
     report.probe_v0 = _metric(metrics, "preferences_probe_plain") or _metric(metrics0, "preferences_probe_plain")
     report.probe_last = _metric(metrics, "gate_probe_candidate")
