@@ -25,7 +25,7 @@ choice: the server on one torch thread, the steps on the other in a second proce
 Prints the p50 and p95 latency and their ratios to the idle server's (same mode), and the
 background work done meanwhile; `--json` writes it all.
 
-    .venv/bin/python bench/user_first.py [--requests 12] [--rounds 2] [--timeout 120] [--json out.json]
+    .venv/bin/python bench/user_first.py [--requests 12] [--rounds 2] [--timeout 120] [--conditions idle,busy] [--json out.json]
 
 A request the client gives up on (`--timeout`) counts as the timeout: in arrival order, with steps
 back to back, every token of a request waits for a whole step.
@@ -206,6 +206,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=120, help="seconds a request is waited for (counted as that)")
     ap.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)  # the split's training process
+    ap.add_argument("--conditions", default="idle,sampling,training,busy",
+                    help="which to run (idle always runs: the ratios' reference)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.trainer:
@@ -226,6 +228,8 @@ def main() -> None:
             "sampling": [("off", False, True, False), ("on", True, True, False), ("on-nopause", True, False, False)],
             "training": [("off", False, True, False), ("on", True, True, False), ("split", True, True, True)],
             "busy": [("on", True, True, False), ("on-strict", True, True, False)]}
+    wanted = {"idle", *args.conditions.split(",")}
+    plan = {k: v for k, v in plan.items() if k in wanted}
     pause, threads, share = engine._pause, torch.get_num_threads(), engine.background_share
     lat: dict[str, list[float]] = {}
     work: dict[str, dict[str, float]] = {}
