@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 # it: bursts, not a step here and there, since pausing and resuming background rows costs a prefill.
 BURST_S = 0.5
 DEBT_S = 4.0  # the most the learner owes after one long job (a publish, a long micro-batch)
+# ... and it earns nothing in the first seconds users' requests keep the engine busy: a user's
+# request of a few seconds is served as if the learner were not there (strict priority); only
+# users who keep it busy longer share it
+PATIENCE_S = 4.0
 
 
 class Scheduling:
@@ -37,7 +41,7 @@ class Scheduling:
     user_first: bool
     background_share: float  # of the engine's time, the learner's while users keep it busy
     _credit: float  # seconds of the learner's share earned and not spent (users in flight)
-    _clock: float  # when `_credit` was last brought up to date
+    _clock: float | None  # when `_credit` was last brought up to date (None: no user's request in flight)
     _turn: bool  # the learner's burst is on
     max_batch: int
     _inbox: queue.Queue[_Seq | _Job | None]
@@ -90,14 +94,18 @@ class Scheduling:
         While users' requests keep the engine busy, the learner earns `background_share` of the
         time passing and spends all the time its burst takes (jobs, and decode steps with its
         rows beside the users'): a burst starts once `BURST_S` is earned and ends once it is
-        spent. A user's request then takes at most about 1 / (1 - share) its time alone on
-        average, and the learner still progresses under a user who never pauses. A share of 0:
-        the learner waits for the users' requests to end, however long."""
+        spent, and nothing is earned in the first `PATIENCE_S` of users' requests in flight. A
+        short request is then served as if the learner were not there, a longer stretch of users'
+        requests takes at most about 1 / (1 - share) its time alone on average, and the learner
+        still progresses under a user who never pauses. A share of 0: the learner waits for the
+        users' requests to end, however long."""
         now = time.monotonic()
-        elapsed, self._clock = now - self._clock, now
         if not self._users_in_flight():
-            self._credit, self._turn = 0.0, False
+            self._credit, self._turn, self._clock = -self.background_share * PATIENCE_S, False, None
             return True
+        if self._clock is None:  # users' requests have just come: the stretch starts now
+            self._clock = now
+        elapsed, self._clock = now - self._clock, now
         earned = self._credit + self.background_share * elapsed - (elapsed if self._turn else 0.0)
         self._credit = min(BURST_S, max(-DEBT_S, earned))
         self._turn = self._credit > 0 if self._turn else (self.background_share > 0 and self._credit >= BURST_S)
@@ -121,9 +129,9 @@ class Scheduling:
         fixed cost (~60 ms of the embedded model's on a CPU, whatever it computes) is then paid
         once for the chunk, not once for each sequence as the rows free one by one."""
         self._forget_cancelled()
+        learners = self._background_may_run()  # (kept up to date, users or not) the learner's burst
         if self._users_in_flight():
-            learners = self._background_may_run()  # the learner's burst: its rows run beside the users'
-            if not learners:
+            if not learners:  # ... or its rows pause for the users'
                 self._pause()
             users = [s for s in self._waiting if s.priority == "user"]
             rest = [s for s in self._waiting if s.priority != "user"] if learners else []

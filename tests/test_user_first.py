@@ -138,7 +138,7 @@ async def test_users_who_never_pause_leave_the_learner_its_share(tmp_path, threa
     try:
         await backend.sample(PROMPT, SHORT)  # what is built once, paid before the clock starts
         learner = asyncio.ensure_future(backend.sample(PROMPT, LONG, priority="background"))
-        stop = asyncio.get_running_loop().time() + 8.0
+        stop = asyncio.get_running_loop().time() + 15.0  # the learner's first burst comes after PATIENCE_S
         served = 0
 
         async def user() -> None:
