@@ -88,26 +88,15 @@ def forget_cmd(ctx: typer.Context, pref: int = typer.Argument(..., help="The pre
 
 
 def _ask(url: str, api_key: str | None, pref: int, action: str, user: str | None = None) -> dict[str, Any]:
-    import httpx
-    from clawbridge.sdk.client import root_url
+    from clawbridge.cli.remote import Refused, admin_call
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    params = {"user": user} if user else {}
     try:
-        r = httpx.post(f"{root_url(url)}/v1/admin/preferences/{pref}/{action}", headers=headers, params=params,
-                       timeout=60)
-    except httpx.ConnectError:
-        _fail(action, f"no clawbridge server at {url}: start it with `clawbridge up`, or pass --url")
-    if r.status_code == 200:
-        return dict(r.json())
-    try:
-        message = str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = r.text[:200]
-    if r.status_code == 401:
-        message += " Pass the server's key with --api-key (or CLAWBRIDGE_API_KEY)."
-    _fail(action, message)
-    raise AssertionError  # unreachable: _fail exits
+        return admin_call("POST", url, f"/v1/admin/preferences/{pref}/{action}", api_key, timeout=60,
+                          params={"user": user} if user else None,
+                          unreachable="start it with `clawbridge up`, or pass --url")
+    except Refused as e:
+        _fail(action, e.message)
+        raise AssertionError from e  # unreachable: _fail exits
 
 
 def _fail(action: str, message: str) -> None:

@@ -140,36 +140,24 @@ def print_versions(data_dir: str | None, db: str | None) -> None:
 
 def request_rollback(url: str, version: str, api_key: str | None, timeout_s: float = 600.0) -> None:
     """`clawbridge rollback`: ask the running server, print what it did or why not."""
-    import httpx
-    from clawbridge.sdk.client import root_url
+    from clawbridge.cli.remote import Refused, admin_call
 
     text = version.strip().lower().removeprefix("v")
     if not text.isdigit():
         _fail(f"VERSION must be a version number like 3 or v3, not {version!r}")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    endpoint = root_url(url) + "/v1/admin/rollback"
     try:
         # a rollback waits for a running training step to finish: allow for a long one
-        r = httpx.post(endpoint, json={"version": int(text)}, headers=headers, timeout=timeout_s)
-    except httpx.ConnectError:
-        _fail(f"no clawbridge server at {url}: start it with `clawbridge up`, or pass --url")
-    except httpx.TimeoutException:
-        _fail(f"{url} did not answer within {timeout_s:.0f} s (a training step may still be running)")
-    if r.status_code == 200:
-        out = r.json()
-        typer.echo(f"policy@v{out['version']} now serves the weights of v{out['restored']} "
-                   f"(was v{out['previous']}); training continues from them")
+        out = admin_call("POST", url, "/v1/admin/rollback", api_key, timeout=timeout_s, json={"version": int(text)},
+                         unreachable="start it with `clawbridge up`, or pass --url")
+    except Refused as e:
+        if e.timed_out:
+            _fail(f"{e.message} (a training step may still be running)")
+        if e.status == 404 and e.code != "version_not_found":
+            _fail(f"{url} has no rollback route: is it a clawbridge server running with training on (not --no-train)?")
+        _fail(e.message)
         return
-    try:
-        error = r.json()["error"]
-        message, code = str(error["message"]), error.get("code")
-    except (ValueError, KeyError, TypeError):
-        message, code = r.text[:200], None
-    if r.status_code == 401:
-        message += " Pass the server's key with --api-key (or CLAWBRIDGE_API_KEY)."
-    elif r.status_code == 404 and code != "version_not_found":
-        message = f"{url} has no rollback route: is it a clawbridge server running with training on (not --no-train)?"
-    _fail(message)
+    typer.echo(f"policy@v{out['version']} now serves the weights of v{out['restored']} "
+               f"(was v{out['previous']}); training continues from them")
 
 
 def _fail(message: str) -> None:

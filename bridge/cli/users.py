@@ -107,24 +107,14 @@ def _report(out: dict[str, Any]) -> None:
 
 
 def _ask(url: str, api_key: str | None, name: str) -> dict[str, Any]:
-    import httpx
-    from clawbridge.sdk.client import root_url
+    from clawbridge.cli.remote import Refused, admin_call
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.delete(f"{root_url(url)}/v1/admin/users/{name}", headers=headers, timeout=120)
-    except httpx.ConnectError:
-        _fail(f"no clawbridge server at {url}: start it, or delete from the store without --url")
-    if r.status_code == 200:
-        return dict(r.json())
-    try:
-        message = str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        message = r.text[:200]
-    if r.status_code in (401, 403):
-        message += " Pass an admin key with --api-key (or CLAWBRIDGE_API_KEY)."
-    _fail(message)
-    raise AssertionError  # unreachable: _fail exits
+        return admin_call("DELETE", url, f"/v1/admin/users/{name}", api_key, timeout=120,
+                          unreachable="start it, or delete from the store without --url")
+    except Refused as e:
+        _fail(e.message)
+        raise AssertionError from e  # unreachable: _fail exits
 
 
 def _fail(message: str) -> None:
