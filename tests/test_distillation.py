@@ -11,7 +11,7 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.judges import Teacher
 from clawbridge.learning.distillation import to_datum, to_datums
 from clawbridge.learning.trainer import Trainer
-from clawbridge.store import Store
+from clawbridge.store import Sample, Store, StoredTurn
 from helpers.learning import record_priorities, record_turns, settings_for
 
 
@@ -35,6 +35,14 @@ def hinted_and_approved(store: Store) -> None:
     store.create_sample(hinted_turn, "combine", reward=-1.0, hint="Answer in one word.", advantages=(0.0,) * n)
     m = len(store.get_turn(plain_turn).completion_ids)  # type: ignore[union-attr]
     store.create_sample(plain_turn, "combine", reward=1.0, advantages=(1.0,) * m)
+
+
+def the_hinted(store: Store) -> tuple[Sample, StoredTurn]:
+    """`hinted_and_approved`'s hinted sample, waiting to train, and its turn."""
+    [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
+    turn = store.get_turn(hinted.turn_id)
+    assert turn is not None
+    return hinted, turn
 
 
 async def test_the_trainer_distils_hinted_samples_with_the_collectors_teacher_prompt(data_dir: Path):
@@ -109,9 +117,7 @@ async def test_fresh_draws_of_the_trained_policy_are_distilled_beside_the_batch(
     try:
         hinted_and_approved(store)
         trainer = Trainer(settings.training, backend, store, teacher=Teacher(backend, Renderer(backend.tokenizer())))
-        [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
-        turn = store.get_turn(hinted.turn_id)
-        assert turn is not None
+        hinted, turn = the_hinted(store)
         teacher_ids = trainer.distillation.teacher_prompt(turn, "Answer in one word.")
         priorities = record_priorities(backend)
         [own, *drawn] = await trainer.distillation.datums(hinted)
@@ -143,9 +149,7 @@ async def test_only_the_fresh_draws_the_hint_does_not_lift_are_distilled(data_di
     try:
         hinted_and_approved(store)
         teacher = Teacher(backend, Renderer(backend.tokenizer()))
-        [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
-        turn = store.get_turn(hinted.turn_id)
-        assert turn is not None
+        hinted, turn = the_hinted(store)
         params = redraw_params(turn)
         drawn = [c for c in await backend.sample(hinted.prompt_ids, params, n=6) if c.tokens]
         t_ids = Trainer(settings.training, backend, store, teacher=teacher).distillation.teacher_prompt(turn, "Answer in one word.")
@@ -199,9 +203,7 @@ async def test_the_learners_draws_stop_at_redraw_max_tokens(data_dir: Path):
     try:
         hinted_and_approved(store)
         teacher = Teacher(backend, Renderer(backend.tokenizer()))
-        [hinted] = [x for x in store.pending_samples(2, method="combine") if x.hint]
-        turn = store.get_turn(hinted.turn_id)
-        assert turn is not None
+        hinted, turn = the_hinted(store)
         own = redraw_params(turn).max_tokens
         assert redraw_params(turn, 3).max_tokens == 3 and redraw_params(turn, 10 * own).max_tokens == own
         trainer = Trainer(settings.training, backend, store, teacher=teacher, redraw_max_tokens=3)
