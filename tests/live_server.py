@@ -4,7 +4,9 @@ a real store. Tests drive it with real HTTP clients, then stop it (drain include
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from clawbridge.config import Settings
@@ -69,3 +71,20 @@ class LiveServer:
     def proxy(self) -> Proxy:
         assert self.running is not None
         return self.running.proxy
+
+
+@contextlib.contextmanager
+def with_learner(settings: Settings, *, poll_s: float = 0.2) -> Iterator[LiveServer]:
+    """A live server whose learner runs beside it, as `clawbridge up` runs it; both stopped after."""
+    from clawbridge.learning.learner import Learner
+    from clawbridge.server import build_backend, learner_hooks, learner_task
+
+    learner = Learner(settings, poll_s=poll_s)
+    server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
+    assert server.loop is not None and server.running is not None
+    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(server.running), server.loop)
+    try:
+        yield server
+    finally:
+        server.loop.call_soon_threadsafe(task.cancel)
+        server.stop()

@@ -4,15 +4,13 @@ offers the same calls as the sync one, over one pooled connection."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 
 import clawbridge
 import pytest
 from clawbridge.config import Settings
-from clawbridge.learning.learner import Learner
-from clawbridge.server import build_backend, learner_hooks, learner_task
-from live_server import LiveServer
+from clawbridge.server import build_backend
+from live_server import LiveServer, with_learner
 
 MODEL = "tiny-random"
 
@@ -31,13 +29,8 @@ def learning(tmp_path_factory: pytest.TempPathFactory):
     """A server with the learning loop's routes (feedback, groups); it never trains (batch 1000)."""
     settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("learning"), default_max_tokens=4,
                         batch_size=1000, judge="rules")
-    learner = Learner(settings, poll_s=0.1)
-    server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
-    assert server.loop is not None and server.running is not None
-    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(server.running), server.loop)
-    yield server
-    server.loop.call_soon_threadsafe(task.cancel)
-    server.stop()
+    with with_learner(settings, poll_s=0.1) as server:  # the learner's task stops before the store
+        yield server
 
 
 def test_models_and_status(live: LiveServer):

@@ -3,17 +3,14 @@ live server (tiny random model, real store) with the learning loop's hooks and c
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import clawbridge
 import httpx
 import pytest
 from clawbridge.config import Settings
-from clawbridge.learning.learner import Learner
-from clawbridge.server import build_backend, learner_hooks, learner_task
 from clawbridge.store import Store
-from live_server import LiveServer
+from live_server import LiveServer, with_learner
 
 MODEL = "tiny-random"
 
@@ -23,13 +20,8 @@ def live(tmp_path_factory: pytest.TempPathFactory):
     data = tmp_path_factory.mktemp("feedback")
     settings = Settings(model=MODEL, data_dir=data, default_max_tokens=6, batch_size=1000,
                         method="combine", judge="rules")
-    learner = Learner(settings, poll_s=0.1)
-    server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
-    assert server.loop is not None and server.running is not None
-    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(server.running), server.loop)
-    yield server
-    server.loop.call_soon_threadsafe(task.cancel)  # as `serve` does: the loop stops before the store
-    server.stop()
+    with with_learner(settings, poll_s=0.1) as server:  # the learner's task stops before the store
+        yield server
 
 
 def store_of(live: LiveServer) -> Store:

@@ -5,7 +5,6 @@ instruction in the next request's prompt, and the captured turn records it; neve
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,12 +15,10 @@ import pytest
 from clawbridge.chat.instructions import instructed
 from clawbridge.chat.renderer import Renderer
 from clawbridge.config import Settings
-from clawbridge.learning.learner import Learner
-from clawbridge.server import build_backend, learner_hooks, learner_task
 from clawbridge.serving import instructing
 from clawbridge.serving.wire import APIError
 from clawbridge.store import StoredTurn
-from live_server import LiveServer
+from live_server import LiveServer, with_learner
 
 MODEL = "tiny-random"
 CORRECTION = "Too long. Answer in one short sentence."
@@ -33,13 +30,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # a batch never filled: the collector hears and judges, nothing trains
     settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("now"), default_max_tokens=6,
                         judge="rules", gate="off", batch_size=10_000, lora_rank=4, lora_alpha=4)
-    learner = Learner(settings, poll_s=0.2)
-    server = LiveServer(settings, build_backend(settings), hooks=learner_hooks(learner)).start()
-    assert server.loop is not None and server.running is not None
-    task = asyncio.run_coroutine_threadsafe(learner_task(learner)(server.running), server.loop)
-    yield server
-    server.loop.call_soon_threadsafe(task.cancel)
-    server.stop()
+    with with_learner(settings) as server:
+        yield server
 
 
 class User:
