@@ -224,3 +224,64 @@ async def test_the_gate_asks_the_candidate_with_the_instruction_only_where_one_i
             assert (parts.trainer.promotion.retirement is not None) is instant
         finally:
             store.close()
+
+
+async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_carry(tmp_path):
+    """Each candidate is reviewed before the gate: an applied preference its weights carry alone
+    (share >= retire_share) is left out of the instruction it is judged with, as it would be
+    served (asked for it again on top of weights that learned it, a candidate answers worse than
+    with either); one they do not carry is kept. The review applies only when the version serves.
+    Steps on turns served under the instruction move the weights (the random model heeds an
+    instruction faintly: its lift is measured from 0 here, so its shares swing both ways, and the
+    test follows each verdict rather than a trajectory)."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.server import build_learning
+    from helpers.learning import settings_for
+
+    settings = settings_for(tmp_path, method="opd", w_negative=1.0, batch_size=8, learning_rate=2e-2,
+                            gate="on", gate_probes=4, gate_probes_max=4, retire_share=0.3, restore_share=0.1)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        renderer = Renderer(backend.tokenizer())
+        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
+        parts = build_learning(settings, backend, store, renderer)
+        promotion = parts.trainer.promotion
+        assert promotion.gate is not None and promotion.retirement is not None
+        promotion.retirement.min_lift = 0.0
+        shares: list[float | None] = []
+        judged: list[str | None] = []
+        review, evaluate = promotion.retirement.review, promotion.gate.evaluate
+
+        async def reviewed(prompts, instructions):  # the real review, its shares kept for the test
+            out = await review(prompts, instructions)
+            shares.append(out[0][1])
+            return out
+
+        async def watched(candidate, serving, **kw):  # what the real gate is asked with
+            judged.append(kw["asked"].candidate)
+            return await evaluate(candidate, serving, **kw)
+
+        promotion.retirement.review, promotion.gate.evaluate = reviewed, watched  # type: ignore[method-assign]
+        for k in range(4):
+            await _instructed_turns(backend, renderer, store, 8, first=8 * k)
+            assert await parts.collector.run_once() == 8
+            assert await parts.trainer.step_once() is not None
+        assert len(shares) == len(judged) == 4
+        carried = [s is not None and s >= 0.3 for s in shares]
+        assert any(carried) and not all(carried), shares  # the test sees both cases
+        learned = False  # the stored state: changed only by a version that serves
+        for share, asked, decision in zip(shares, judged, promotion.decisions, strict=True):
+            carries = learned if share is None else share >= (0.1 if learned else 0.3)
+            assert asked == (None if carries else INSTRUCTION), (shares, judged)  # judged as it would serve
+            if decision.decision == "accepted":
+                learned = carries
+        [pref] = store.history().preferences
+        assert pref.state == ("learned" if learned else "applied")
+        # a version served without it (learned), and the review applied in both directions here
+        assert any(a is None and d.decision == "accepted" for a, d in zip(judged, promotion.decisions, strict=True))
+    finally:
+        store.close()
+        await backend.close()

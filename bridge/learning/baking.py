@@ -72,7 +72,11 @@ class Carried:
     @property
     def share(self) -> float | None:
         """carried / lift; None when the lift is too small to measure against (`MIN_LIFT`)."""
-        return self.carried / self.lift if self.lift >= MIN_LIFT else None
+        return self.share_at(MIN_LIFT)
+
+    def share_at(self, min_lift: float) -> float | None:
+        """carried / lift; None when the lift is below `min_lift` (or none at all)."""
+        return self.carried / self.lift if self.lift >= min_lift and self.lift > 0 else None
 
 
 def carried(base_with: Sequence[Sequence[float]], base_without: Sequence[Sequence[float]],
@@ -134,18 +138,21 @@ __all__ = ["MIN_LIFT", "Carried", "Prompt", "Retirement", "Twin", "carried", "re
 class Retirement:
     """Which applied preferences the newest weights carry alone (`Twin.measure`, `verdict`)."""
 
-    def __init__(self, twin: Twin, retire_share: float, restore_share: float) -> None:
+    def __init__(self, twin: Twin, retire_share: float, restore_share: float, min_lift: float = MIN_LIFT) -> None:
         if restore_share > retire_share:
             raise ValueError(f"restore_share {restore_share:g} above retire_share {retire_share:g} would flap")
         self.twin, self.retire_share, self.restore_share = twin, retire_share, restore_share
+        self.min_lift = min_lift  # an instruction whose lift is below this is not measured (`MIN_LIFT`)
 
-    async def review(self, prompts: Sequence[Prompt], instructions: Sequence[tuple[str, bool]]) -> list[tuple[Carried, bool]]:
-        """For each (instruction, learned now): what the newest weights carry of it, and whether
-        it is learned after this measurement."""
+    async def review(self, prompts: Sequence[Prompt],
+                     instructions: Sequence[tuple[str, bool]]) -> list[tuple[Carried, float | None, bool]]:
+        """For each (instruction, learned now): what the newest weights carry of it, its share
+        (None: not measurable), and whether it is learned after this measurement."""
         out = []
         for text, learned in instructions:
             c = await self.twin.measure(prompts, text)
-            out.append((c, verdict(c.share, learned, self.retire_share, self.restore_share)))
+            share = c.share_at(self.min_lift)
+            out.append((c, share, verdict(share, learned, self.retire_share, self.restore_share)))
         return out
 
 

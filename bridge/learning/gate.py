@@ -86,12 +86,15 @@ class GateProbe:
 
 @dataclass(frozen=True)
 class Asked:
-    """What the user has asked for: `wanted`, every applied or learned preference (the twin is
-    asked with it); `served`, the instruction served now (the applied ones: the candidate and
-    the serving version answer the probes with it, as the user gets them)."""
+    """What the user has asked for, and what each version is asked with: `wanted`, every applied
+    or learned preference (the twin is asked with it); `served`, the instruction served now with
+    the serving version (the applied preferences); `candidate`, the instruction the candidate
+    would be served with (`served` less what its weights carry alone, `promotion.Review`), so
+    each answers the probes as the user would get it."""
 
     wanted: str | None = None
     served: str | None = None
+    candidate: str | None = None
 
 
 @dataclass(frozen=True)
@@ -235,11 +238,10 @@ class Gate:
         """`recent`: the user's own recent prompts, replayed on both versions and compared by the
         pairwise judge (when there is one). `asked`: what the user asked for (`Asked`: the twin
         is asked with `wanted`, None: the twin is plain v0; the candidate and the serving version
-        answer with `served`)."""
+        answers with `served`, the candidate with `candidate`)."""
         t0 = time.monotonic()
         twin = self.reference == "twin"
         instruction = asked.wanted if twin else None
-        served = asked.served
         if twin and instruction is not None:
             plain, prompted = await self.general_rates(instruction, base)
             self._tell_price(base, instruction, plain, prompted)
@@ -260,11 +262,11 @@ class Gate:
                            recent_p_vs_serving=fig.p_worse)
         total = sum(len(t) for t in self.tiers)
         tiers = 1
-        found = await self._measure(candidate, serving, base, tiers, instruction, served)
+        found = await self._measure(candidate, serving, base, tiers, instruction, asked)
         while tiers < len(self.tiers) and needs_more_probes(
                 {**comparisons, **found[0]}, sum(len(t) for t in self.tiers[:tiers]) / total):
             tiers += 1
-            found = await self._measure(candidate, serving, base, tiers, instruction, served)
+            found = await self._measure(candidate, serving, base, tiers, instruction, asked)
         comparisons.update(found[0])
         figures.update(found[1])
         figures["probes_asked"] = float(sum(len(t) for t in self.tiers[:tiers]))
@@ -283,16 +285,17 @@ class Gate:
                     100 * plain, 100 * prompted, 100 * (self.rules.max_price or 0.0))
 
     async def _measure(
-        self, candidate: int, serving: int, base: int, tiers: int, instruction: str | None, served: str | None = None,
+        self, candidate: int, serving: int, base: int, tiers: int, instruction: str | None, asked: Asked,
     ) -> tuple[dict[str, Comparison], dict[str, float]]:
         """Each probe group's figures on the first `tiers` tiers against every reference its rows
-        name (`self.rules`), and the comparisons whose rule decides. The candidate and the serving
-        version answer with the `served` instruction."""
+        name (`self.rules`), and the comparisons whose rule decides. The serving version answers
+        with the instruction served now, the candidate with the one it would be served with."""
         comparisons: dict[str, Comparison] = {}
         figures: dict[str, float] = {}
         probes = [p for tier in self.tiers[:tiers] for p in tier]
-        cand = await self.scores(candidate, tiers, served)
+        cand = await self.scores(candidate, tiers, asked.candidate)
         v0 = await self.scores(base, tiers, None, self.reference_samples)
+        served = asked.served
         refs: dict[Against, list[float]] = {
             "serving": v0 if base == serving and served is None else await self.scores(serving, tiers, served),
             "v0": v0}

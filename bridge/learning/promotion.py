@@ -2,9 +2,11 @@
 (docs/methods.md, "The gate"), and the restarts and rollbacks that change what serves.
 
     the preferences the user wants (heard by the collector) are what the gate's twin is asked with
+    ─► where instructions are served, the candidate's review: which applied preferences its
+       weights carry alone (`baking.Retirement`); it is judged, and would serve, without them
     ─► no gate: the candidate serves at once
     ─► the gate judges it against the serving version, the decision is recorded, then:
-         accepted ─► it serves
+         accepted ─► it serves; its review applies (preferences learned, or applied again)
          rejected, within `gate_patience` ─► the served version keeps serving, training goes on
                                              from the candidate (a held lineage)
          rejected, patience spent ─► its blends (`gate_blend`), the first accepted serving;
@@ -29,6 +31,7 @@ a copy or a blend is recorded with its version (`copy_of`, `blend_of`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,13 +85,30 @@ def blend_name(of: int, alpha: float) -> str:
 
 async def what_was_asked(store: Store, *, served: bool) -> Asked:
     """What the users asked for, as the gate asks it: the twin with every applied or learned
-    preference the collector heard; the candidate with the instructions served now (None when
-    no instruction is served: `instant_preferences` off). Every user's together: one adapter
-    serves them all, so its candidate is judged against what each of them wants (a single user's
-    are exactly that user's)."""
+    preference the collector heard; the serving version and the candidate with the instructions
+    served now (None when no instruction is served: `instant_preferences` off; a candidate's own
+    is narrowed by its `Review`). Every user's together: one adapter serves them all, so its
+    candidate is judged against what each of them wants (a single user's are exactly that user's)."""
     known = await store.run(store.all_preferences, ("applied", "learned"))
-    applied = [p for p in known if p.state == "applied" and preferences.refusal(p) is None]
-    return Asked(preferences.wanted_instruction(known), preferences.instruction(applied) if served else None)
+    now = preferences.instruction([p for p in known if p.state == "applied" and preferences.refusal(p) is None])
+    now = now if served else None
+    return Asked(preferences.wanted_instruction(known), now, now)
+
+
+@dataclass(frozen=True)
+class Review:
+    """What one version's weights alone carry of each applied or learned preference
+    (`baking.Retirement`), and so how it would be served: `changed` (preference id -> learned)
+    is what its serving would change, `instruction` the applied preferences it would still be
+    served with (None: none; the weights carry every one)."""
+
+    changed: dict[int, bool]
+    instruction: str | None
+    users: tuple[str, ...] = ()  # whose preferences change
+
+    def asked(self, asked: Asked) -> Asked:
+        """`asked` with the candidate asked as it would be served."""
+        return dataclasses.replace(asked, candidate=self.instruction)
 
 
 # --- restarts -----------------------------------------------------------------------------------
@@ -232,36 +252,52 @@ class Promotion:
 
     async def promote(self, batch: Sequence[Sample], candidate: int, serving: int) -> int:
         """The step's candidate, just published from `batch`: returns the version that serves next.
-        When the newest weights serve, the applied preferences they carry alone are retired."""
+        Where instructions are served, each version the gate judges is first reviewed (`_review`):
+        the applied preferences its weights carry alone are left out of its instruction, so the
+        gate judges it as it would be served (a candidate that learned a preference, asked for it
+        again on top, answers worse than either alone); the version that serves applies its review."""
         asked = await what_was_asked(self.store, served=self.retirement is not None)
-        served = candidate if self.gate is None else await self._gate(candidate, serving, await self._recent(batch), asked)
-        if served == self.backend.newest and self.retirement is not None:
-            await self._retire(batch, served)
-        return served
+        prompts = await self._prompts(batch) if self.retirement is not None else []
+        if self.gate is None:
+            review = await self._review(candidate, prompts)
+            if review is not None:
+                await self._apply(review, candidate)
+            return candidate
+        return await self._gate(candidate, serving, await self._recent(batch), asked, prompts)
 
-    async def _retire(self, batch: Sequence[Sample], version: int) -> None:
-        """Measure what `version`'s weights alone carry of each applied or learned preference on
-        the batch's prompts (`baking.Retirement`); a preference they carry is learned (its
-        instruction stops), one a learned preference's version lost is applied again."""
-        assert self.retirement is not None
-        prefs = list(await self.store.run(self.store.all_preferences, ("applied", "learned")))  # every user's
-        prompts = await self._prompts(batch)
+    async def _review(self, version: int, prompts: Sequence[baking.Prompt]) -> Review | None:
+        """What `version` (the newest weights) carries alone of each applied or learned preference,
+        measured on the user's prompts (`baking.Retirement`); None: no instruction is served."""
+        if self.retirement is None:
+            return None
+        prefs = [p for p in await self.store.run(self.store.all_preferences, ("applied", "learned"))  # every user's
+                 if preferences.refusal(p) is None]
         if not prefs or not prompts:
-            return
+            return Review({}, preferences.instruction([p for p in prefs if p.state == "applied"]))
         reviewed = await self.retirement.review(prompts, [(p.text, p.state == "learned") for p in prefs])
-        changed = {}
-        for p, (c, learned) in zip(prefs, reviewed, strict=True):
-            share = "unmeasurable" if c.share is None else f"{c.share:.2f}"
+        changed: dict[int, bool] = {}
+        for p, (c, share, learned) in zip(prefs, reviewed, strict=True):
             log.info("preference %d %r: v%d's weights alone carry %s of its instruction (lift %.3f nats/token, "
-                     "%d tokens)%s", p.id, p.text, version, share, c.lift, c.tokens,
-                     "" if learned == (p.state == "learned") else (" -> learned, its instruction retired" if learned
-                                                                   else " -> applied again"))
+                     "%d tokens)%s", p.id, p.text, version, "unmeasurable" if share is None else f"{share:.2f}",
+                     c.lift, c.tokens,
+                     "" if learned == (p.state == "learned") else (" -> learned if it serves" if learned
+                                                                   else " -> applied again if it serves"))
             if learned != (p.state == "learned"):
                 changed[p.id] = learned
+        still = [p for p, (*_, learned) in zip(prefs, reviewed, strict=True) if not learned]
+        return Review(changed, preferences.instruction(still),
+                      tuple(dict.fromkeys(p.user for p in prefs if p.id in changed)))
+
+    async def _apply(self, review: Review, version: int) -> None:
+        """`version` serves: the preferences its weights carry alone are learned (their
+        instruction stops), those a learned one's weights lost are applied again."""
         now = datetime.now(UTC)
-        for user in dict.fromkeys(p.user for p in prefs if p.id in changed):  # each user's apart
+        for user in review.users:  # each user's apart
             await self.store.run(self.store.update_preferences,
-                                 lambda known: baking.retired(known, changed, version, now), user)
+                                 lambda known: baking.retired(known, review.changed, version, now), user)
+        for pid, learned in review.changed.items():
+            log.info("preference %d %s with v%d", pid, "learned: its instruction retired" if learned
+                     else "applied again: its instruction is back", version)
 
     async def _prompts(self, batch: Sequence[Sample]) -> list[baking.Prompt]:
         """The user's own prompts of the batch that an instruction would be served with (the last
@@ -284,13 +320,14 @@ class Promotion:
                 out.append((sample.prompt_ids, turn.messages))
         return out
 
-    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: Asked = Asked()) -> int:
+    async def _gate(self, candidate: int, serving: int, recent: Sequence[Recent] = (), asked: Asked = Asked(),
+                    prompts: Sequence[baking.Prompt] = ()) -> int:
         """Judge the candidate against the serving version; returns the version that serves next.
         A rejected candidate (or a gate that failed: no evidence is no pass) is trained on from
         while `gate_patience` allows; then it is given up: first its blends (`gate_blend`), the
         first the gate accepts serving, else a copy of the serving weights, so training continues
         from what was served."""
-        decision = await self._judge(candidate, serving, recent, asked)
+        decision = await self._judge(candidate, serving, recent, asked, prompts)
         if decision.decision == "accepted":
             log.info("gate: policy@v%d accepted (%s)", candidate, decision.reason)
             self.held, self.held_back_in_a_row = None, 0
@@ -303,28 +340,39 @@ class Promotion:
                         candidate, self.held_back_in_a_row, self.settings.gate_patience)
             return serving
         log.warning("gate: policy@v%d rejected (%s)", candidate, decision.reason)
-        blended = await self._blends(candidate, serving, recent, asked)
+        blended = await self._blends(candidate, serving, recent, asked, prompts)
         if blended is not None:
             return blended
         restored = await self._restore_served(serving)
         log.warning("gate: policy@v%d given up; v%d serves v%d's weights", candidate, restored, serving)
         return restored
 
-    async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked) -> GateDecision:
-        """The gate's decision on `candidate`, recorded before it acts."""
+    async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked,
+                     prompts: Sequence[baking.Prompt] = ()) -> GateDecision:
+        """The gate's decision on `candidate` (the newest weights) as it would be served
+        (`_review`), recorded before it acts; accepted, its review applies."""
         assert self.gate is not None
         try:
+            review = await self._review(candidate, prompts)
+            if review is not None:
+                asked = review.asked(asked)
+                if asked.candidate != asked.served:
+                    log.info("gate: policy@v%d is judged with the instruction it would be served with: %s",
+                             candidate, "none" if asked.candidate is None else repr(asked.candidate))
             decision = await self.gate.evaluate(candidate, serving, recent=recent, asked=asked)
         except asyncio.CancelledError:
             raise
         except Exception as e:
             log.exception("the gate failed on policy@v%d; holding it back", candidate)
-            decision = GateDecision(candidate, serving, "rejected", f"gate failed: {type(e).__name__}: {e}")
+            review, decision = None, GateDecision(candidate, serving, "rejected", f"gate failed: {type(e).__name__}: {e}")
         self.decisions.append(decision)
         await record_decision(self.store, decision)
+        if decision.decision == "accepted" and review is not None:
+            await self._apply(review, candidate)
         return decision
 
-    async def _blends(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked) -> int | None:
+    async def _blends(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked,
+                      prompts: Sequence[baking.Prompt] = ()) -> int | None:
         """Before `candidate` is given up: its delta scaled by each `gate_blend` alpha in turn
         (`backend.blend`, a fresh optimizer), judged like any candidate; the first accepted serves
         and training goes on from it. Returns its version; None when none passed (or the backend
@@ -340,7 +388,7 @@ class Promotion:
         for alpha in alphas:
             policy = await self.backend.blend(candidate, alpha)
             self.optimizer.steps = 0
-            decision = await self._judge(policy.version, serving, recent, asked)
+            decision = await self._judge(policy.version, serving, recent, asked, prompts)
             if decision.decision != "accepted":
                 log.warning("gate: policy@v%d (%s) rejected (%s)", policy.version, blend_name(candidate, alpha),
                             decision.reason)
