@@ -243,8 +243,8 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
         def read() -> JSON:
             token = b.token(user)
             out = {"token": token, "waiting": b.memo(memo_key("waiting", user), token, lambda: b.waiting(user))}
-            if admin and board.user is None:  # the admin's user picker
-                out["users"] = b.memo(memo_key("users", user), token, lambda: {"names": b.users()})["names"]
+            if admin and board.user is None:  # the admin's user picker: a new user moves everyone's token
+                out["users"] = b.memo("users", b.token(), lambda: {"names": b.users()})["names"]
             return out
 
         read_out = await board.store.run(read)
