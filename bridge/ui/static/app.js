@@ -99,7 +99,8 @@ function renderNow(now) {
       + (sp.training_allowed === false ? " — training stopped by the budget" : ""));
   } else {
     setText("cost", "–");
-    setText("cost-detail", s.user ? "the server's cost is its operator's" : "this backend keeps no cost (a local model is free)");
+    setText("cost-detail", !s.user ? "this backend keeps no cost (a local model is free)"
+      : now.viewer && now.viewer.admin ? "the server's cost: shown with every user's data" : "the server's cost is its operator's");
   }
   renderViewer(now);
   setText("updated", "updated " + new Date().toLocaleTimeString());
