@@ -221,17 +221,41 @@ def test_an_admin_key_sees_every_user_and_filters_by_one(page: Page) -> None:
     assert bad.status_code == 400 and error_code(bad) == "invalid_user"
 
 
+# --- the store's queries for one user (SQLite and PostgreSQL) ---------------------------------------
+def two_users(store: Store) -> None:
+    """Two turns of alice's (two sessions), one of bob's, each judged, and a preference each."""
+    for user, asks, pref, reward in (("alice", ALICE_ASKS, ALICE_PREF, 1.0), ("bob", BOB_ASKS, BOB_PREF, -1.0)):
+        for i in range(2 if user == "alice" else 1):
+            tid = store.record_turn(dataclasses.replace(turn(f"{user}-{i}", asks, "Water."), user=user))
+            store.attach_next_state(tid, [{"role": "user", "content": "thanks"}])
+            judge(store, tid, reward, hint=f"{user}-hint")
+        store.update_preferences(lambda known, t=pref, tid=tid: prefs.merge(known, [(t, tid)], 0), user)
+
+
+def test_the_page_s_queries_read_one_users_rows_alone(store: Store) -> None:
+    from clawbridge.store.browse import Browse
+
+    two_users(store)
+    b = Browse(store)
+    assert {t["user"] for t in b.turns(user="bob")["turns"]} == {"bob"} and len(b.turns()["turns"]) == 3
+    assert b.conversation("alice-0", user="bob") is None and b.conversation("alice-0", user="alice") is not None
+    assert b.waiting("bob")["samples_to_train"] == 1 and b.waiting()["samples_to_train"] == 3
+    bob = b.progress("bob")
+    assert [p.text for p in bob["preferences"]] == [BOB_PREF] and [h["hint"] for h in bob["hints"]] == ["bob-hint"]
+    assert bob["versions"][0]["reactions"]["judged"] == 1 and b.progress()["versions"][0]["reactions"]["judged"] == 3
+    token = b.token("bob")
+    store.record_turn(dataclasses.replace(turn("alice-9", "more", "Water."), user="alice"))
+    assert b.token("bob") == token and b.users() == ["alice", "bob"]
+    assert (store.stats("bob").turns, store.stats("alice").turns, store.stats().turns) == (1, 3, 4)
+    assert store.stats("bob").samples["judged"] == 1 and store.stats("nobody").sessions == 0
+
+
 # --- the CLI and the read-only page over a data directory -------------------------------------------
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     """A finished run's store: alice's and bob's turns, each judged, and a preference each."""
     with Store.open(f"sqlite:///{tmp_path / 'clawbridge.db'}") as store:
-        for user, asks, pref, reward in (("alice", ALICE_ASKS, ALICE_PREF, 1.0), ("bob", BOB_ASKS, BOB_PREF, -1.0)):
-            for i in range(2 if user == "alice" else 1):
-                tid = store.record_turn(dataclasses.replace(turn(f"{user}-{i}", asks, "Water."), user=user))
-                store.attach_next_state(tid, [{"role": "user", "content": "thanks"}])
-                judge(store, tid, reward)
-            store.update_preferences(lambda known, t=pref, tid=tid: prefs.merge(known, [(t, tid)], 0), user)
+        two_users(store)
     return tmp_path
 
 
