@@ -111,8 +111,8 @@ def _annotate(conn: sa.Connection, rows: Sequence[Any], *, whole: bool) -> list[
         messages = list(r.messages or [])
         item: JSON = {
             "id": r.id, "session_id": r.session_id, "user": owner.get(r.session_id), "index": r.idx,
-            "turn_type": r.turn_type,
-            "version": r.version, "created_at": _iso(r.created_at), "finish_reason": r.finish_reason,
+            "turn_type": r.turn_type, "version": r.version, "created_at": _iso(r.created_at),
+            "finish_reason": r.finish_reason,
             "completion_tokens": r.n_completion, "total_ms": r.total_ms,
             "asked": last_user_text(messages),
             "answer": message_view(r.response)["text"],

@@ -13,14 +13,11 @@
     POST /ui/api/training      {"paused": true|false}: pause or resume training steps (admin only)
     POST /ui/api/preferences   {"id": N, "action": "confirm"|"forget"}: a preference applied or dropped
 
-Every data route takes `?user=NAME`: an admin key reads that user's data alone; a user's key may
-name only itself.
-
 Data routes answer JSON and take the API key as a bearer header or the page's cookie. Whose
 data they show is the key's (`viewer`): an admin key everyone's, or one user's with `?user=NAME`;
-a user's key that user's alone (another user's session is a 404, as an unknown one), and the
-actions that change everyone's serving (rollback, pause) are the admin's. The page
-itself is static: it fills in every value with `textContent` and SVG text nodes, never markup,
+a user's key that user's alone (naming another is a 403; another user's session is a 404, as an
+unknown one), and the actions that change everyone's serving (rollback, pause) are the admin's.
+The page itself is static: it fills in every value with `textContent` and SVG text nodes, never markup,
 and a Content-Security-Policy forbids inline script, so no conversation can run code in it.
 """
 
@@ -244,13 +241,14 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
             token = b.token(user)
             out = {"token": token, "waiting": b.memo(memo_key("waiting", user), token, lambda: b.waiting(user))}
             if admin and board.user is None:  # the admin's user picker: a new user moves everyone's token
-                out["users"] = b.memo("users", b.token(), lambda: {"names": b.users()})["names"]
+                everyone = token if user is None else b.token()
+                out["users"] = b.memo("users", everyone, lambda: {"names": b.users()})["names"]
             return out
 
-        read_out = await board.store.run(read)
-        return _json({"status": status, "waiting": read_out["waiting"], "token": read_out["token"],
+        read_now = await board.store.run(read)
+        return _json({"status": status, "waiting": read_now["waiting"], "token": read_now["token"],
                       "poll_s": board.poll_s, "viewer": {"admin": admin, "user": user},
-                      "users": read_out.get("users"),
+                      "users": read_now.get("users"),
                       "actions": {"rollback": board.rollback is not None and admin,
                                   "pause": board.pause is not None and admin,
                                   "preferences": board.preference is not None}})
