@@ -256,7 +256,7 @@ def test_actions_validate_their_bodies(store: Store, tmp_path: Path) -> None:
         calls.append(("pause", paused))
         return {"paused": paused}
 
-    async def preference(action: str, pref_id: int) -> dict[str, Any]:
+    async def preference(action: str, pref_id: int, user: str | None) -> dict[str, Any]:
         calls.append((action, pref_id))
         return {"id": pref_id, "state": "dropped"}
 

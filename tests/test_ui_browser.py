@@ -130,7 +130,7 @@ def row_element(driver: Any, asked: str) -> Any:
     """The turns table's row whose `asked` cell is `asked` (None while there is none)."""
     for row in driver.find_elements(By.CSS_SELECTOR, "#turns tr.turn"):
         cells = row.find_elements(By.TAG_NAME, "td")
-        if len(cells) > 3 and cells[3].text == asked:
+        if len(cells) > 4 and cells[4].text == asked:  # when, user, conversation, version, asked
             return row
     return None
 

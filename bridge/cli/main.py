@@ -202,18 +202,22 @@ def ui_cmd(
     host: str = typer.Option("127.0.0.1", help="Address to bind (any other than loopback needs --api-key)."),
     port: int = typer.Option(30080, help="Port (0: any free one)."),
     api_key: str | None = typer.Option(None, "--api-key", help="Ask for this key before showing the page (env CLAWBRIDGE_API_KEY)."),
+    user: str | None = typer.Option(None, "--user", help="Show this user's data alone (default: every user's)."),
 ) -> None:
     """The page of a finished run (`make demo`'s data directory), with no server running: what it
     recorded, read-only, no model loaded. A running server shows the same page at its own /ui."""
+    from clawbridge.cli.status import checked_user
     from clawbridge.config import Settings
     from clawbridge.ui.live import serve_data_dir
 
+    checked_user("ui", user)
     settings = Settings.load(data_dir=data_dir, db=db, api_key=api_key, host=host)
     if settings.db is None and not (settings.data_dir / "clawbridge.db").exists():
         typer.echo(f"clawbridge ui: no store in {settings.data_dir} (run `clawbridge up` or `make demo` first, "
                    "or pass --data-dir)", err=True)
         raise typer.Exit(1)
-    serve_data_dir(settings, host, port, started=lambda url: typer.echo(f"clawbridge ui: open {url}  (Ctrl-C to stop)"))
+    serve_data_dir(settings, host, port, started=lambda url: typer.echo(f"clawbridge ui: open {url}  (Ctrl-C to stop)"),
+                   user=user)
 
 
 # --- learning: demo, status, versions (the learning loop's commands) ----------------------------
@@ -243,11 +247,13 @@ def demo_cmd(
 def status_cmd(
     data_dir: str | None = typer.Option(None, "--data-dir"),
     db: str | None = typer.Option(None),
+    user: str | None = typer.Option(None, "--user", help="This user's sessions, turns, samples and preferences alone."),
 ) -> None:
-    """Captured turns, judged turns, samples by state, training steps and the newest version."""
-    from clawbridge.cli.status import print_status
+    """Captured turns, judged turns, samples by state, training steps and the newest version;
+    with --user, that user's (the steps, versions and gate are the one adapter's, everyone's)."""
+    from clawbridge.cli.status import checked_user, print_status
 
-    print_status(data_dir, db)
+    print_status(data_dir, db, checked_user("status", user))
 
 
 @app.command("versions")

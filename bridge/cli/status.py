@@ -21,28 +21,43 @@ def _store(data_dir: str | None, db: str | None):  # type: ignore[no-untyped-def
     return Store.open(settings.db_url)
 
 
-def print_status(data_dir: str | None, db: str | None) -> None:
+def checked_user(command: str, user: str | None) -> str | None:
+    """The user a `--user` option names (None: none named); exits saying what a name is."""
+    from clawbridge.serving.users import valid_name
+
+    if user is not None and not valid_name(user):
+        typer.echo(f"clawbridge {command}: {user!r} is no user's name (1 to 64 letters, digits, '.', '_', '@' or '-')",
+                   err=True)
+        raise typer.Exit(2)
+    return user
+
+
+def print_status(data_dir: str | None, db: str | None, user: str | None = None) -> None:
+    """Everyone's status; `user`: that user's counts and preferences, beside the shared adapter's
+    steps, versions and gate (one adapter learns from every user; the cost is left out)."""
     from clawbridge.backends.costs import read_spend
     from clawbridge.config import Settings
 
     with _store(data_dir, db) as store:
-        st = store.stats()
+        st = store.stats(user)
         steps = store.training_steps()
         lease = store.lease("trainer") if store.shared else None  # several proxies: docs/scale-out.md
         history = store.history()
+        known = history.preferences if user is None else store.preferences(user)
     decisions = history.decisions
-    t = Table("", "", title="clawbridge status")
+    t = Table("", "", title="clawbridge status" + ("" if user is None else f" of user {user}"))
     t.add_row("sessions (done)", f"{st.sessions} ({st.sessions_done})")
     t.add_row("turns: main / side / untagged / opted out", f"{st.main_turns} / {st.side_turns} / {st.untagged_turns} / {st.opted_out_turns}")
     t.add_row("awaiting a next state", str(st.awaiting_next_state))
     t.add_row("judged turns", str(st.judged_turns))
     t.add_row("samples", " · ".join(f"{k} {v}" for k, v in st.samples.items()))
-    t.add_row("training steps", str(st.steps))
-    t.add_row("policy version", f"v{st.latest_version}")
-    t.add_row("preferences", preferences_line(history.preferences))
+    shared = "" if user is None else " (one adapter for every user)"
+    t.add_row("training steps" + shared, str(st.steps))
+    t.add_row("policy version" + shared, f"v{st.latest_version}")
+    t.add_row("preferences", preferences_line(known))
     if lease is not None:
         t.add_row("trainer (lease)", f"{lease.holder}, claimed until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC")
-    spend = read_spend(Settings.load(data_dir=data_dir, db=db).data_dir / "costs.json")
+    spend = None if user is not None else read_spend(Settings.load(data_dir=data_dir, db=db).data_dir / "costs.json")
     if spend is not None:
         budget = spend.get("budget_usd")
         t.add_row("spend (estimate)", f"${spend['spent_usd']} on {spend['platform']}"
@@ -53,7 +68,7 @@ def print_status(data_dir: str | None, db: str | None) -> None:
         last = decisions[-1]
         t.add_row("gate", f"{len(decisions) - held} accepted, {held} held back; last: v{last.candidate} "
                   f"{gate_label(last)}")
-        if priced := price_label(newest_priced(decisions)):
+        if user is None and (priced := price_label(newest_priced(decisions))):
             t.add_row("price of your preferences", priced)
     if steps:
         m = steps[-1].metrics

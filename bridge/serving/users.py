@@ -80,7 +80,8 @@ class Keys:
     def __init__(self, callers: Mapping[str, Caller], trust_body: bool = False) -> None:
         self._by_digest = {_digest(k): c for k, c in callers.items()}
         self.trust_body = trust_body  # whether the body's `user` names the user (`named`)
-        self.admin_keys = tuple(k for k, c in callers.items() if c.admin)  # the page signs in with these
+        # every key with its caller: the page signs in with any of them and shows that caller's data
+        self.entries: tuple[tuple[str, Caller], ...] = tuple(callers.items())
 
     @classmethod
     def of(cls, settings: Settings) -> Keys:

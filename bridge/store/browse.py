@@ -7,6 +7,10 @@ keyset cursor, never an offset; a page's judgments, samples and next states come
 one aggregate over history, the reactions per version, keeps the sums of settled samples and
 adds only the newer ones (measured on a 100 000-turn store: `bench/ui_queries.py`, docs/ui.md).
 
+Each query reads every user's data, or one user's (`user`: the turns of their sessions and
+what hangs off them, their preferences); the versions, steps and gate decisions are the one
+shared adapter's, everyone's.
+
 Plain functions of a connection, returning JSON-ready dicts (the page is their only reader);
 `Browse` runs them in read transactions on a `Store`.
 """
@@ -23,13 +27,14 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from clawbridge.store import schema as t
 from clawbridge.store.base import StoreBase
-from clawbridge.store.history import history_mark, read_history
+from clawbridge.store.history import GateRecord, history_mark, read_history, read_preferences
+from clawbridge.store.turn_text import last_user_text, message_view, turn_status
+from clawbridge.store.users import user_turn_ids, user_turns
 
 R = TypeVar("R")
 JSON = dict[str, Any]
 
 MAX_PAGE = 200
-TEXT_CHARS = 2_000  # a message's text on the page; the whole conversation is `clawbridge export`
 WAITING_WINDOW = 1_000  # the newest turns counted for "waiting for the judge"
 HINT_WINDOW = 5_000  # the newest samples whose hints are listed
 
@@ -39,65 +44,6 @@ class BadCursor(ValueError):
 
 
 # --- pure helpers -------------------------------------------------------------------------------
-def text_of(content: Any, limit: int = TEXT_CHARS) -> str:
-    """A message's content as plain text (parts joined, non-text parts named), cut to `limit`.
-    The page escapes it; this only makes it short."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        s = content
-    elif isinstance(content, list):
-        bits = []
-        for part in content:
-            if isinstance(part, dict):
-                kind = part.get("type")
-                bits.append(str(part.get("text", "")) if kind in ("text", "input_text") or "text" in part
-                            else f"[{kind or 'part'}]")
-            else:
-                bits.append(str(part))
-        s = "\n".join(bits)
-    else:
-        s = str(content)
-    return s if len(s) <= limit else s[:limit] + f"… ({len(s) - limit} more characters)"
-
-
-def message_view(m: Any) -> JSON:
-    if not isinstance(m, dict):
-        return {"role": "?", "text": text_of(m)}
-    out: JSON = {"role": str(m.get("role", "?")), "text": text_of(m.get("content"))}
-    calls = m.get("tool_calls")
-    if isinstance(calls, list) and calls:
-        names = [str((c.get("function") or {}).get("name", "?")) for c in calls if isinstance(c, dict)]
-        out["tool_calls"] = names
-    return out
-
-
-def last_user_text(messages: Sequence[Any]) -> str:
-    for m in reversed(messages):
-        if isinstance(m, dict) and m.get("role") in ("user", "tool"):
-            return text_of(m.get("content"), 400)
-    return ""
-
-
-def turn_status(turn_type: str, train: bool, has_next: bool, sample: JSON | None) -> tuple[str, str]:
-    """(state, words) of a turn in the learning loop, for the page's badge."""
-    if turn_type != "main":
-        return "side", "side turn: not trained"
-    if not train:
-        return "opted_out", "opted out (X-Train: false)"
-    if sample is None:
-        return ("waiting_judge", "waiting for the judge") if has_next else (
-            "waiting_reply", "waiting for the user's next message")
-    state = sample["state"]
-    if state == "trained":
-        return "trained", f"trained in step {sample['step']}" if sample.get("step") is not None else "trained"
-    if state == "dropped":
-        return "dropped", f"dropped: {sample.get('reason') or 'no reason stored'}"
-    if state == "judged":
-        return "judged", "judged, waiting for a training step"
-    return "pending", "being judged"
-
-
 def encode_cursor(*parts: Any) -> str:
     raw = "\x1f".join(p.isoformat() if isinstance(p, datetime) else str(p) for p in parts)
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
@@ -135,6 +81,8 @@ def _annotate(conn: sa.Connection, rows: Sequence[Any], *, whole: bool) -> list[
     ids = [r.id for r in rows]
     if not ids:
         return []
+    se = t.sessions.c
+    owner = dict(conn.execute(sa.select(se.id, se.user_name).where(se.id.in_({r.session_id for r in rows}))).all())
     nxt = {r.turn_id: r.messages for r in conn.execute(
         sa.select(t.next_states.c.turn_id, t.next_states.c.messages).where(t.next_states.c.turn_id.in_(ids)))}
     judged: dict[str, list[Any]] = {}
@@ -162,8 +110,9 @@ def _annotate(conn: sa.Connection, rows: Sequence[Any], *, whole: bool) -> list[
         state, words = turn_status(r.turn_type, bool(r.train), r.id in nxt, sample)
         messages = list(r.messages or [])
         item: JSON = {
-            "id": r.id, "session_id": r.session_id, "index": r.idx, "turn_type": r.turn_type,
-            "version": r.version, "created_at": _iso(r.created_at), "finish_reason": r.finish_reason,
+            "id": r.id, "session_id": r.session_id, "user": owner.get(r.session_id), "index": r.idx,
+            "turn_type": r.turn_type, "version": r.version, "created_at": _iso(r.created_at),
+            "finish_reason": r.finish_reason,
             "completion_tokens": r.n_completion, "total_ms": r.total_ms,
             "asked": last_user_text(messages),
             "answer": message_view(r.response)["text"],
@@ -180,11 +129,15 @@ def _annotate(conn: sa.Connection, rows: Sequence[Any], *, whole: bool) -> list[
     return out
 
 
-def recent_turns(conn: sa.Connection, *, before: str | None = None, limit: int = 30, learning: bool = False) -> JSON:
+def recent_turns(conn: sa.Connection, *, before: str | None = None, limit: int = 30, learning: bool = False,
+                 user: str | None = None) -> JSON:
     """The newest turns first, `limit` at a time; `next` is the cursor of the page after.
-    `learning`: only the turns that can train (main, not opted out), not side turns or probes."""
+    `learning`: only the turns that can train (main, not opted out), not side turns or probes;
+    `user`: only that user's."""
     tu = t.turns.c
     q = sa.select(*_TURN_COLS)
+    if user is not None:
+        q = q.where(user_turns(user))
     if learning:
         q = q.where(tu.turn_type == "main", tu.train == sa.true())
     if before:
@@ -202,10 +155,12 @@ def recent_turns(conn: sa.Connection, *, before: str | None = None, limit: int =
             "next": encode_cursor(rows[-1].created_at, rows[-1].id) if more else None}
 
 
-def conversation(conn: sa.Connection, session_id: str, *, after: int = -1, limit: int = 50) -> JSON | None:
-    """One session's turns in order from index `after + 1`, with each turn's own messages."""
+def conversation(conn: sa.Connection, session_id: str, *, after: int = -1, limit: int = 50,
+                 user: str | None = None) -> JSON | None:
+    """One session's turns in order from index `after + 1`, with each turn's own messages; None
+    when there is no such session, or (`user` given) it is another user's."""
     se = conn.execute(sa.select(t.sessions).where(t.sessions.c.id == session_id)).first()
-    if se is None:
+    if se is None or (user is not None and se.user_name != user):
         return None
     tu = t.turns.c
     n = _limit(limit)
@@ -213,7 +168,7 @@ def conversation(conn: sa.Connection, session_id: str, *, after: int = -1, limit
                         .order_by(tu.idx).limit(n + 1)).all()
     more, rows = len(rows) > n, rows[:n]
     return {
-        "session": {"id": se.id, "source": se.source, "created_at": _iso(se.created_at),
+        "session": {"id": se.id, "user": se.user_name, "source": se.source, "created_at": _iso(se.created_at),
                     "updated_at": _iso(se.updated_at), "turns": se.turns, "main_turns": se.main_turns,
                     "done": bool(se.done), "done_reason": se.done_reason},
         "turns": _annotate(conn, rows, whole=True),
@@ -263,17 +218,25 @@ class Reactions:
                 _add(self.sums, _reaction_sums(conn, s.id > self.mark, s.id <= settled))
                 self.mark = settled
             sums = _add({v: list(xs) for v, xs in self.sums.items()}, _reaction_sums(conn, s.id > self.mark))
-        out: dict[int, JSON] = {}
-        for v, (n, up, down, total) in sorted(sums.items()):
-            if n:
-                out[v] = {"judged": int(n), "up": int(up), "down": int(down), "neutral": int(n - up - down),
-                          "mean_reward": total / n}
-        return out
+        return reaction_view(sums)
 
 
-def reactions(conn: sa.Connection) -> dict[int, JSON]:
-    """The reactions per version, summed afresh (`Reactions` keeps the settled part)."""
-    return Reactions()(conn)
+def reaction_view(sums: dict[int, list[float]]) -> dict[int, JSON]:
+    """Per version, its [judged, +1, -1, sum] as the page shows them (versions none judged left out)."""
+    out: dict[int, JSON] = {}
+    for v, (n, up, down, total) in sorted(sums.items()):
+        if n:
+            out[v] = {"judged": int(n), "up": int(up), "down": int(down), "neutral": int(n - up - down),
+                      "mean_reward": total / n}
+    return out
+
+
+def reactions(conn: sa.Connection, user: str | None = None) -> dict[int, JSON]:
+    """The reactions per version, summed afresh (`Reactions` keeps the settled part of
+    everyone's); `user`: to that user's turns alone."""
+    if user is None:
+        return Reactions()(conn)
+    return reaction_view(_reaction_sums(conn, t.samples.c.turn_id.in_(user_turn_ids(user))))
 
 
 def versions(conn: sa.Connection) -> list[JSON]:
@@ -288,15 +251,20 @@ def versions(conn: sa.Connection) -> list[JSON]:
     return out
 
 
-def waiting(conn: sa.Connection) -> JSON:
+def waiting(conn: sa.Connection, user: str | None = None) -> JSON:
     """What the learning loop has in front of it: samples being judged, samples judged and
     waiting for a step (ranges of the (state, id) index), and among the newest turns those
-    with a next state and no sample yet (the judge's queue; the collector takes oldest first)."""
+    with a next state and no sample yet (the judge's queue; the collector takes oldest first).
+    `user`: of that user's samples and turns alone."""
     s, tu = t.samples.c, t.turns.c
+    mine = [] if user is None else [s.turn_id.in_(user_turn_ids(user))]
     counts = {state: int(conn.execute(sa.select(sa.func.count()).select_from(t.samples)
-                                      .where(s.state == state)).scalar_one())
+                                      .where(s.state == state, *mine)).scalar_one())
               for state in ("pending", "judged")}
-    newest = sa.select(tu.id, tu.turn_type, tu.train).order_by(tu.created_at.desc()).limit(WAITING_WINDOW).subquery()
+    newest_q = sa.select(tu.id, tu.turn_type, tu.train)
+    if user is not None:
+        newest_q = newest_q.where(user_turns(user))
+    newest = newest_q.order_by(tu.created_at.desc()).limit(WAITING_WINDOW).subquery()
     to_judge = conn.execute(
         sa.select(sa.func.count()).select_from(newest)
         .where(newest.c.turn_type == "main", newest.c.train == sa.true(),
@@ -306,10 +274,15 @@ def waiting(conn: sa.Connection) -> JSON:
             "turns_to_judge": int(to_judge), "turns_window": WAITING_WINDOW}
 
 
-def change_token(conn: sa.Connection) -> str:
+def change_token(conn: sa.Connection, user: str | None = None) -> str:
     """Changes whenever something the page shows changes: a turn, a next state, a judgment, a
     sample, a step, a version (with its origin), a gate decision or a preference. Each part is
-    an index's last entry (or a primary-key lookup), so polling it costs microseconds."""
+    an index's last entry (or a primary-key lookup), so polling it costs microseconds.
+    `user`: changes with that user's data alone (and the shared steps, versions and gate), so
+    it says nothing of anyone else's; it reads the user's turns (`Browse.token` reads it only
+    after everyone's token moved)."""
+    if user is not None:
+        return _user_change_token(conn, user)
     parts: list[Any] = [
         conn.execute(sa.select(sa.func.max(t.turns.c.created_at))).scalar(),
         _next_states_mark(conn),
@@ -325,6 +298,28 @@ def change_token(conn: sa.Connection) -> str:
     return encode_cursor(*parts)
 
 
+def _user_change_token(conn: sa.Connection, user: str) -> str:
+    tu, s, j, n = t.turns.c, t.samples.c, t.judgments.c, t.next_states.c
+    turns = user_turn_ids(user)
+
+    def one(q: sa.Select[Any]) -> Any:
+        return conn.execute(q).scalar()
+
+    parts: list[Any] = [
+        one(sa.select(sa.func.max(tu.created_at)).where(user_turns(user))),
+        one(sa.select(sa.func.count()).select_from(t.next_states).where(n.turn_id.in_(turns))),
+        one(sa.select(sa.func.max(j.id)).where(j.turn_id.in_(turns))),
+        one(sa.select(sa.func.max(s.id)).where(s.turn_id.in_(turns))),
+        one(sa.select(sa.func.max(t.training_steps.c.step))),
+        one(sa.select(sa.func.max(t.policy_versions.c.version))),
+        *(one(sa.select(sa.func.count()).select_from(t.samples).where(s.state == state, s.turn_id.in_(turns)))
+          for state in ("pending", "judged")),
+        one(sa.select(sa.func.max(t.gate_decisions.c.id))),
+        one(sa.select(sa.func.max(t.preferences.c.updated_at)).where(t.preferences.c.user_name == user)),
+    ]
+    return encode_cursor(*parts)
+
+
 def _next_states_mark(conn: sa.Connection) -> Any:
     """Moves whenever a next state is attached. Rows are only ever inserted: on SQLite the
     newest rowid (the table's b-tree key: one page read); elsewhere a count."""
@@ -333,15 +328,17 @@ def _next_states_mark(conn: sa.Connection) -> Any:
     return conn.execute(sa.select(sa.func.count()).select_from(t.next_states)).scalar()
 
 
-def hints(conn: sa.Connection, limit: int = 20) -> list[JSON]:
+def hints(conn: sa.Connection, limit: int = 20, user: str | None = None) -> list[JSON]:
     """The hints the newest samples carry (what the user asked for, in the judge's words),
-    de-duplicated, newest first, with how many samples carried each and how many trained."""
+    de-duplicated, newest first, with how many samples carried each and how many trained.
+    `user`: of that user's samples alone."""
     s = t.samples.c
-    top = conn.execute(sa.select(sa.func.max(s.id))).scalar() or 0
+    mine = [] if user is None else [s.turn_id.in_(user_turn_ids(user))]
+    top = conn.execute(sa.select(sa.func.max(s.id)).where(*mine)).scalar() or 0
     q = (sa.select(s.hint, sa.func.count().label("n"),
                    sa.func.sum(sa.case((s.state == "trained", 1), else_=0)).label("trained"),
                    sa.func.max(s.updated_at).label("last"))
-         .where(s.id > top - HINT_WINDOW, s.hint.is_not(None))
+         .where(s.id > top - HINT_WINDOW, s.hint.is_not(None), *mine)
          .group_by(s.hint).order_by(sa.func.max(s.updated_at).desc()).limit(_limit(limit)))
     return [{"hint": r.hint, "samples": int(r.n), "trained": int(r.trained or 0), "last": _iso(r.last)}
             for r in conn.execute(q)]
@@ -392,28 +389,54 @@ class Browse:
         with self._conn() as conn:
             return fn(conn, *args, **kw)
 
-    def turns(self, before: str | None = None, limit: int = 30, learning: bool = False) -> JSON:
-        return self._in(recent_turns, before=before, limit=limit, learning=learning)
+    def turns(self, before: str | None = None, limit: int = 30, learning: bool = False,
+              user: str | None = None) -> JSON:
+        return self._in(recent_turns, before=before, limit=limit, learning=learning, user=user)
 
-    def conversation(self, session_id: str, after: int = -1, limit: int = 50) -> JSON | None:
-        return self._in(conversation, session_id, after=after, limit=limit)
+    def conversation(self, session_id: str, after: int = -1, limit: int = 50, user: str | None = None) -> JSON | None:
+        return self._in(conversation, session_id, after=after, limit=limit, user=user)
 
-    def progress(self) -> JSON:
+    def progress(self, user: str | None = None) -> JSON:
         """Versions with their reactions, gate decisions and rollbacks; the steps; the hints; and
-        the stored preferences (`store.Preference`s, first heard first, each in its state)."""
+        the stored preferences (`store.Preference`s, first heard first, each in its state).
+        `user`: the reactions, hints and preferences of that user alone, and the gate's decisions
+        without the instruction it asked with (every user's preferences)."""
         with self._conn() as conn:
             vs = versions(conn)
-            react = self.reactions(conn)
+            react = self.reactions(conn) if user is None else reactions(conn, user)
             history = read_history(conn)
             gate = history.by_version()
             for v in vs:
                 v["reactions"] = react.get(v["version"])
-                v["gate"] = g.as_json() if (g := gate.get(v["version"])) is not None else None
+                v["gate"] = gate_view(g, user) if (g := gate.get(v["version"])) is not None else None
                 v["restores"] = history.copies.get(v["version"])
-            return {"versions": vs, "steps": steps(conn), "hints": hints(conn), "preferences": history.preferences}
+            prefs = history.preferences if user is None else read_preferences(conn, user)
+            return {"versions": vs, "steps": steps(conn), "hints": hints(conn, user=user), "preferences": prefs}
 
-    def waiting(self) -> JSON:
-        return self._in(waiting)
+    def waiting(self, user: str | None = None) -> JSON:
+        return self._in(waiting, user)
 
-    def token(self) -> str:
-        return self._in(change_token)
+    def token(self, user: str | None = None) -> str:
+        """The change token (`change_token`); a user's is read afresh only once everyone's moved."""
+        everyone = self._in(change_token)
+        if user is None:
+            return everyone
+        return str(self.memo(f"token:{user}", everyone, lambda: {"token": self._in(change_token, user)})["token"])
+
+    def users(self) -> list[str]:
+        return self._in(known_users)
+
+
+def gate_view(record: GateRecord, user: str | None) -> JSON:
+    """A gate decision as the page shows it; to one user, without `asked`: the instruction the
+    gate asked with is made of every user's preferences."""
+    out = record.as_json()
+    if user is not None:
+        out["asked"] = None
+    return out
+
+
+def known_users(conn: sa.Connection) -> list[str]:
+    """Every user with a session or a preference, by name (the page's user picker)."""
+    names = sa.union(sa.select(t.sessions.c.user_name), sa.select(t.preferences.c.user_name)).subquery()
+    return sorted(str(u) for (u,) in conn.execute(sa.select(names.c.user_name)))

@@ -27,7 +27,7 @@ from clawbridge.store.records import (
     StoreStats,
 )
 from clawbridge.store.training import TRANSITIONS, TrainingStore
-from clawbridge.store.users import UserStore
+from clawbridge.store.users import UserStore, user_turn_ids, user_turns
 
 log = logging.getLogger(__name__)
 
@@ -46,31 +46,37 @@ class Store(CaptureStore, TrainingStore, EpisodeStore, ContinuationStore, LeaseS
             self._held.append(hold_file(Path(db).expanduser()))
 
     # --- status and export --------------------------------------------------------------------
-    def stats(self) -> StoreStats:
-        tu, se, sm = t.turns.c, t.sessions.c, t.samples.c
+    def stats(self, user: str | None = None) -> StoreStats:
+        """Counts for the status line: every user's, or `user`'s alone (`clawbridge status
+        --user`); the training steps and the newest version are the one adapter's, everyone's."""
+        tu, se, sm, ju = t.turns.c, t.sessions.c, t.samples.c, t.judgments.c
+        sessions: list[Any] = [] if user is None else [se.user_name == user]
+        turns: list[Any] = [] if user is None else [user_turns(user)]
+        samples: list[Any] = [] if user is None else [sm.turn_id.in_(user_turn_ids(user))]
+        judgments: list[Any] = [] if user is None else [ju.turn_id.in_(user_turn_ids(user))]
 
         def count(conn: sa.Connection, table: sa.Table, *where: Any) -> int:
             return int(conn.execute(sa.select(sa.func.count()).select_from(table).where(*where)).scalar_one())
 
         with self._read() as conn:
             by_state = {s: 0 for s in TRANSITIONS}
-            for state, n in conn.execute(sa.select(sm.state, sa.func.count()).group_by(sm.state)):
+            for state, n in conn.execute(sa.select(sm.state, sa.func.count()).where(*samples).group_by(sm.state)):
                 by_state[state] = int(n)
             latest = conn.execute(sa.select(sa.func.max(t.policy_versions.c.version))).scalar()
             return StoreStats(
-                sessions=count(conn, t.sessions),
-                sessions_done=count(conn, t.sessions, se.done == sa.true()),
-                turns=count(conn, t.turns),
-                main_turns=count(conn, t.turns, tu.turn_type == "main"),
-                side_turns=count(conn, t.turns, tu.turn_type == "side"),
-                untagged_turns=count(conn, t.turns, tu.tagged == sa.false()),
-                opted_out_turns=count(conn, t.turns, tu.train == sa.false()),
+                sessions=count(conn, t.sessions, *sessions),
+                sessions_done=count(conn, t.sessions, se.done == sa.true(), *sessions),
+                turns=count(conn, t.turns, *turns),
+                main_turns=count(conn, t.turns, tu.turn_type == "main", *turns),
+                side_turns=count(conn, t.turns, tu.turn_type == "side", *turns),
+                untagged_turns=count(conn, t.turns, tu.tagged == sa.false(), *turns),
+                opted_out_turns=count(conn, t.turns, tu.train == sa.false(), *turns),
                 awaiting_next_state=count(
                     conn, t.turns, tu.turn_type == "main",
-                    ~sa.exists().where(t.next_states.c.turn_id == tu.id),
+                    ~sa.exists().where(t.next_states.c.turn_id == tu.id), *turns,
                 ),
                 judged_turns=int(
-                    conn.execute(sa.select(sa.func.count(sa.distinct(t.judgments.c.turn_id)))).scalar_one()
+                    conn.execute(sa.select(sa.func.count(sa.distinct(ju.turn_id))).where(*judgments)).scalar_one()
                 ),
                 samples=by_state,
                 steps=count(conn, t.training_steps),

@@ -25,6 +25,21 @@ from clawbridge.store.base import StoreBase
 from clawbridge.store.training import TRANSITIONS
 
 
+def user_sessions(user: str) -> sa.Select[Any]:
+    """The ids of `user`'s sessions."""
+    return sa.select(t.sessions.c.id).where(t.sessions.c.user_name == user)
+
+
+def user_turns(user: str) -> sa.ColumnElement[bool]:
+    """A turn is `user`'s: its session is (a turn's user is its session's)."""
+    return t.turns.c.session_id.in_(user_sessions(user))
+
+
+def user_turn_ids(user: str) -> sa.Select[Any]:
+    """The ids of `user`'s turns, for the tables that hang off a turn (samples, judgments)."""
+    return sa.select(t.turns.c.id).where(user_turns(user))
+
+
 @dataclass(frozen=True)
 class UserCounts:
     """How much of one user's data the store holds."""

@@ -5,9 +5,9 @@ once (`POST /ui/login`) and answers with an HttpOnly, SameSite=Strict cookie hol
 derived from the key (HMAC-SHA256; the key itself never sits in the cookie jar, and changing
 the key signs every browser out). Every data route takes the header too, as the API does.
 
-The keys that open the page are the server's admin keys (`serving.users`): its `api_key` and
-the keys file's admin keys; a user's key opens none of it. With several, the cookie is the one
-of the key that signed in.
+Every key of the server opens the page (`serving.users`): its `api_key` and the keys file's
+admin keys show everyone's data, a user's key that user's alone (`routes.viewer`). With several,
+the cookie is the one of the key that signed in, and is that key's caller.
 
 A state-changing request authenticated by the cookie must also carry `X-Clawbridge-UI: 1`:
 SameSite treats other ports of the same host as the same site, and a page there could post a
@@ -21,11 +21,13 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
+from clawbridge.serving.users import OPERATOR, Caller
 from starlette.requests import Request
 
 COOKIE = "clawbridge_ui"
 UI_HEADER = "x-clawbridge-ui"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
+PageKeys = Sequence[tuple[str, Caller]]  # every key that opens the page, with whose it is
 
 
 def session_token(key: str) -> str:
@@ -48,16 +50,23 @@ def cookie_ok(request: Request, key: str) -> bool:
     return request.method in SAFE_METHODS or request.headers.get(UI_HEADER) == "1"
 
 
-def authorized(request: Request, keys: Sequence[str] | None) -> bool:
-    """No keys (a loopback server): everyone on the machine. With them: the header or the cookie
-    of one of them."""
-    return keys is None or any(bearer_ok(request, k) or cookie_ok(request, k) for k in keys)
+def caller_of(request: Request, keys: PageKeys | None) -> Caller | None:
+    """Who a page request is from. No keys (a loopback server): the operator, as for everyone on
+    the machine. With them: the caller of the key the header or the cookie carries (each key
+    compared in constant time, all of them every time); None: neither carries one."""
+    if keys is None:
+        return OPERATOR
+    found = None
+    for key, who in keys:
+        if bearer_ok(request, key) or cookie_ok(request, key):
+            found = who
+    return found
 
 
-def matching(given: str, keys: Sequence[str]) -> str | None:
+def matching(given: str, keys: PageKeys) -> str | None:
     """The key among `keys` that `given` is (each compared in constant time), or None."""
     found = None
-    for k in keys:
+    for k, _who in keys:
         if key_matches(given, k):
             found = k
     return found

@@ -1,6 +1,10 @@
 """The boards the page reads: the running server's (`live_board`: the proxy's view of serving,
 the learner's of learning, rollback and pause) and a data directory's with no server
-(`offline_board`, for `clawbridge ui --data-dir`: read-only)."""
+(`offline_board`, for `clawbridge ui --data-dir`: read-only).
+
+A board's status is everyone's, or one user's (`user`): what serves them (the version, their
+open conversations, the instruction made of their preferences) and whether the one shared
+adapter trains, without the server's counters, everyone's learning figures or the cost."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from clawbridge.backends.costs import read_spend
 from clawbridge.learning import standing
 from clawbridge.learning.preferences import PreferenceRefused
 from clawbridge.protocol import BackendError, TransientBackendError, UnknownVersion
-from clawbridge.serving.users import Keys
+from clawbridge.serving.users import Caller, Keys
 from clawbridge.ui.routes import Board, RouteError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,10 +40,17 @@ def spend(data_dir: Path) -> JSON | None:
         return None
 
 
-def learner_status(learner: Learner) -> JSON:
-    out: JSON = {"fields": {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()},
-                 "paused": learner.paused, "stopped": learner.training_stopped,
+USER_LEARNER_FIELDS = ("step", "gate")  # the shared adapter's; the rest counts everyone's samples
+
+
+def learner_status(learner: Learner, user: str | None = None) -> JSON:
+    """The learner as the page shows it; to one user, whether it trains and its newest step and
+    gate decision, not the figures of everyone's samples nor the instruction the gate asked with."""
+    fields = {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()}
+    out: JSON = {"fields": fields, "paused": learner.paused, "stopped": learner.training_stopped,
                  "errors": learner.errors, "busy": learner.lock.locked()}
+    if user is not None:
+        return {**out, "fields": {k: v for k, v in fields.items() if k in USER_LEARNER_FIELDS}}
     if (d := learner.trainer.promotion.decisions[-1] if learner.trainer and learner.trainer.promotion.decisions else None) is not None:
         out["last_gate"] = d.record()
     return out
@@ -48,16 +59,18 @@ def learner_status(learner: Learner) -> JSON:
 def _live(proxy: Proxy, learner: Learner | None) -> Board:
     settings = proxy.settings
 
-    async def status() -> JSON:
+    async def status(user: str | None) -> JSON:
+        about: JSON = {"live": True, "model": proxy.model_name, "backend": proxy.backend.name,
+                       "version": proxy.backend.version, "uptime_s": round(time.time() - proxy.started, 1),
+                       "learner": None if learner is None else learner_status(learner, user)}
+        if user is not None:
+            return {**about, "user": user, "sessions_open": proxy.sessions.open_of(user),
+                    "instruction": proxy.standing.served_to(user)}  # their preferences served now
         c = proxy.counters
-        out: JSON = {"live": True, "model": proxy.model_name, "backend": proxy.backend.name,
-                     "version": proxy.backend.version, "uptime_s": round(time.time() - proxy.started, 1),
-                     "requests": c.requests, "in_flight": c.in_flight, "errors_5xx": c.errors_5xx,
-                     "sessions_open": len(proxy.sessions), "spend": spend(settings.data_dir),
-                     "learner": None if learner is None else learner_status(learner),
-                     "instruction": proxy.standing.served,  # the preferences served now
-                     "spool": proxy.durable.status()}
-        return out
+        return {**about, "requests": c.requests, "in_flight": c.in_flight, "errors_5xx": c.errors_5xx,
+                "sessions_open": len(proxy.sessions), "spend": spend(settings.data_dir),
+                "instruction": proxy.standing.served,  # the preferences served now to a request naming nobody
+                "spool": proxy.durable.status()}
 
     async def rollback(version: int) -> JSON:
         assert learner is not None
@@ -78,12 +91,13 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
         learner.ready.set()  # the train loop looks again: a resume trains a batch already waiting
         return {"object": "training", "paused": paused, "reason": learner.paused}
 
-    async def preference(action: str, pref_id: int) -> JSON:
+    async def preference(action: str, pref_id: int, user: str | None) -> JSON:
         try:
             out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh,
-                                     learner.lock if learner is not None else None)
+                                     learner.lock if learner is not None else None, user)
         except KeyError:
-            raise RouteError(404, f"No preference {pref_id}.", "preference_not_found", "id") from None
+            whose = "" if user is None else f" of {user}'s"
+            raise RouteError(404, f"No preference {pref_id}{whose}.", "preference_not_found", "id") from None
         except PreferenceRefused as e:
             raise RouteError(409, str(e), "preference_refused", "id") from None
         return {**out, "instruction": proxy.standing.served_to(out["user"])}  # its user's, from their next request on
@@ -109,43 +123,46 @@ def live_board(learner: Learner | None) -> Callable[[Request], Board]:
     return board_of
 
 
-def offline_board(settings: Settings, store: Store) -> Board:
-    """A data directory with no server running: everything it recorded, no actions."""
+def offline_board(settings: Settings, store: Store, user: str | None = None) -> Board:
+    """A data directory with no server running: everything it recorded, no actions; `user`:
+    that user's data alone, whoever opens it (`clawbridge ui --user`)."""
 
-    async def status() -> JSON:
+    async def status(shown: str | None) -> JSON:
         latest = await store.run(store.latest_version)
-        return {"live": False, "model": settings.model, "backend": settings.backend,
-                "version": latest.version if latest is not None else 0, "data_dir": str(settings.data_dir),
-                "spend": spend(settings.data_dir), "learner": None}
+        about: JSON = {"live": False, "model": settings.model, "backend": settings.backend,
+                       "version": latest.version if latest is not None else 0, "learner": None}
+        if shown is not None:
+            return {**about, "user": shown}
+        return {**about, "data_dir": str(settings.data_dir), "spend": spend(settings.data_dir)}
 
-    return Board(store, page_keys(Keys.of(settings)), status)
-
-
-def page_keys(keys: Keys) -> tuple[str, ...] | None:
-    """The keys that open the page: the admin keys, or None where the server takes no key."""
-    return keys.admin_keys if keys.required else None
+    return Board(store, page_keys(Keys.of(settings)), status, user=user)
 
 
-def data_dir_app(settings: Settings) -> tuple[Starlette, Store]:
+def page_keys(keys: Keys) -> tuple[tuple[str, Caller], ...] | None:
+    """The keys that open the page, each with its caller, or None where the server takes no key."""
+    return keys.entries if keys.required else None
+
+
+def data_dir_app(settings: Settings, user: str | None = None) -> tuple[Starlette, Store]:
     """The page alone over a data directory's store (no model, no training): the app and the
-    store it reads (close it when done)."""
+    store it reads (close it when done); `user`: that user's data alone."""
     from clawbridge.store import Store
     from clawbridge.ui.routes import ui_routes
 
     store = Store.open(settings.db_url)
-    board = offline_board(settings, store)
+    board = offline_board(settings, store, user)
     return Starlette(routes=ui_routes(lambda _request: board)), store
 
 
 def serve_data_dir(settings: Settings, host: str = "127.0.0.1", port: int = 30080,
-                   started: Callable[[str], None] | None = None) -> None:
-    """`clawbridge ui --data-dir DIR`: the page over a finished run (`make demo`'s), until Ctrl-C.
-    `started` gets the page's address once it listens."""
+                   started: Callable[[str], None] | None = None, user: str | None = None) -> None:
+    """`clawbridge ui --data-dir DIR`: the page over a finished run (`make demo`'s), until Ctrl-C;
+    `user`: that user's data alone. `started` gets the page's address once it listens."""
     import asyncio
 
     import uvicorn
 
-    app, store = data_dir_app(settings)
+    app, store = data_dir_app(settings, user)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
 
     async def run() -> None:

@@ -5,16 +5,19 @@
     POST /ui/login             form field `key` -> the session cookie, 303 to /ui
     POST /ui/logout            drops the cookie
     GET  /ui/static/{name}     the page's CSS and JS (shipped in the package)
-    GET  /ui/api/now           serving and learning now, what is waiting, the change token
+    GET  /ui/api/now           serving and learning now, what is waiting, the change token, who reads
     GET  /ui/api/progress      versions with reactions, gate decisions, rollbacks; steps; hints
     GET  /ui/api/turns         ?before=CURSOR&limit=N&learning=1: the newest turns with verdicts
     GET  /ui/api/sessions/{id} ?after=INDEX&limit=N: one conversation
-    POST /ui/api/rollback      {"version": K}: serve vK's weights again (the admin rollback)
-    POST /ui/api/training      {"paused": true|false}: pause or resume training steps
+    POST /ui/api/rollback      {"version": K}: serve vK's weights again (the admin rollback; admin only)
+    POST /ui/api/training      {"paused": true|false}: pause or resume training steps (admin only)
     POST /ui/api/preferences   {"id": N, "action": "confirm"|"forget"}: a preference applied or dropped
 
-Data routes answer JSON and take the API key as a bearer header or the page's cookie. The page
-itself is static: it fills in every value with `textContent` and SVG text nodes, never markup,
+Data routes answer JSON and take the API key as a bearer header or the page's cookie. Whose
+data they show is the key's (`viewer`): an admin key everyone's, or one user's with `?user=NAME`;
+a user's key that user's alone (naming another is a 403; another user's session is a 404, as an
+unknown one), and the actions that change everyone's serving (rollback, pause) are the admin's.
+The page itself is static: it fills in every value with `textContent` and SVG text nodes, never markup,
 and a Content-Security-Policy forbids inline script, so no conversation can run code in it.
 """
 
@@ -30,6 +33,7 @@ from importlib import resources
 from typing import Any
 
 from clawbridge.learning import standing
+from clawbridge.serving.users import Caller, valid_name
 from clawbridge.store import Preference, Store
 from clawbridge.store.browse import BadCursor, Browse
 from clawbridge.ui import auth
@@ -60,21 +64,64 @@ class RouteError(Exception):
 
 @dataclass
 class Board:
-    """What the page reads and acts on. `status` is the live server's view (version serving,
-    backend, model, learner); `rollback` and `pause` are None where no server runs (read-only)."""
+    """What the page reads and acts on. `status(user)` is the live server's view (version
+    serving, backend, model, learner), everyone's or `user`'s; `rollback` and `pause` are None
+    where no server runs (read-only)."""
 
     store: Store
-    # the keys that open the page: the admin keys (a user's key never does); None: the server
-    # takes no keys, and the page is open to whoever reaches it (a loopback server)
-    keys: tuple[str, ...] | None
-    status: Callable[[], Awaitable[JSON]]
+    # every key that opens the page with its caller (an admin key sees everyone's data, a user's
+    # key that user's); None: the server takes no keys, and the page is open to whoever reaches
+    # it (a loopback server), as the operator
+    keys: auth.PageKeys | None
+    status: Callable[[str | None], Awaitable[JSON]]
     rollback: Callable[[int], Awaitable[JSON]] | None = None
     pause: Callable[[bool], JSON] | None = None
-    preference: Callable[[str, int], Awaitable[JSON]] | None = None  # (action, id): confirm or forget
+    # (action, id, user): confirm or forget a preference, which must be `user`'s (None: anyone's)
+    preference: Callable[[str, int, str | None], Awaitable[JSON]] | None = None
     poll_s: float = 2.0
+    user: str | None = None  # the one user whose data this page shows (`clawbridge ui --user`)
 
     def __post_init__(self) -> None:
         self.browse = Browse(self.store)
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who reads the page (`caller`, by key) and whose data it shows (`user`; None: everyone's)."""
+
+    caller: Caller
+    user: str | None
+
+
+def viewer(caller: Caller, asked: str | None, fixed: str | None = None) -> Viewer:
+    """Whose data a page request shows: a user key's own user's; the one user the page is fixed
+    to (`fixed`); else the user an admin names (`asked`, the query's `user`); else everyone's.
+    Naming another user than the key's or the page's is a 403."""
+    if asked is not None and not valid_name(asked):
+        raise RouteError(400, "Invalid 'user': a user's name is 1 to 64 letters, digits, '.', '_', '@' or '-', "
+                         "starting with a letter or digit.", "invalid_user", "user")
+    own = {u for u in (caller.user, fixed) if u is not None}
+    if len(own) > 1:
+        raise RouteError(403, f"This page shows {fixed!r}'s data only, and this API key is another user's.",
+                         "user_mismatch", "user")
+    if own:
+        [user] = own
+        if asked not in (None, user):
+            raise RouteError(403, f"This page shows {user!r}'s data only: drop 'user', or send the other "
+                             "user's key.", "user_mismatch", "user")
+        return Viewer(caller, user)
+    return Viewer(caller, asked)
+
+
+def require_admin(view: Viewer) -> None:
+    if not view.caller.admin:
+        raise RouteError(403, "This action needs an admin key; a user's key reaches only that user's own data.",
+                         "admin_key_required")
+
+
+def memo_key(name: str, user: str | None) -> str:
+    """The name a read is kept under between two changes: everyone's, or one user's apart."""
+    return name if user is None else f"{name}:{user}"
 
 
 @cache
@@ -132,16 +179,18 @@ async def _body(request: Request) -> JSON:
 def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
     """The page's routes; `board_of(request)` gives the board (the live server's, or a fixed one)."""
 
-    def guarded(fn: Callable[[Request, Board], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def guarded(fn: Callable[[Request, Board, Viewer], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             board = board_of(request)
-            if not auth.authorized(request, board.keys):
+            caller = auth.caller_of(request, board.keys)
+            if caller is None:
                 if board.keys is not None and auth.COOKIE in request.cookies and request.method not in auth.SAFE_METHODS:
                     return error(403, "A signed-in page sends `X-Clawbridge-UI: 1` with every action.", "missing_ui_header")
                 return error(401, "Incorrect API key provided: send `Authorization: Bearer KEY`, or sign in at /ui.",
                              "invalid_api_key")
             try:
-                return await fn(request, board)
+                view = viewer(caller, request.query_params.get("user") or None, board.user)
+                return await fn(request, board, view)
             except RouteError as e:
                 return error(e.status, str(e), e.code, e.param)
             except BadCursor as e:
@@ -154,7 +203,7 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
 
     async def page(request: Request) -> Response:
         board = board_of(request)
-        if not auth.authorized(request, board.keys):
+        if auth.caller_of(request, board.keys) is None:
             return _page("login.html", 401)
         return _page("index.html")
 
@@ -184,38 +233,51 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
             return error(404, f"No file `{name}`.", "not_found")
         return Response(asset(name), media_type=STATIC[name], headers=SECURITY_HEADERS)
 
-    async def now(request: Request, board: Board) -> Response:
-        store = board.store
-        status = await board.status()
-        token = await store.run(board.browse.token)
-        waiting = await store.run(board.browse.memo, "waiting", token, board.browse.waiting)
-        return _json({"status": status, "waiting": waiting, "token": token, "poll_s": board.poll_s,
-                      "actions": {"rollback": board.rollback is not None, "pause": board.pause is not None,
-                                  "preferences": board.preference is not None}})
-
-    async def progress(request: Request, board: Board) -> Response:
-        b = board.browse
+    async def now(request: Request, board: Board, view: Viewer) -> Response:
+        b, user, admin = board.browse, view.user, view.caller.admin
+        status = await board.status(user)
 
         def read() -> JSON:
-            out = b.memo("progress", b.token(), b.progress)
+            token = b.token(user)
+            out = {"token": token, "waiting": b.memo(memo_key("waiting", user), token, lambda: b.waiting(user))}
+            if admin and board.user is None:  # the admin's user picker: a new user moves everyone's token
+                everyone = token if user is None else b.token()
+                out["users"] = b.memo("users", everyone, lambda: {"names": b.users()})["names"]
+            return out
+
+        read_now = await board.store.run(read)
+        return _json({"status": status, "waiting": read_now["waiting"], "token": read_now["token"],
+                      "poll_s": board.poll_s, "viewer": {"admin": admin, "user": user},
+                      "users": read_now.get("users"),
+                      "actions": {"rollback": board.rollback is not None and admin,
+                                  "pause": board.pause is not None and admin,
+                                  "preferences": board.preference is not None}})
+
+    async def progress(request: Request, board: Board, view: Viewer) -> Response:
+        b, user = board.browse, view.user
+
+        def read() -> JSON:
+            out = b.memo(memo_key("progress", user), b.token(user), lambda: b.progress(user))
             return {**out, "preferences": preferences_view(out["preferences"])}
 
         return _json(await board.store.run(read))
 
-    async def turns(request: Request, board: Board) -> Response:
+    async def turns(request: Request, board: Board, view: Viewer) -> Response:
         before = request.query_params.get("before") or None
         learning = request.query_params.get("learning", "") in ("1", "true")
-        return _json(await board.store.run(board.browse.turns, before, _int(request, "limit", 30), learning))
+        return _json(await board.store.run(board.browse.turns, before, _int(request, "limit", 30), learning, view.user))
 
-    async def session(request: Request, board: Board) -> Response:
+    async def session(request: Request, board: Board, view: Viewer) -> Response:
         sid = request.path_params["sid"]
         out = await board.store.run(board.browse.conversation, sid, _int(request, "after", -1),
-                                    _int(request, "limit", 50))
-        if out is None:
-            raise RouteError(404, f"No session `{sid}`.", "not_found")
+                                    _int(request, "limit", 50), view.user)
+        if out is None:  # unknown, or another user's: the same answer, saying nothing of whose
+            among = "" if view.user is None else f" among {view.user}'s sessions"
+            raise RouteError(404, f"No session `{sid}`{among}.", "not_found", "session_id")
         return _json(out)
 
-    async def rollback(request: Request, board: Board) -> Response:
+    async def rollback(request: Request, board: Board, view: Viewer) -> Response:
+        require_admin(view)
         if board.rollback is None:
             raise RouteError(409, "No server is running on this data directory: the page is read-only.", "read_only")
         version = (await _body(request)).get("version")
@@ -223,7 +285,8 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
             raise RouteError(400, "`version` must be a version number (0 or more)", "invalid_value", "version")
         return _json(await board.rollback(version))
 
-    async def training(request: Request, board: Board) -> Response:
+    async def training(request: Request, board: Board, view: Viewer) -> Response:
+        require_admin(view)
         if board.pause is None:
             raise RouteError(409, "No learning loop runs here: there is no training to pause.", "read_only")
         paused = (await _body(request)).get("paused")
@@ -231,7 +294,7 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
             raise RouteError(400, "`paused` must be true or false", "invalid_value", "paused")
         return _json(board.pause(paused))
 
-    async def preference(request: Request, board: Board) -> Response:
+    async def preference(request: Request, board: Board, view: Viewer) -> Response:
         if board.preference is None:
             raise RouteError(409, "No server is running on this data directory: the page is read-only.", "read_only")
         body = await _body(request)
@@ -240,7 +303,7 @@ def ui_routes(board_of: Callable[[Request], Board]) -> list[BaseRoute]:
             raise RouteError(400, "`id` must be a preference's number (1 or more)", "invalid_value", "id")
         if action not in standing.ACTIONS:
             raise RouteError(400, "`action` must be confirm or forget", "invalid_value", "action")
-        return _json(await board.preference(action, pid))
+        return _json(await board.preference(action, pid, view.user))  # a user's key: their own only
 
     return [
         Route("/", root, methods=["GET"]),

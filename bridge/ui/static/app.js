@@ -4,7 +4,7 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const state = { token: null, cursors: [null], view: "dashboard", session: null, convAfter: -1, poll: 2000, timer: null };
+const state = { token: null, cursors: [null], view: "dashboard", session: null, convAfter: -1, poll: 2000, timer: null, user: "" };
 
 // --- small DOM helpers ------------------------------------------------------------------------
 function el(tag, attrs, ...children) {
@@ -30,7 +30,14 @@ function say(text, bad) {
   m.textContent = text; m.hidden = !text; m.className = bad ? "bad" : "good";
 }
 
+// The user an admin picked (none: everyone's); a user's key reads its own whatever this says.
+function withUser(path) {
+  if (!state.user) return path;
+  return path + (path.includes("?") ? "&" : "?") + "user=" + encodeURIComponent(state.user);
+}
+
 async function api(path, body) {
+  path = withUser(path);
   const init = { credentials: "same-origin", headers: { "X-Clawbridge-UI": "1" } };
   if (body !== undefined) {
     init.method = "POST";
@@ -49,8 +56,13 @@ function renderNow(now) {
   const s = now.status, w = now.waiting, l = s.learner;
   setText("model", [s.model, s.backend && s.backend + " backend"].filter(Boolean).join(" · "));
   setText("serving", "v" + s.version + (s.instruction ? ` + ${s.instruction.split("\n").length} preference(s) as an instruction` : ""));
-  setText("backend", s.live ? `${s.in_flight} in flight · ${s.requests} requests · ${s.sessions_open} open conversations`
-                            : "no server running: the recorded data, read-only");
+  if (s.user) {
+    setText("backend", (s.live ? `${s.sessions_open} open conversations of ${s.user}` : "no server running: the recorded data, read-only")
+      + " · one adapter trains for every user");
+  } else {
+    setText("backend", s.live ? `${s.in_flight} in flight · ${s.requests} requests · ${s.sessions_open} open conversations`
+                              : "no server running: the recorded data, read-only");
+  }
   const spool = s.spool;  // writes the store could not take (docs/operating.md#when-the-store-is-down)
   if (spool && spool.store_down_since) {
     setText("backend", `store unreachable since ${when(spool.store_down_since)} · ${spool.depth} writes spooled, replayed when it is back`
@@ -87,9 +99,27 @@ function renderNow(now) {
       + (sp.training_allowed === false ? " — training stopped by the budget" : ""));
   } else {
     setText("cost", "–");
-    setText("cost-detail", "this backend keeps no cost (a local model is free)");
+    setText("cost-detail", !s.user ? "this backend keeps no cost (a local model is free)"
+      : now.viewer && now.viewer.admin ? "the server's cost: shown with every user's data" : "the server's cost is its operator's");
   }
+  renderViewer(now);
   setText("updated", "updated " + new Date().toLocaleTimeString());
+}
+
+// Whose data the page shows: a user's key its own user's; an admin key everyone's, or the user
+// picked in the list.
+function renderViewer(now) {
+  const v = now.viewer || {}, pick = $("user"), box = $("user-pick");
+  setText("viewer", v.admin ? (v.user ? `showing ${v.user}'s data` : "showing every user's data") : `signed in as ${v.user}`);
+  box.hidden = !Array.isArray(now.users);
+  if (box.hidden) return;
+  const names = ["", ...now.users];
+  if (state.user && !names.includes(state.user)) names.push(state.user);
+  const shown = [...pick.options].map((o) => o.value);
+  if (shown.join("\n") !== names.join("\n")) {
+    pick.replaceChildren(...names.map((n) => el("option", { value: n }, n || "every user")));
+  }
+  pick.value = state.user;
 }
 
 // --- charts ------------------------------------------------------------------------------------
@@ -291,10 +321,11 @@ function nextText(t) {
 function renderTurns(page) {
   const body = $("turns").querySelector("tbody");
   body.replaceChildren();
-  if (!page.turns.length) body.append(el("tr", {}, el("td", { colspan: 9, class: "muted" }, "No conversations yet: point your agent at this server.")));
+  if (!page.turns.length) body.append(el("tr", {}, el("td", { colspan: 10, class: "muted" }, "No conversations yet: point your agent at this server.")));
   for (const t of page.turns) {
     body.append(el("tr", { "data-turn": t.id, class: "turn" },
       el("td", {}, when(t.created_at)),
+      el("td", {}, t.user || "–"),
       el("td", {}, sessionLink(t.session_id), " #" + t.index),
       el("td", {}, "v" + t.version),
       el("td", { class: "text" }, short(t.asked, 160)),
@@ -361,7 +392,7 @@ function renderConversation(data, append) {
   if (!append) host.replaceChildren();
   const s = data.session;
   setText("conv-id", s.id);
-  setText("conv-meta", `${s.turns} turns (${s.main_turns} main) · started ${when(s.created_at)} · ` + (s.done ? `ended (${s.done_reason || "done"})` : "open"));
+  setText("conv-meta", `${s.user}'s · ${s.turns} turns (${s.main_turns} main) · started ${when(s.created_at)} · ` + (s.done ? `ended (${s.done_reason || "done"})` : "open"));
   for (const t of data.turns) {
     const card = el("article", { class: "turn-card", id: "turn-" + t.index },
       el("h3", {}, `turn #${t.index} · v${t.version} · ${when(t.created_at)} `, el("span", { class: "badge " + t.state }, t.status)));
@@ -435,6 +466,7 @@ function schedule() {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("pause").addEventListener("click", togglePause);
+  $("user").addEventListener("change", () => { state.user = $("user").value; state.cursors = [null]; refresh(true); });
   $("older").addEventListener("click", () => { state.cursors.push(state.next); refresh(true); });
   $("newest").addEventListener("click", () => { state.cursors = [null]; refresh(true); });
   $("all-turns").addEventListener("change", () => { state.cursors = [null]; refresh(true); });
