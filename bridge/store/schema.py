@@ -61,6 +61,7 @@ sessions = sa.Table(
     # The user the session is for (0009): a session belongs to the user who opened it. Named
     # user_name, since `user` is a reserved word of PostgreSQL (a bare `SELECT user` is the role).
     sa.Column("user_name", sa.Text, nullable=False, server_default="default"),
+    sa.Index(None, "user_name"),  # a user's page, status and export read their sessions (0011)
 )
 
 turns = sa.Table(
