@@ -13,7 +13,11 @@ the scenario's temperature and max_tokens:
 `last`: the version the run ended serving (the last its gate accepted). Prints per version the
 share of answers that meet the preference, answer the question, and both (truly satisfied, the
 demo's headline) with its 95 % interval over prompts. `--prompts validation` asks the gate's
-validation split instead (what the gate judged each candidate's preference on). Sampling is
+validation split instead (what the gate judged each candidate's preference on). `--probe` asks the gate's general probe questions instead (the first `gate_probes_max` 100
+the gate asks, `--answers` each at the gate's temperature 0.7 and 64 tokens), plain and, with
+`--instruction TEXT`, asked for it as it is served (`chat.instructions.instructed`): what a
+version answers with and without the instruction on top of its weights (a `clawbridge up` run's
+data directory has the adapters too). Sampling is
 transformers' own (not the engine's, so answers are not those the demo saw; the distribution is
 the same model's), bf16 as the demo serves, the base with the served RoPE scaling
 (`models.load_model`).
@@ -81,6 +85,46 @@ def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: in
     return {k: interval(v) for k, v in per.items()} | {"truly_per_prompt": per["truly"]}
 
 
+def gate_questions(first: int = 16, total: int = 100) -> list[Any]:
+    """The general probe questions the gate asks (`server.build_gate`: `first` spread over the set,
+    then the next of the rest up to `total`)."""
+    from clawbridge.learning.probes import general_probes
+
+    pool = general_probes()
+    chosen = [pool[(i * len(pool)) // first] for i in range(first)]
+    return chosen + [p for p in pool if p not in chosen][: total - first]
+
+
+def probe_rate(model: Any, tok: Any, answers: int, seed: int, instruction: str | None) -> tuple[float, list[str]]:
+    """The share of the gate's probe answers that answer the question (the gate's scorer), and
+    the first answer to each question."""
+    import torch
+    from clawbridge.chat.instructions import instructed
+
+    renderer = Renderer(tok)
+    qs = gate_questions()
+    rows = [renderer.render(instructed([{"role": "user", "content": p.question}], instruction)) for p in qs]
+    width = max(len(x) for x in rows)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in rows])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in rows])
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
+                             max_new_tokens=64, num_return_sequences=answers, pad_token_id=pad,
+                             eos_token_id=tok.eos_token_id)
+    ok, firsts = 0, []
+    for i, p in enumerate(qs):
+        for j in range(answers):
+            seq = out[i * answers + j, width:].tolist()
+            text = tok.decode(seq[: seq.index(tok.eos_token_id)] if tok.eos_token_id in seq else seq,
+                              skip_special_tokens=True)
+            ok += p.key.answered(text)
+            if j == 0:
+                firsts.append(text)
+    return ok / (len(qs) * answers), firsts
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
@@ -91,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answers", type=int, default=8, help="answers per prompt")
     ap.add_argument("--prompts", choices=("heldout", "validation"), default="heldout",
                     help="the held-out prompts (the demo's headline) or the gate's validation split")
+    ap.add_argument("--probe", action="store_true", help="the gate's general probe instead (plain, and with --instruction)")
+    ap.add_argument("--instruction", default=None, help="with --probe: also asked with this instruction (lines: preferences)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -102,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     tok = models.load_tokenizer(spec)
     base = models.load_model(spec, dtype=torch.bfloat16)
     prompts = sc.heldout_prompts if args.prompts == "heldout" else sc.gate_prompts
-    print(f"scenario {sc.name} · {len(prompts)} {args.prompts} prompts × {args.answers} answers", flush=True)
+    print(f"scenario {sc.name} · {len(prompts)} {args.prompts} prompts × {args.answers} answers"
+          if not args.probe else f"the gate's general probe · {len(gate_questions())} questions × {args.answers} answers",
+          flush=True)
     print(f"{'run':<28} {'version':>7}  {'preferred':>9}  {'answered':>8}  {'truly satisfied (95 %)':>24}  {'s':>4}")
     results: list[dict[str, Any]] = []
     for d in args.data_dir:
@@ -114,6 +162,16 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             t0 = time.monotonic()
             model = base if v == 0 else PeftModel.from_pretrained(base, str(d / "adapters" / f"v{v}"))
+            if args.probe:
+                forms = {"plain": None} | ({"instructed": args.instruction} if args.instruction else {})
+                rates = {k: probe_rate(model, tok, args.answers, args.seed, ins) for k, ins in forms.items()}
+                print(f"{str(d)[-28:]:<28} {v:>7}  general probe " + " · ".join(
+                    f"{k} {r:.0%}" for k, (r, _) in rates.items()) + f"  {time.monotonic() - t0:>4.0f} s", flush=True)
+                results.append({"data_dir": str(d), "version": v, "probe": {k: r for k, (r, _) in rates.items()},
+                                "answers": {k: a for k, (_, a) in rates.items()}})
+                if v != 0:
+                    base = model.unload()
+                continue
             fig = measure(model, tok, sc, args.answers, args.seed, prompts)
             if v != 0:
                 base = model.unload()

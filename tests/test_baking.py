@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 
 import pytest
@@ -282,6 +283,47 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
         assert pref.state == ("learned" if learned else "applied")
         # a version served without it (learned), and the review applied in both directions here
         assert any(a is None and d.decision == "accepted" for a, d in zip(judged, promotion.decisions, strict=True))
+    finally:
+        store.close()
+        await backend.close()
+
+
+async def test_the_gate_asks_its_references_while_the_learner_waits_for_a_batch(tmp_path):
+    """With no batch to train, the learner asks v0 and the twin (the applied preference's
+    instruction) the whole general probe, so the first candidate's gate asks only the candidate;
+    two askers of the same version share one asking (each probe answered once)."""
+    import asyncio
+
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.learning.learner import Learner
+    from clawbridge.server import build_learning
+    from helpers.learning import settings_for
+
+    settings = settings_for(tmp_path, gate="on", gate_probes=4, gate_probes_max=8)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
+        learner = Learner(settings, poll_s=0.05)
+        learner.bind(build_learning(settings, backend, store, Renderer(backend.tokenizer())))
+        assert learner.trainer is not None
+        gate = learner.trainer.promotion.gate
+        assert gate is not None
+        run = asyncio.create_task(learner.run())
+        try:
+            async with asyncio.timeout(60):
+                while len(gate._scores.get((0, INSTRUCTION), ())) < 2:
+                    await asyncio.sleep(0.05)
+        finally:
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+        assert [len(t) for t in gate._scores[(0, None)]] == [len(t) for t in gate._scores[(0, INSTRUCTION)]] == [4, 4]
+        assert learner.last_step is None and learner.errors == 0
+        first, second = await asyncio.gather(gate.scores(0, 2, "Be brief."), gate.scores(0, 2, "Be brief."))
+        assert first == second and len(gate.answers[(0, "Be brief.")]) == 8  # asked once, not twice
     finally:
         store.close()
         await backend.close()

@@ -156,6 +156,7 @@ class Gate:
             alpha_base=alpha if alpha_base is None else alpha_base, max_price=max_price,
             non_inferiority=non_inferiority, recent=pairwise is not None)
         self._scores: dict[Answerer, list[list[float]]] = {}  # answerer -> scores of each tier asked
+        self._asking: dict[Answerer, asyncio.Lock] = {}  # one asker per answerer: a second waits and reuses
         self.answers: dict[Answerer, list[str]] = {}  # the first answer per probe asked (for reading)
 
     @property
@@ -168,14 +169,15 @@ class Gate:
         """One score per probe of the first `tiers` tiers, in [0, 1]: the mean score over
         `samples` answers; `instruction`: asked with it (the twin). A tier is asked once."""
         answerer: Answerer = (version, instruction)
-        have = self._scores.setdefault(answerer, [])
-        self.answers.setdefault(answerer, [])
-        while len(have) < tiers:
-            rated = await asyncio.gather(*(self._score(p, answerer, samples or self.samples)
-                                           for p in self.tiers[len(have)]))
-            have.append([s for s, _ in rated])
-            self.answers[answerer].extend(a for _, a in rated)
-        return [x for tier in have[:tiers] for x in tier]
+        async with self._asking.setdefault(answerer, asyncio.Lock()):  # the references, warmed meanwhile
+            have = self._scores.setdefault(answerer, [])
+            self.answers.setdefault(answerer, [])
+            while len(have) < tiers:
+                rated = await asyncio.gather(*(self._score(p, answerer, samples or self.samples)
+                                               for p in self.tiers[len(have)]))
+                have.append([s for s, _ in rated])
+                self.answers[answerer].extend(a for _, a in rated)
+            return [x for tier in have[:tiers] for x in tier]
 
     async def _score(self, probe: GateProbe, answerer: Answerer, samples: int) -> tuple[float, str]:
         version, instruction = answerer

@@ -157,26 +157,46 @@ class Learner:
             return 0
 
     async def _train_loop(self, trainer: Trainer) -> None:
-        while True:
-            self.ready.clear()  # before the look: samples settled during the step wake the next
-            if self.paused:  # judging goes on; a resume sets `ready`
-                await self.ready.wait()
-                continue
-            try:
-                if await trainer.step_once() is not None:
+        """A step whenever a batch is full; while none is, the gate's references are asked
+        (`Promotion.prepare`, one at a time: the step's gate reuses what it asked)."""
+        preparing: asyncio.Task[None] | None = None
+        try:
+            while True:
+                self.ready.clear()  # before the look: samples settled during the step wake the next
+                if self.paused:  # judging goes on; a resume sets `ready`
+                    await self.ready.wait()
                     continue
-            except asyncio.CancelledError:
-                raise
-            except BudgetExceeded as e:  # serving goes on; judged samples wait for a new budget
-                self.training_stopped = str(e)
-                log.warning("%s", e)
-                return
-            except Exception:
-                self.errors += 1
-                log.exception("training step failed; the samples stay judged and are retried")
-                await asyncio.sleep(self.poll_s)
-                continue
-            await self.ready.wait()
+                try:
+                    if await trainer.step_once() is not None:
+                        continue
+                except asyncio.CancelledError:
+                    raise
+                except BudgetExceeded as e:  # serving goes on; judged samples wait for a new budget
+                    self.training_stopped = str(e)
+                    log.warning("%s", e)
+                    return
+                except Exception:
+                    self.errors += 1
+                    log.exception("training step failed; the samples stay judged and are retried")
+                    await asyncio.sleep(self.poll_s)
+                    continue
+                if preparing is None or preparing.done():
+                    preparing = asyncio.create_task(self._prepare(trainer))
+                await self.ready.wait()
+        finally:
+            if preparing is not None:
+                preparing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await preparing
+
+    async def _prepare(self, trainer: Trainer) -> None:
+        try:
+            await trainer.promotion.prepare()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.errors += 1
+            log.exception("asking the gate's references failed; the gate asks them itself")
 
     @property
     def last_step(self) -> StepResult | None:

@@ -265,6 +265,16 @@ class Promotion:
             return candidate
         return await self._gate(candidate, serving, await self._recent(batch), asked, prompts)
 
+    async def prepare(self) -> None:
+        """What every gate needs before its candidate exists, asked while the learner waits for a
+        batch: v0's and the twin's answers to the whole general probe (`Gate.general_rates`, kept
+        for every candidate). In real use the first batch fills while the user talks; without this
+        the first gate asked them after the step, twice the probe of the candidate itself."""
+        if self.gate is None:
+            return
+        asked = await what_was_asked(self.store, served=self.retirement is not None)
+        await self.gate.general_rates(asked.wanted if self.gate.reference == "twin" else None)
+
     async def _review(self, version: int, prompts: Sequence[baking.Prompt]) -> Review | None:
         """What `version` (the newest weights) carries alone of each applied or learned preference,
         measured on the user's prompts (`baking.Retirement`); None: no instruction is served."""
