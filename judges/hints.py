@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from clawbridge.chat.instructions import instructed, with_system_line
+from clawbridge.chat.instructions import instructed, restates, with_system_line
 from clawbridge.judges.clients import JudgeClient
 from clawbridge.judges.prompts import judge_messages
 from clawbridge.judges.types import HintJudgment, HintVote, Message, TurnContext
@@ -38,9 +38,13 @@ def teacher_messages(messages: Sequence[Message], hint: str) -> list[dict[str, A
 def teacher_view(messages: Sequence[Message], hint: str | None, instruction: str | None = None) -> list[dict[str, Any]]:
     """The teacher's prompt for a turn: the instruction the turn was served with
     (`chat.instructions.instructed`) and then the user's hint (`teacher_messages`), both in the
-    system message, in that order: the standing preferences first, this answer's feedback after."""
+    system message, in that order: the standing preferences first, this answer's feedback after.
+    A hint that is word for word one of the instruction's preferences (`restates`: the user
+    repeating a correction already applied) is left out: asked the same thing twice, a small
+    teacher over-shoots into answers about the request instead of the question
+    (docs/methods.md#the-weights-later-baking-an-applied-preference-in)."""
     asked = instructed(messages, instruction)
-    return teacher_messages(asked, hint) if hint else asked
+    return teacher_messages(asked, hint) if hint and not restates(instruction, hint) else asked
 
 
 class HintJudge:

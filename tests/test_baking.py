@@ -327,3 +327,21 @@ async def test_the_gate_asks_its_references_while_the_learner_waits_for_a_batch(
     finally:
         store.close()
         await backend.close()
+
+
+def test_a_hint_that_repeats_an_applied_preference_is_not_asked_of_the_teacher_twice():
+    """The user repeats a correction already served as an instruction: the teacher is asked with
+    the instruction alone (the same request twice made the embedded teacher answer about the
+    request: "that's too long for your request. This is just 2 lines: ..."); a hint that says
+    something else still follows the instruction, and with no instruction the hint is the teacher's."""
+    from clawbridge.chat.instructions import instructed, restates
+    from clawbridge.judges import teacher_view
+
+    asked = [{"role": "user", "content": "What is rain?"}]
+    instruction = "Too long. Please answer in one short sentence.\nUse plain words."
+    assert restates(instruction, "  too long.  please answer in ONE short sentence!")
+    assert not restates(instruction, "Too long.") and not restates(None, "Use plain words.") and not restates(instruction, "")
+    assert teacher_view(asked, "too long. Please answer in one short sentence", instruction) == instructed(asked, instruction)
+    stacked = teacher_view(asked, "That doesn't answer my question.", instruction)
+    assert stacked != instructed(asked, instruction) and "doesn't answer" in stacked[0]["content"]
+    assert "Too long" in teacher_view(asked, "Too long. Please answer in one short sentence.", None)[0]["content"]

@@ -36,6 +36,17 @@ def with_system_line(messages: Sequence[Mapping[str, Any]], line: str) -> list[d
     return out
 
 
+def restates(instruction: str | None, line: str) -> bool:
+    """`line` is word for word one of the instruction's preferences (case, spacing and the end's
+    punctuation aside): a correction the user repeats once the preference is applied."""
+    key = _key(line)
+    return bool(instruction) and bool(key) and any(_key(x) == key for x in (instruction or "").splitlines())
+
+
+def _key(text: str) -> str:
+    return " ".join(text.casefold().split()).rstrip(".!? ")
+
+
 def instructed(messages: Sequence[Mapping[str, Any]], instruction: str | None) -> list[dict[str, Any]]:
     """A copy of `messages` with `instruction` as a system instruction (`INSTRUCTION_SYSTEM`,
     `with_system_line`); `instruction` None or empty: a plain copy."""
@@ -44,4 +55,4 @@ def instructed(messages: Sequence[Mapping[str, Any]], instruction: str | None) -
     return with_system_line(messages, INSTRUCTION_SYSTEM.format(instruction=instruction))
 
 
-__all__ = ["INSTRUCTION_SYSTEM", "instructed", "with_system_line"]
+__all__ = ["INSTRUCTION_SYSTEM", "instructed", "restates", "with_system_line"]
