@@ -130,10 +130,16 @@ def test_a_request_over_http_goes_ahead_of_background_sampling(tmp_path, threads
         server.stop()
 
 
-@pytest.mark.parametrize("share", [0.25, 0.0])
+@pytest.mark.parametrize("share", [
+    pytest.param(0.25, marks=pytest.mark.xfail(strict=True, reason=(
+        "a known defect: with users' requests overlapping without a gap the learner's bursts do not "
+        "finish its draw (docs/measurements.md#the-gate-judges-a-candidate-as-it-would-be-served-2026-11-28-night)"))),
+    0.0,
+])
 async def test_users_who_never_pause_leave_the_learner_its_share(tmp_path, threads, share) -> None:
-    """Two users' requests always in flight (each sent as the one before it ends): background
-    sampling still finishes with a share of the engine, and never does with none."""
+    """Two users' requests always in flight (each sent as the one before it ends, of two lengths,
+    so that they never end together and leave no gap): background sampling should still finish
+    with a share of the engine, and never does with none."""
     backend = started(tmp_path, max_batch=4, background_share=share)
     try:
         await backend.sample(PROMPT, SHORT)  # what is built once, paid before the clock starts
@@ -141,16 +147,16 @@ async def test_users_who_never_pause_leave_the_learner_its_share(tmp_path, threa
         stop = asyncio.get_running_loop().time() + 15.0  # the learner's first burst comes after PATIENCE_S
         served = 0
 
-        async def user() -> None:
+        async def user(length: int) -> None:  # two lengths: the two users never end in the same step for long
             nonlocal served
             while not learner.done() and asyncio.get_running_loop().time() < stop:
-                await backend.sample(PROMPT, SamplingParams(max_tokens=24, seed=served, stop_token_ids=()))
+                await backend.sample(PROMPT, SamplingParams(max_tokens=length, seed=served, stop_token_ids=()))
                 served += 1
 
         await asyncio.sleep(0.05)  # the learner's request is running when the users come
-        first = asyncio.ensure_future(user())
+        first = asyncio.ensure_future(user(24))
         await asyncio.sleep(0.01)
-        await asyncio.gather(first, user())
+        await asyncio.gather(first, user(17))
         assert served > 0
         assert learner.done() == (share > 0)
         if share == 0:

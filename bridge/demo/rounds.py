@@ -237,8 +237,8 @@ async def demo_stack(settings: Settings, learner: Learner) -> AsyncIterator[Runn
     watcher = asyncio.create_task(watch())
     try:
         yield running
-    except BaseException:  # the cancel, or what a client saw while the server went away
-        if stopped.is_set():
+    except BaseException:  # the cancel, or what a client (or the gate, on the engine) saw while the server went away
+        if stopped.is_set() or running.server.should_exit:  # before the watcher's next look, too
             raise DemoStopped(f"stopped by a signal; what was captured and trained is in {settings.data_dir}") from None
         raise
     finally:
