@@ -60,8 +60,10 @@ def assert_exact(live: LiveServer, turn: StoredTurn) -> None:
         live.backend.score(turn.prompt_ids, turn.completion_ids, temperature=turn.sampling.temperature)
     )
     assert len(scored) == len(turn.logprobs) > 0
+    # a batched decode step and a lone scoring pass round differently: on the order of 1e-4 nats
+    # for a token near -11 (a full run of the suite saw 2.1e-4 once)
     for got, want in zip(scored, turn.logprobs, strict=True):
-        assert math.isclose(got, want, abs_tol=2e-4), (got, want)
+        assert math.isclose(got, want, abs_tol=5e-4), (got, want)
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI):
