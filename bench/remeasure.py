@@ -55,74 +55,67 @@ def interval(per_prompt: list[float]) -> tuple[float, float, float]:
     return mean, max(0.0, lo), hi
 
 
-def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: int,
-            prompts: list[str] | None = None) -> dict[str, Any]:
+def generate(model: Any, tok: Any, rows: list[list[int]], answers: int, seed: int, temperature: float,
+             max_tokens: int) -> list[list[tuple[str, bool]]]:
+    """`answers` sampled answers to each rendered prompt of `rows` (left-padded into one batch,
+    seeded once): per row, each answer's text and whether it ended by itself."""
     import torch
 
-    r = sc.recipe
-    renderer = Renderer(tok)
-    prompts = sc.heldout_prompts if prompts is None else prompts
-    rows = [renderer.render(sc.messages(p)) for p in prompts]
     width = max(len(x) for x in rows)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in rows])
     mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in rows])
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=r.temperature,
-                             top_p=1.0, top_k=0, max_new_tokens=r.max_tokens, num_return_sequences=answers,
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
+                             top_p=1.0, top_k=0, max_new_tokens=max_tokens, num_return_sequences=answers,
                              pad_token_id=pad, eos_token_id=tok.eos_token_id)
-    per: dict[str, list[float]] = {"preferred": [], "answered": [], "truly": []}
-    for i, p in enumerate(prompts):
-        verdicts = []
+    texts: list[list[tuple[str, bool]]] = []
+    for i in range(len(rows)):
+        texts.append([])
         for j in range(answers):
             seq = out[i * answers + j, width:].tolist()
             finished = tok.eos_token_id in seq
-            text = tok.decode(seq[: seq.index(tok.eos_token_id)] if finished else seq, skip_special_tokens=True)
-            verdicts.append(sc.rate(p, text, "stop" if finished else "length"))
+            texts[-1].append((tok.decode(seq[: seq.index(tok.eos_token_id)] if finished else seq,
+                                         skip_special_tokens=True), finished))
+    return texts
+
+
+def measure(model: Any, tok: Any, sc: scenarios.Scenario, answers: int, seed: int,
+            prompts: list[str] | None = None) -> dict[str, Any]:
+    r = sc.recipe
+    renderer = Renderer(tok)
+    prompts = sc.heldout_prompts if prompts is None else prompts
+    drawn = generate(model, tok, [renderer.render(sc.messages(p)) for p in prompts], answers, seed,
+                     r.temperature, r.max_tokens)
+    per: dict[str, list[float]] = {"preferred": [], "answered": [], "truly": []}
+    for p, texts in zip(prompts, drawn, strict=True):
+        verdicts = [sc.rate(p, text, "stop" if finished else "length") for text, finished in texts]
         for k in per:
             per[k].append(sum(getattr(v, k) for v in verdicts) / answers)
     return {k: interval(v) for k, v in per.items()} | {"truly_per_prompt": per["truly"]}
 
 
-def gate_questions(first: int = 16, total: int = 100) -> list[Any]:
-    """The general probe questions the gate asks (`server.build_gate`: `first` spread over the set,
-    then the next of the rest up to `total`)."""
-    from clawbridge.learning.probes import general_probes
+def gate_questions() -> list[Any]:
+    """The general probe questions the gate asks, in its order (`probes.gate_tiers` with the
+    measured recipe's 16 first and 100 in all)."""
+    from clawbridge.learning.probes import gate_tiers, general_probes
 
-    pool = general_probes()
-    chosen = [pool[(i * len(pool)) // first] for i in range(first)]
-    return chosen + [p for p in pool if p not in chosen][: total - first]
+    first, rest = gate_tiers(general_probes(), 16, 100)
+    return first + rest
 
 
 def probe_rate(model: Any, tok: Any, answers: int, seed: int, instruction: str | None) -> tuple[float, list[str]]:
-    """The share of the gate's probe answers that answer the question (the gate's scorer), and
-    the first answer to each question."""
-    import torch
+    """The share of the gate's probe answers that answer the question (the gate's scorer, at its
+    temperature 0.7 and 64 tokens), and the first answer to each question."""
     from clawbridge.chat.instructions import instructed
 
     renderer = Renderer(tok)
     qs = gate_questions()
     rows = [renderer.render(instructed([{"role": "user", "content": p.question}], instruction)) for p in qs]
-    width = max(len(x) for x in rows)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in rows])
-    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in rows])
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_p=1.0, top_k=0,
-                             max_new_tokens=64, num_return_sequences=answers, pad_token_id=pad,
-                             eos_token_id=tok.eos_token_id)
-    ok, firsts = 0, []
-    for i, p in enumerate(qs):
-        for j in range(answers):
-            seq = out[i * answers + j, width:].tolist()
-            text = tok.decode(seq[: seq.index(tok.eos_token_id)] if tok.eos_token_id in seq else seq,
-                              skip_special_tokens=True)
-            ok += p.key.answered(text)
-            if j == 0:
-                firsts.append(text)
-    return ok / (len(qs) * answers), firsts
+    drawn = generate(model, tok, rows, answers, seed, 0.7, 64)
+    ok = sum(p.key.answered(text) for p, texts in zip(qs, drawn, strict=True) for text, _ in texts)
+    return ok / (len(qs) * answers), [texts[0][0] for texts in drawn]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scenario {sc.name} · {len(prompts)} {args.prompts} prompts × {args.answers} answers"
           if not args.probe else f"the gate's general probe · {len(gate_questions())} questions × {args.answers} answers",
           flush=True)
-    print(f"{'run':<28} {'version':>7}  {'preferred':>9}  {'answered':>8}  {'truly satisfied (95 %)':>24}  {'s':>4}")
+    if args.probe:
+        print(f"{'run':<28} {'version':>7}  {'answered the probe, plain · with the instruction':<48}  {'s':>4}")
+    else:
+        print(f"{'run':<28} {'version':>7}  {'preferred':>9}  {'answered':>8}  {'truly satisfied (95 %)':>24}  {'s':>4}")
     results: list[dict[str, Any]] = []
     for d in args.data_dir:
         stored = sorted(int(p.name[1:]) for p in (d / "adapters").glob("v*") if p.name[1:].isdigit())
@@ -165,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.probe:
                 forms = {"plain": None} | ({"instructed": args.instruction} if args.instruction else {})
                 rates = {k: probe_rate(model, tok, args.answers, args.seed, ins) for k, ins in forms.items()}
-                print(f"{str(d)[-28:]:<28} {v:>7}  general probe " + " · ".join(
+                print(f"{str(d)[-28:]:<28} {v:>7}  " + " · ".join(
                     f"{k} {r:.0%}" for k, (r, _) in rates.items()) + f"  {time.monotonic() - t0:>4.0f} s", flush=True)
                 results.append({"data_dir": str(d), "version": v, "probe": {k: r for k, (r, _) in rates.items()},
                                 "answers": {k: a for k, (_, a) in rates.items()}})

@@ -36,7 +36,7 @@ from clawbridge.learning.gate import Gate, GateProbe, probe_scorer
 from clawbridge.learning.gate_rules import GENERAL
 from clawbridge.learning.learner import Learner, LearningParts
 from clawbridge.learning.lease import Coordinator
-from clawbridge.learning.probes import Probe, general_probes
+from clawbridge.learning.probes import Probe, gate_tiers, general_probes
 from clawbridge.learning.promotion import Resumed, pin_interrupted, resume
 from clawbridge.learning.trainer import Trainer
 from clawbridge.routes import (
@@ -198,10 +198,7 @@ def build_gate(
     s = settings
     if s.gate == "off":
         return None
-    pool = general_probes()
-    k = min(s.gate_probes, len(pool))
-    chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
-    rest = [p for p in pool if p not in chosen][: max(0, min(s.gate_probes_max, len(pool)) - k)]
+    chosen, rest = gate_tiers(general_probes(), s.gate_probes, s.gate_probes_max)
 
     def ask(qs: list[Probe]) -> list[GateProbe]:
         return [GateProbe(GENERAL, ({"role": "user", "content": p.question},), probe_scorer(p.key.answered))

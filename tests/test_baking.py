@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from datetime import UTC, datetime
 
 import pytest
@@ -254,6 +255,7 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
         promotion.retirement.min_lift = 0.0
         shares: list[float | None] = []
         judged: list[str | None] = []
+        states: list[str] = []
         review, evaluate = promotion.retirement.review, promotion.gate.evaluate
 
         async def reviewed(prompts, instructions):  # the real review, its shares kept for the test
@@ -261,9 +263,11 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
             shares.append(out[0][1])
             return out
 
-        async def watched(candidate, serving, **kw):  # what the real gate is asked with
+        async def watched(candidate, serving, **kw):  # what the real gate is asked with; the second held back
             judged.append(kw["asked"].candidate)
-            return await evaluate(candidate, serving, **kw)
+            states.append(store.history().preferences[0].state)  # what the versions before it left
+            decision = await evaluate(candidate, serving, **kw)
+            return dataclasses.replace(decision, decision="rejected") if len(judged) == 2 else decision
 
         promotion.retirement.review, promotion.gate.evaluate = reviewed, watched  # type: ignore[method-assign]
         for k in range(4):
@@ -274,15 +278,17 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
         carried = [s is not None and s >= 0.3 for s in shares]
         assert any(carried) and not all(carried), shares  # the test sees both cases
         learned = False  # the stored state: changed only by a version that serves
-        for share, asked, decision in zip(shares, judged, promotion.decisions, strict=True):
+        for share, asked, decision, state in zip(shares, judged, promotion.decisions, states, strict=True):
+            assert state == ("learned" if learned else "applied"), (shares, judged, states)
             carries = learned if share is None else share >= (0.1 if learned else 0.3)
             assert asked == (None if carries else INSTRUCTION), (shares, judged)  # judged as it would serve
             if decision.decision == "accepted":
                 learned = carries
         [pref] = store.history().preferences
         assert pref.state == ("learned" if learned else "applied")
-        # a version served without it (learned), and the review applied in both directions here
+        # a version served without it (learned), and one held back whose review changed nothing
         assert any(a is None and d.decision == "accepted" for a, d in zip(judged, promotion.decisions, strict=True))
+        assert promotion.decisions[1].decision == "rejected"
     finally:
         store.close()
         await backend.close()

@@ -207,6 +207,7 @@ class Gate:
         for key in [k for k in self._scores if k[0] == version]:
             self._scores.pop(key, None)
             self.answers.pop(key, None)
+            self._asking.pop(key, None)
 
     async def _answer(self, prompt_ids: Sequence[int], version: int) -> str:
         key = ",".join(map(str, prompt_ids))

@@ -145,10 +145,11 @@ class Learner:
     async def _settle(parts: LearningParts) -> int:
         return await parts.collector.run_once() + await parts.episodes.run_once()
 
-    async def _pass(self, work: Awaitable[int], what: str) -> int:
-        """`work`'s count; a failure is counted and logged, and the next pass retries."""
+    async def _pass(self, work: Awaitable[int | None], what: str) -> int:
+        """`work`'s count (0 for work that counts nothing); a failure is counted and logged, and
+        the next pass retries."""
         try:
-            return await work
+            return await work or 0
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -159,7 +160,7 @@ class Learner:
     async def _train_loop(self, trainer: Trainer) -> None:
         """A step whenever a batch is full; while none is, the gate's references are asked
         (`Promotion.prepare`, one at a time: the step's gate reuses what it asked)."""
-        preparing: asyncio.Task[None] | None = None
+        preparing: asyncio.Task[int] | None = None
         try:
             while True:
                 self.ready.clear()  # before the look: samples settled during the step wake the next
@@ -181,22 +182,13 @@ class Learner:
                     await asyncio.sleep(self.poll_s)
                     continue
                 if preparing is None or preparing.done():
-                    preparing = asyncio.create_task(self._prepare(trainer))
+                    preparing = asyncio.create_task(self._pass(trainer.promotion.prepare(), "the gate's references"))
                 await self.ready.wait()
         finally:
             if preparing is not None:
                 preparing.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await preparing
-
-    async def _prepare(self, trainer: Trainer) -> None:
-        try:
-            await trainer.promotion.prepare()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            self.errors += 1
-            log.exception("asking the gate's references failed; the gate asks them itself")
 
     @property
     def last_step(self) -> StepResult | None:

@@ -88,6 +88,15 @@ class Probe:
     key: AnswerKey
 
 
+def gate_tiers(pool: Sequence[Probe], first: int, total: int) -> tuple[list[Probe], list[Probe]]:
+    """The gate's two tiers of the general probe set: `first` questions spread evenly over
+    `pool` (asked of every candidate), then the next of the rest up to `total` in all (pure)."""
+    k = min(first, len(pool))
+    chosen = [pool[(i * len(pool)) // k] for i in range(k)] if k else []
+    rest = [p for p in pool if p not in chosen][: max(0, min(total, len(pool)) - k)]
+    return chosen, rest
+
+
 @functools.cache
 def general_probes() -> tuple[Probe, ...]:
     """The fixed general probe set shipped with clawbridge (`clawbridge/learning/probes.yaml`)."""
@@ -100,4 +109,4 @@ def general_probes() -> tuple[Probe, ...]:
     )
 
 
-__all__ = ["ORIGINAL", "AnswerKey", "Probe", "general_probes", "is_echo", "own_words", "rate", "words"]
+__all__ = ["ORIGINAL", "AnswerKey", "Probe", "gate_tiers", "general_probes", "is_echo", "own_words", "rate", "words"]

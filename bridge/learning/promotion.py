@@ -277,13 +277,14 @@ class Promotion:
 
     async def _review(self, version: int, prompts: Sequence[baking.Prompt]) -> Review | None:
         """What `version` (the newest weights) carries alone of each applied or learned preference,
-        measured on the user's prompts (`baking.Retirement`); None: no instruction is served."""
-        if self.retirement is None:
+        measured on the user's prompts (`baking.Retirement`); None: nothing measured (no
+        instruction is served, no preference or no prompt), so it is judged as served now."""
+        if self.retirement is None or not prompts:
             return None
         prefs = [p for p in await self.store.run(self.store.all_preferences, ("applied", "learned"))  # every user's
                  if preferences.refusal(p) is None]
-        if not prefs or not prompts:
-            return Review({}, preferences.instruction([p for p in prefs if p.state == "applied"]))
+        if not prefs:
+            return None
         reviewed = await self.retirement.review(prompts, [(p.text, p.state == "learned") for p in prefs])
         changed: dict[int, bool] = {}
         for p, (c, share, learned) in zip(prefs, reviewed, strict=True):
