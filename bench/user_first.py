@@ -2,7 +2,7 @@
 
 Starts the server in process (`serve`, the local backend on the embedded model, learning off) and
 asks it, through the real `openai` client, one short chat request at a time (16 tokens, greedy,
-a random pause before each), in three conditions:
+a random pause before each), in these conditions:
 
 - idle: nothing else runs;
 - sampling: what the gate does, through the backend at background priority: 16 probe questions
@@ -10,11 +10,15 @@ a random pause before each), in three conditions:
 - training: `train_step` back to back on a batch like the learner's (8 samples of 120-250
   tokens, packed into rows of 256: one micro-batch a row; the top-20 distillation on), learning
   rate 0.
-
-- busy: the sampling above while two users' requests are always in flight (each sent as the
-  one before it ends, no pause): what the learner's share of a busy engine
-  (`engine_background_share`) is for; modes `on` (the default share) and `on-strict` (share 0: the
-  learner waits for a pause that never comes).
+- busy: the sampling above while two users send 16-token requests, each the next as soon as its
+  last ends: modes `on` (the default share) and `on-strict` (share 0). Their requests, of one
+  length, end in the same step: background rows step in the round trip before the next ones.
+- share: two users whose requests overlap without a pause, of two lengths (answers of 24 and 17
+  tokens: they end in different steps, so one is in flight but for a round trip now and then),
+  for `--share-seconds`, and the learner's draw (up to 120 tokens, one seed: the same completion
+  each time) at background priority, one after another: modes `users` (no learner) and `on` (the
+  default share). Prints the learner's draw time beside its time alone on the idle engine, and
+  the users' p95 beside theirs without it.
 
 Modes, alternating round by round in the same process so that a busy machine slows all alike:
 `off` (the engine's `user_first` off: arrival order, jobs between decode steps), `on`;
@@ -25,7 +29,9 @@ choice: the server on one torch thread, the steps on the other in a second proce
 Prints the p50 and p95 latency and their ratios to the idle server's (same mode), and the
 background work done meanwhile; `--json` writes it all.
 
-    .venv/bin/python bench/user_first.py [--requests 12] [--rounds 2] [--timeout 120] [--conditions idle,busy] [--json out.json]
+    .venv/bin/python bench/user_first.py [--requests 12] [--rounds 2] [--timeout 120] [--conditions idle,busy]
+        [--json out.json]
+    .venv/bin/python bench/user_first.py --conditions share [--share-seconds 60] [--rounds 2]
 
 A request the client gives up on (`--timeout`) counts as the timeout: in arrival order, with steps
 back to back, every token of a request waits for a whole step.
@@ -67,6 +73,11 @@ PROBES = [
     "Which ocean is the largest?", "What is the freezing point of water in Fahrenheit?",
     "How many continents are there?", "What do bees make?",
 ]
+SHARE_LENGTHS = (24, 17)  # the share's two users: their requests end in different decode steps
+# the learner's draw in `share`: one seed, so that every draw is the same completion (a paused and
+# resumed draw is the one drawn uninterrupted), alone as under the users
+DRAW_PROMPT = "Write a long story about a lighthouse keeper and a storm."
+DRAW = SamplingParams(max_tokens=120, temperature=0.8, seed=11)
 
 
 def start_server(settings: Settings, backend: LocalBackend) -> tuple[Running, asyncio.AbstractEventLoop]:
@@ -104,6 +115,24 @@ class Load:
             m = await self.backend.train_step(self.batch, LossSpec(topk=20), OptimSpec(learning_rate=0.0))
             self.steps += 1
             self.step_seconds.append(m.seconds)
+
+
+class Learner:
+    """The learner's draws (`DRAW`) at background priority, one after another until stopped: the
+    seconds of each that ended before, and how long the one left had run."""
+
+    def __init__(self, backend: LocalBackend, prompt: list[int]) -> None:
+        self.backend, self.prompt = backend, prompt
+        self.stop = asyncio.Event()
+        self.draws: list[float] = []
+        self.started = 0.0
+
+    async def run(self) -> None:
+        while not self.stop.is_set():
+            self.started = time.perf_counter()
+            await self.backend.sample(self.prompt, DRAW, priority="background")
+            if not self.stop.is_set():
+                self.draws.append(time.perf_counter() - self.started)
 
 
 def training_batch(samples: int = 8) -> list[Datum]:
@@ -154,10 +183,10 @@ def engine_threads(engine: Engine, loop: asyncio.AbstractEventLoop, n: int) -> N
     asyncio.run_coroutine_threadsafe(engine._call(torch.set_num_threads, n), loop).result(600)
 
 
-def ask(client: openai.OpenAI, model: str) -> tuple[float, int]:
+def ask(client: openai.OpenAI, model: str, max_tokens: int = 16) -> tuple[float, int]:
     t0 = time.perf_counter()
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": USER_PROMPT}],
-                                       max_tokens=16, temperature=0,
+                                       max_tokens=max_tokens, temperature=0,
                                        extra_headers={"X-Train": "false", "X-Session-Done": "true"})
     return time.perf_counter() - t0, r.usage.completion_tokens if r.usage else 0
 
@@ -195,6 +224,65 @@ def measure_busy(client: openai.OpenAI, model: str, n: int) -> list[float]:
     return out
 
 
+def measure_share(client: openai.OpenAI, model: str, seconds: float) -> list[float]:
+    """The seconds of the requests of two users who never pause, one per length of
+    `SHARE_LENGTHS`, for `seconds`."""
+    out: list[float] = []
+    end = time.perf_counter() + seconds
+
+    def user(length: int) -> None:
+        while time.perf_counter() < end:
+            took, tokens = ask(client, model, length)
+            if tokens != length:
+                print(f"  (an answer of {tokens} tokens, not {length})")
+            out.append(took)
+
+    users = [threading.Thread(target=user, args=(n,)) for n in SHARE_LENGTHS]
+    for t in users:
+        t.start()
+        time.sleep(0.05)
+    for t in users:
+        t.join()
+    return out
+
+
+def run_share(client: openai.OpenAI, model: str, backend: LocalBackend, loop: asyncio.AbstractEventLoop,
+              prompt: list[int], rounds: int, seconds: float) -> dict[str, Any]:
+    """The `share` condition: per round the learner's draws alone (three), then the two users
+    for `seconds` without the learner and with it (the order alternating by round)."""
+    engine = backend.engine
+    engine.user_first = True
+    alone: list[float] = []
+    lat: dict[str, list[float]] = {"users": [], "on": []}
+    draws: list[float] = []
+    left: list[float] = []
+    tokens = 0
+    for rnd in range(rounds):
+        for _ in range(3):
+            t0 = time.perf_counter()
+            [c] = asyncio.run_coroutine_threadsafe(backend.sample(prompt, DRAW, priority="background"), loop).result(600)
+            alone.append(time.perf_counter() - t0)
+            tokens = len(c.tokens)
+        print(f"round {rnd} share/draw alone ({tokens} tokens): " + " ".join(f"{x:.2f}" for x in alone[-3:]),
+              flush=True)
+        for mode in ("users", "on") if rnd % 2 == 0 else ("on", "users"):
+            learner = Learner(backend, prompt)
+            task = asyncio.run_coroutine_threadsafe(learner.run(), loop) if mode == "on" else None
+            time.sleep(0.5 if task else 0)
+            lat[mode].extend(measure_share(client, model, seconds))
+            if task is not None:
+                stopped = time.perf_counter()
+                loop.call_soon_threadsafe(learner.stop.set)
+                task.result(600)
+                draws.extend(learner.draws)
+                left.append(stopped - learner.started)
+                done = " ".join(f"{x:.2f} s" for x in learner.draws) or "none"
+                print(f"round {rnd} share/on: learner's draws {done}, one left after {left[-1]:.1f} s", flush=True)
+            print(f"round {rnd} share/{mode}: {len(lat[mode])} requests so far, p95 {p95(lat[mode]):.2f} s", flush=True)
+    return {"draw_tokens": tokens, "draw_alone_s": alone, "draws_s": draws, "draw_left_s": left,
+            "users": {k: {"p50": statistics.median(v), "p95": p95(v), "n": len(v)} for k, v in lat.items()}}
+
+
 def p95(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
@@ -208,6 +296,7 @@ def main() -> None:
     ap.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)  # the split's training process
     ap.add_argument("--conditions", default="idle,sampling,training,busy",
                     help="which to run (idle always runs: the ratios' reference)")
+    ap.add_argument("--share-seconds", type=float, default=60, help="seconds of the two users per mode of `share`")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.trainer:
@@ -263,6 +352,10 @@ def main() -> None:
                 w["steps"] += load.steps
                 w["step_s"] = statistics.median(load.step_seconds) if load.step_seconds else w["step_s"]
                 print(f"round {rnd} {key}: " + " ".join(f"{x:.2f}" for x in lat[key][-args.requests:]), flush=True)
+    engine.background_share, engine._pause = share, pause  # type: ignore[method-assign]
+    draw_prompt = renderer.render([{"role": "user", "content": DRAW_PROMPT}])
+    shared = run_share(client, model, backend, loop, draw_prompt, args.rounds, args.share_seconds) \
+        if "share" in wanted else None
     running.server.should_exit = True
     loads = (load_before, os.getloadavg()[0])
     print(f"\n{backend.dtype}, {threads} threads; load average {loads[0]:.1f} before, {loads[1]:.1f} after "
@@ -279,9 +372,24 @@ def main() -> None:
         extra = (f"{r['background_tokens_per_s']:.0f} tok/s" if key.startswith(("sampling", "busy")) else
                  f"{r['steps_per_min']:.1f} steps/min, a step {r['step_seconds']:.1f} s" if key.startswith("training") else "")
         print(f"{key:24s} {r['p50']:7.2f} {r['p95']:7.2f} {r['p50_ratio']:9.2f} {r['p95_ratio']:9.2f}  {extra}")
+    if shared is not None:
+        alone, draws, users = statistics.median(shared["draw_alone_s"]), shared["draws_s"], shared["users"]
+        print(f"\nshare ({share:g}; users of {' and '.join(map(str, SHARE_LENGTHS))} tokens, "
+              f"{args.share_seconds:g} s a mode): the learner's draw of {shared['draw_tokens']} tokens alone "
+              f"{alone:.2f} s (median)")
+        if draws:
+            print(f"  under the users: {len(draws)} draws, median {statistics.median(draws):.2f} s "
+                  f"({statistics.median(draws) / alone:.1f}x alone), first {draws[0]:.2f} s")
+        else:
+            print("  under the users: no draw finished (left after " +
+                  ", ".join(f"{x:.1f}" for x in shared["draw_left_s"]) + " s)")
+        print(f"  users' p50 / p95: {users['users']['p50']:.2f} / {users['users']['p95']:.2f} s without the learner, "
+              f"{users['on']['p50']:.2f} / {users['on']['p95']:.2f} s with it "
+              f"(p95 {users['on']['p95'] / users['users']['p95']:.2f}x)")
     if args.json:
         args.json.write_text(json.dumps({"dtype": backend.dtype, "threads": threads, "load": loads,
-                                         "requests": args.requests, "rounds": args.rounds, "results": rows}, indent=2))
+                                         "requests": args.requests, "rounds": args.rounds, "results": rows,
+                                         "share": shared}, indent=2))
 
 
 if __name__ == "__main__":

@@ -105,7 +105,8 @@ class Engine(Scheduling, Forwarding, Decoding, AdapterRows, VersionSlots, Traini
         if not 0.0 <= background_share < 1.0:
             raise ValueError(f"background_share {background_share:g}: a share of the engine's time, in [0, 1)")
         self.background_share = background_share  # ... which still gets this share of a busy engine
-        self._credit, self._clock, self._turn = 0.0, None, False  # (scheduling.py: the learner's share)
+        # (scheduling.py: the learner's share)
+        self._credit, self._clock, self._turn, self._gap = 0.0, None, False, None
         self.merge_adapters = merge_adapters
         self.static_cache = static_cache or cuda_graphs
         self.cuda_graphs = cuda_graphs

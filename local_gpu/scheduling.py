@@ -32,6 +32,11 @@ DEBT_S = 4.0  # the most the learner owes after one long job (a publish, a long 
 # request of a few seconds is served as if the learner were not there (strict priority); only
 # users who keep it busy longer share it
 PATIENCE_S = 4.0
+# Users' requests less than this apart are one stretch: between a request's end and the next's
+# arrival the engine has no user's request for a client's round trip (milliseconds, a tenth of a
+# second on a busy CPU), and two users who never pause are both in one now and then. A longer
+# pause ends the stretch: the next request is served with the patience again.
+GAP_S = 1.0
 
 
 class Scheduling:
@@ -41,8 +46,9 @@ class Scheduling:
     user_first: bool
     background_share: float  # of the engine's time, the learner's while users keep it busy
     _credit: float  # seconds of the learner's share earned and not spent (users in flight)
-    _clock: float | None  # when `_credit` was last brought up to date (None: no user's request in flight)
+    _clock: float | None  # when `_credit` was last brought up to date (None: no stretch of users' requests)
     _turn: bool  # the learner's burst is on
+    _gap: float | None  # since when no user's request has been in flight (None: one is, or none came yet)
     max_batch: int
     _inbox: queue.Queue[_Seq | _Job | None]
     _waiting: deque[_Seq]
@@ -94,17 +100,29 @@ class Scheduling:
         While users' requests keep the engine busy, the learner earns `background_share` of the
         time passing and spends all the time its burst takes (jobs, and decode steps with its
         rows beside the users'): a burst starts once `BURST_S` is earned and ends once it is
-        spent, and nothing is earned in the first `PATIENCE_S` of users' requests in flight. A
+        spent, and nothing is earned in the first `PATIENCE_S` of a stretch of users' requests. A
         short request is then served as if the learner were not there, a longer stretch of users'
         requests takes at most about 1 / (1 - share) its time alone on average, and the learner
         still progresses under a user who never pauses. A share of 0: the learner waits for the
-        users' requests to end, however long."""
+        users' requests to end, however long.
+
+        A stretch ends only once no user's request has been in flight for `GAP_S`: the moments
+        between two back-to-back requests (the learner has the engine to itself then, neither
+        earning nor spending) leave its credit and its burst as they were; restarting the
+        patience at each of them would withhold the share from users who never pause."""
         now = time.monotonic()
         if not self._users_in_flight():
-            self._credit, self._turn, self._clock = -self.background_share * PATIENCE_S, False, None
+            if self._gap is None:
+                self._gap = now
             return True
-        if self._clock is None:  # users' requests have just come: the stretch starts now
-            self._clock = now
+        if self._gap is not None:  # users' requests again, after a moment with none
+            gap, self._gap = now - self._gap, None
+            if gap >= GAP_S:
+                self._clock = None  # the users had paused: a new stretch
+            elif self._clock is not None:
+                self._clock += gap  # the stretch goes on, the gap left out of its accounts
+        if self._clock is None:  # a stretch of users' requests starts now, with the patience
+            self._credit, self._turn, self._clock = -self.background_share * PATIENCE_S, False, now
         elapsed, self._clock = now - self._clock, now
         earned = self._credit + self.background_share * elapsed - (elapsed if self._turn else 0.0)
         self._credit = min(BURST_S, max(-DEBT_S, earned))
