@@ -161,6 +161,7 @@ class TrainingSettings(_Section):
     lora_alpha: int = Field(32, ge=1, description="LoRA alpha (scale alpha/rank).")
     gate_recent: int = Field(8, ge=0, description="The user's recent prompts (of a step's batch) the gate replays on both versions for the judge model to compare pairwise; 0, or the rules judge, turns the comparison off.")
     gate_patience: int = Field(0, ge=0, le=100, description="Held-back candidates in a row that training continues from (the served version keeps serving) before it restarts from the served weights with a fresh optimizer; 0: every hold-back restarts (docs/methods.md#patience-training-on-through-a-held-back-candidate-gate_patience).")
+    gate_every: int = Field(1, ge=1, le=100, description="A step's candidate is judged when no full batch waits behind it, or at the latest every gate_every steps; the candidates between are trained on unjudged while the served version keeps serving (docs/methods.md#judged-when-the-learner-catches-up-gate_every); 1: every candidate is judged.")
     gate_blend: tuple[float, ...] = Field((), description="Before a held-back candidate is given up, the gate judges it with its LoRA delta scaled by each of these in turn (0 < alpha < 1: back toward the base) and the first accepted serves; needs a backend that blends (local) (docs/methods.md#a-blend-before-giving-up-gate_blend); empty: off.")
 
     @field_validator("gate_blend", mode="after")

@@ -97,6 +97,56 @@ async def test_with_patience_training_goes_on_from_a_held_back_candidate(tmp_pat
         assert await _answers(backend, renderer, params, 3) == v0
 
 
+async def test_a_candidate_with_a_full_batch_behind_it_is_trained_on_unjudged(tmp_path: Path):
+    """gate_every 3: while a full batch waits, the step's candidate is trained on without a
+    judgement (v0 serves, patience unspent); once the learner has caught up, the newest is judged.
+    A restart after an unjudged candidate judges it before training goes on."""
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"training": settings.training.model_copy(
+            update={"gate_every": 3, "gate_patience": 3, "max_staleness": 100})})
+        probes = _same_as_v0(await _plain(backend, renderer, params))
+        record_turns(store, 6)
+        await collector_for(settings, backend, store).run_once()
+        assert len(store.pending_samples(10, method="combine")) == 4  # two batches of two
+        trainer = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        first = await trainer.step_once()
+        assert first is not None and (first.version, first.served) == (1, 0)
+        assert trainer.promotion.decisions == [] and not store.history().decisions  # not judged
+        assert (backend.held, backend.version, backend.newest) == (0, 0, 1)
+        assert trainer.promotion.held_back_in_a_row == 0 and trainer.optimizer.steps == 1  # the lineage goes on
+        assert await interrupted(store, gated=True) == Interrupted(1, 0, decided=False)
+
+        second = await trainer.step_once()  # nothing waits behind it: judged
+        assert second is not None and second.version == 2
+        assert [(d.candidate, d.serving, d.decision) for d in trainer.promotion.decisions] == [(2, 0, "rejected")]
+        assert trainer.promotion.held_back_in_a_row == 1 and trainer.promotion.unjudged == 0
+
+    async with _wrecked(tmp_path / "restart") as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"training": settings.training.model_copy(
+            update={"gate_every": 3, "max_staleness": 100})})
+        probes = _same_as_v0(await _plain(backend, renderer, params))
+        record_turns(store, 6)
+        await collector_for(settings, backend, store).run_once()
+        assert (await Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+                .step_once()).served == 0  # type: ignore[union-attr]
+        restarted = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        assert await restarted.promotion.recover() == 2  # v1 judged now: rejected, a copy of v0 serves
+        assert [(g.candidate, g.decision) for g in store.history().decisions] == [(1, "rejected")]
+
+
+async def test_with_gate_every_1_every_candidate_is_judged_even_with_a_batch_waiting(tmp_path: Path):
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"training": settings.training.model_copy(
+            update={"gate_patience": 3, "max_staleness": 100})})
+        assert settings.training.gate_every == 1
+        probes = _same_as_v0(await _plain(backend, renderer, params))
+        record_turns(store, 6)
+        await collector_for(settings, backend, store).run_once()
+        trainer = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, probes, params=params))
+        assert (await trainer.step_once()).served == 0  # type: ignore[union-attr]
+        assert [d.candidate for d in trainer.promotion.decisions] == [1]
+
+
 async def test_a_rollback_while_training_goes_on_from_a_held_back_candidate_serves_the_copy(tmp_path: Path):
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         settings, v0, probes = await _patient(settings, store, backend, renderer, params)

@@ -11,6 +11,8 @@
                                              from the candidate (a held lineage)
          rejected, patience spent ─► its blends (`gate_blend`), the first accepted serving;
                                      else a copy of the served weights serves and is trained on
+    ─► a full batch already waits (`gate_every`): the candidate is trained on unjudged while the
+       served version keeps serving, and the gate judges the newest once the learner catches up
 
 A copy (`backend.rollback`) and a blend start a fresh optimizer (`OptimizerAge`: the warmup's
 clock). `clawbridge rollback K` is a copy of vK, under the step's lock (no train_step or
@@ -238,6 +240,7 @@ class Promotion:
         # candidates (None: the newest serves), and how many were held back in a row
         self.held: int | None = None
         self.held_back_in_a_row = 0
+        self.unjudged = 0  # candidates in a row trained on without a judgement (`gate_every`)
 
     def pin(self, serving: int) -> None:
         """While a step trains and its candidate is judged, `serving` goes on serving."""
@@ -250,12 +253,17 @@ class Promotion:
         if self.gate is not None:
             self.backend.serve(self.held)
 
-    async def promote(self, batch: Sequence[Sample], candidate: int, serving: int) -> int:
+    async def promote(self, batch: Sequence[Sample], candidate: int, serving: int, *, waiting: bool = False) -> int:
         """The step's candidate, just published from `batch`: returns the version that serves next.
-        Where instructions are served, each version the gate judges is first reviewed (`_review`):
-        the applied preferences its weights carry alone are left out of its instruction, so the
-        gate judges it as it would be served (a candidate that learned a preference, asked for it
-        again on top, answers worse than either alone); the version that serves applies its review."""
+        `waiting`: a full batch already waits behind it; then, within `gate_every`, it is trained
+        on unjudged (`deferred`). Where instructions are served, each version the gate judges is
+        first reviewed (`_review`): the applied preferences its weights carry alone are left out
+        of its instruction, so the gate judges it as it would be served (a candidate that learned
+        a preference, asked for it again on top, answers worse than either alone); the version
+        that serves applies its review."""
+        if self.gate is not None and waiting and self.unjudged + 1 < self.settings.gate_every:
+            return self._defer(candidate, serving)
+        self.unjudged = 0
         asked = await what_was_asked(self.store, served=self.retirement is not None)
         prompts = await self._prompts(batch) if self.retirement is not None else []
         if self.gate is None:
@@ -264,6 +272,18 @@ class Promotion:
                 await self._apply(review, candidate)
             return candidate
         return await self._gate(candidate, serving, await self._recent(batch), asked, prompts)
+
+    def _defer(self, candidate: int, serving: int) -> int:
+        """`candidate` is trained on unjudged while `serving` keeps serving: a full batch waits
+        and its candidate comes within minutes, where judging this one would take as long as
+        the step (the gate's probes and the review share the engine with the user). Not a
+        decision: patience is not spent, and a restart judges the newest candidate
+        (`interrupted`: never judged)."""
+        self.unjudged += 1
+        self.held = serving
+        log.info("policy@v%d is trained on unjudged: a full batch waits behind it (%d of gate_every %d); "
+                 "v%d keeps serving", candidate, self.unjudged, self.settings.gate_every, serving)
+        return serving
 
     async def prepare(self) -> None:
         """What every gate needs before its candidate exists, asked while the learner waits for a

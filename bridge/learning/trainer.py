@@ -129,13 +129,15 @@ class Trainer:
                     mean_reward=record["mean_reward"], samples=len(batch),
                 ),
             )
-            served = await self.promotion.promote(batch, policy.version, before)
+            waiting = len(await store.run(store.pending_samples, s.batch_size, method=s.method)) >= s.batch_size
+            served = await self.promotion.promote(batch, policy.version, before, waiting=waiting)
         finally:
             self.promotion.release()
         log.info(
             "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d%s",
             step, len(batch), metrics.loss, record["mean_reward"], policy.version,
-            "" if served == policy.version else f" (held back by the gate; v{served} serves)",
+            "" if served == policy.version else f" (unjudged; v{served} serves)" if self.promotion.unjudged
+            else f" (held back by the gate; v{served} serves)",
         )
         if step % s.checkpoint_every == 0 and self.promotion.held is None:  # a held lineage is never a resume point
             await checkpoint(backend, store, step, served)
