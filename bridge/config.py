@@ -67,6 +67,7 @@ class ServingSettings(_Section):
         "keep an idle connection, so a pooled connection is never closed under a client's next request.",
     )
     default_max_tokens: int = Field(512, ge=1, description="max_tokens when a request sets none.")
+    default_temperature: float = Field(1.0, ge=0, le=2, description="Temperature when a request sets none (OpenAI's default, 1.0); the turn records the temperature it was sampled at, and learning trains at it.")
     default_turn_type: Literal["main", "side"] = Field("main", description="Turn type of untagged requests.")
     session_idle_timeout_s: float = Field(1800.0, gt=0, description="A session with no request for this long is closed.")
     instant_preferences: bool = Field(True, description="Serve the user's applied preferences at once as a system instruction in the prompt of their main turns (docs/serving.md#the-users-preferences); false: the weights alone answer, whatever was applied.")

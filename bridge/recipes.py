@@ -56,7 +56,16 @@ MEASURED: dict[str, Any] = {
 
 # what real use adds to the measured recipe on the embedded model on a CPU (the demo's answers stop
 # at 40 tokens, a user's at 512)
-REAL_USE: dict[str, Any] = {"redraw_max_tokens": 128}
+REAL_USE: dict[str, Any] = {
+    "redraw_max_tokens": 128,
+    # the demo's sampling temperature: at OpenAI's default 1.0 the embedded model's answers are
+    # often not sentences, and the learner trained on them (and on rewrites drawn at it) learned
+    # noise rather than the preference (docs/measurements.md)
+    "default_temperature": 0.7,
+    # the user's corrections come faster than the learner's steps on a CPU: a candidate with a
+    # full batch behind it is trained on unjudged, at most two in a row
+    "gate_every": 3,
+}
 
 # by parameter count (billions, up to): (learning rate, LoRA rank) for a model not measured here;
 # LoRA's best rate falls as the model grows (roughly with the square root of its width)

@@ -50,7 +50,12 @@ user sets; it says which at start (`learning with ...`):
 
 - **the embedded model on the local backend: the recipe `make demo` measured**
   ([measurements](measurements.md)), adapted to real use (answers of `default_max_tokens`, a
-  decode batch of `engine_max_batch` rows, not the demo's 40 tokens and 64 rows);
+  decode batch of `engine_max_batch` rows, not the demo's 40 tokens and 64 rows), with what real
+  use adds to it: a request that sets no temperature is sampled at the demo's 0.7
+  (`default_temperature`: at 1.0 the embedded model's answers are often not sentences, and the
+  learner learned from them), the learner's own draws stop at 128 tokens (`redraw_max_tokens`),
+  and a candidate with a full batch behind it is trained on unjudged, at most two in a row
+  (`gate_every` 3);
 - **another model whose name gives its size** (`Qwen3-4B`, `Llama-3.2-1B`): the same recipe
   with the learning rate and the LoRA rank chosen for that size (below). **Not measured.**
 - **anything else**: the defaults above, also not measured.

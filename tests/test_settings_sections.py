@@ -149,7 +149,7 @@ def test_the_built_in_scenarios_train_with_the_settings_they_always_had():
     assert set(added) == {"spool_dir", "spool_max_mb", "spool_full", "store_write_timeout_s",
                           "instant_preferences", "retire_share", "restore_share", "retire_samples",
                           "adapter_memory_mb", "engine_user_first", "engine_background_share", "redraw_max_tokens",
-                          "api_keys_file", "trust_body_user", "gate_every"}  # settings added since
+                          "api_keys_file", "trust_body_user", "gate_every", "default_temperature"}  # settings added since
     # the preference demos answer with the weights alone, as they always did: no instruction served
     as_before = {"instant_preferences": False}
     for name, want in golden.items():

@@ -305,7 +305,7 @@ class Proxy:
         max_tokens = min(wanted, ctx - len(prompt))
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
+            temperature=self.settings.serving.default_temperature if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             stop=req.stops(),
             stop_token_ids=tuple(self.renderer.stop_token_ids),
