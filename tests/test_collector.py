@@ -37,6 +37,38 @@ def test_explicit_feedback_outranks_the_judges():
     assert combine_signal([]).reward == 0.0
 
 
+async def test_a_sample_dropped_while_it_is_judged_is_left_dropped_without_an_error(
+        data_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """A new version begins serving while the collector judges a turn of an old one: the
+    trainer drops the turn's sample as stale meanwhile, and the collector's write finds it gone.
+    The sample stays dropped, and that is no failure (no retry, no error logged)."""
+    settings = settings_for(data_dir)
+    store = Store.open(settings.db_url)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    try:
+        [tid] = record_turns(store, 1)
+        sid, _ = store.create_sample(tid, "combine", state="pending")
+        store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="prm", votes=(JudgeVote(raw="+1", value=1),), reward=1.0))
+        store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="hint", votes=(JudgeVote(raw="none"),)))
+        settle = store.set_sample_advantages
+
+        def stale_meanwhile(*args: object, **kwargs: object) -> None:
+            assert store.drop_stale_samples(5) == 1  # what the trainer does when a newer version serves
+            settle(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(store, "set_sample_advantages", stale_meanwhile)
+        collector = collector_for(settings, backend, store)
+        assert await collector.run_once() == 0
+        [s] = store.get_samples([sid])
+        assert (s.state, s.reason) == ("dropped", "stale")
+        assert collector.stats.failures == 0 and not [r for r in caplog.records if r.levelname == "ERROR"]
+        assert await collector.run_once() == 0  # nothing left to settle
+    finally:
+        await backend.close()
+        store.close()
+
+
 async def test_a_pending_sample_with_stored_judgments_is_finished_without_judging_again(data_dir: Path):
     settings = settings_for(data_dir)
     store = Store.open(settings.db_url)

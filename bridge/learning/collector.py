@@ -36,7 +36,16 @@ from clawbridge.learning.advantages import Advantages, anchored, sample_advantag
 from clawbridge.learning.baking import student_view
 from clawbridge.learning.rewrite import write_rewrite
 from clawbridge.protocol import Backend
-from clawbridge.store import JudgeVote, Judgment, Preference, Rewrite, Sample, Store, StoredTurn
+from clawbridge.store import (
+    JudgeVote,
+    Judgment,
+    Preference,
+    Rewrite,
+    Sample,
+    SampleStateError,
+    Store,
+    StoredTurn,
+)
 from clawbridge.store.records import utcnow
 from clawbridge.types import Method
 
@@ -220,6 +229,11 @@ class Collector:
             return 1
         except asyncio.CancelledError:
             raise
+        except SampleStateError as e:
+            # the sample left the queue while it was judged (dropped as stale when a new version
+            # began serving, or with a preference the user dropped): nothing to settle
+            log.info("the sample of turn %s left the queue while it was judged: %s", turn.id, e)
+            return 0
         except Exception:
             # judge endpoint down, backend busy...: the sample stays pending, retried next pass
             self.stats.failures += 1
