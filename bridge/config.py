@@ -145,7 +145,7 @@ class TrainingSettings(_Section):
     method: Method = Field("combine", description="How judged turns become advantages, and which samples a step trains.")
     teacher: Literal["base", "policy"] = Field("base", description="OPD teacher, given the hint: the frozen base or the live policy; its token logprobs, the rewrites it writes and its top-k distribution (opd_topk) all come from it.")
     batch_size: int = Field(16, ge=1, description="Samples per training step.")
-    max_staleness: int = Field(4, ge=0, description="Samples older than this many versions are dropped.")
+    max_staleness: int = Field(4, ge=0, description="Samples drawn more than this many served versions ago are dropped (a candidate trained on unjudged or held back by the gate never served; without a gate every version serves).")
     learning_rate: float = Field(1e-4, gt=0, description="Adam learning rate of the LoRA parameters.")
     warmup_steps: int = Field(0, ge=0, description="After every fresh optimizer (a new run, a hold-back, a rollback, a resume) the learning rate ramps up linearly over this many steps, because Adam's first step moves every parameter by the full rate whatever its gradient (docs/methods.md#a-warmup-after-every-fresh-optimizer-warmup_steps); 0 turns it off.")
     grad_clip_norm: float = Field(1.0, ge=0, description="Gradient norm clip; 0 disables it.")

@@ -69,7 +69,7 @@ def api_live(tmp_path_factory: pytest.TempPathFactory):
     from live_server import LiveServer
 
     settings = Settings(model=MODEL, port=0, data_dir=tmp_path_factory.mktemp("api"), train=False,
-                        default_max_tokens=16, api_key=KEY)
+                        default_max_tokens=16, default_temperature=0.5, api_key=KEY)
     server = LiveServer(settings, RecordingBackend(build_backend(settings))).start()
     yield server
     server.stop()

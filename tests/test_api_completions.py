@@ -40,6 +40,7 @@ def test_a_plain_prompt_is_not_templated_and_is_captured_exactly(live: LiveServe
     assert list(turn.prompt_ids) == tok.encode(prompt, add_special_tokens=True)  # no template around it
     assert_captured(turn, live.backend.sampled[-1])
     assert turn.messages == [{"role": "user", "content": prompt}] and turn.request_params["api"] == "completions"
+    assert turn.sampling.temperature == 0.5  # none asked: the server's default_temperature, recorded
     assert r.choices[0].text == turn.response["content"]
     assert r.usage is not None and r.usage.prompt_tokens == len(turn.prompt_ids)
     assert r.usage.completion_tokens == len(turn.completion_ids) <= 6

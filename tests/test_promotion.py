@@ -134,6 +134,40 @@ async def test_a_candidate_with_a_full_batch_behind_it_is_trained_on_unjudged(tm
         assert [(g.candidate, g.decision) for g in store.history().decisions] == [(1, "rejected")]
 
 
+async def test_a_backlog_drawn_by_the_served_version_stays_fresh_when_a_trained_on_candidate_serves(tmp_path: Path):
+    """Staleness counts the versions that served: max_staleness 1, v1 trained on unjudged, v2
+    accepted; the batch still waiting was drawn by v0, one serving ago, and trains (counted in
+    version numbers it would be two behind, and dropped)."""
+    async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
+        settings = settings.model_copy(update={"training": settings.training.model_copy(
+            update={"gate_every": 2, "max_staleness": 1})})
+        accept_all = [GateProbe("validation", ({"role": "user", "content": p},), lambda _t, _f: 1.0) for p in PROMPTS]
+        record_turns(store, 9)
+        await collector_for(settings, backend, store).run_once()
+        assert len(store.pending_samples(10, method="combine")) == 6  # three batches of two
+        trainer = Trainer(settings.training, backend, store, gate=Gate(backend, renderer, accept_all, params=params))
+        assert (await trainer.step_once()).served == 0  # type: ignore[union-attr]  # unjudged
+        assert (await trainer.step_once()).served == 2  # type: ignore[union-attr]  # judged, accepted
+        third = await trainer.step_once()
+        assert third is not None and third.samples == 2 and trainer.dropped_stale == 0
+        assert {s.state for s in store.get_samples([s.id for s in store.pending_samples(10)])} <= {"judged"}
+
+
+def test_staleness_counts_the_versions_that_served():
+    from clawbridge.learning.trainer import oldest_fresh
+    from clawbridge.store import GateRecord, History
+
+    def decided(candidate: int, decision: str) -> GateRecord:
+        return GateRecord(candidate=candidate, serving=0, decision=decision, reason="")
+
+    history = History(decisions=(decided(3, "rejected"), decided(6, "accepted"), decided(9, "accepted")),
+                      copies={10: 6})
+    assert history.served(10) == [0, 6, 9, 10]
+    assert history.served(6) == [0, 6]  # what served later does not count yet
+    assert [oldest_fresh([0, 6, 9, 10], k) for k in (0, 1, 2, 3, 4)] == [10, 9, 6, 0, 0]
+    assert oldest_fresh([0], 0) == 0
+
+
 async def test_with_gate_every_1_every_candidate_is_judged_even_with_a_batch_waiting(tmp_path: Path):
     async with _wrecked(tmp_path) as (settings, store, backend, renderer, params):
         settings = settings.model_copy(update={"training": settings.training.model_copy(

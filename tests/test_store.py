@@ -435,7 +435,7 @@ def test_stale_samples_are_dropped(store: Store) -> None:
     new = _judged_turn(store, version=5)
     store.create_sample(old, "binary", advantages=[1.0] * 4)
     store.create_sample(new, "binary", advantages=[1.0] * 4)
-    assert store.drop_stale_samples(current_version=6, max_staleness=4) == 1
+    assert store.drop_stale_samples(oldest_fresh=2) == 1
     [kept] = store.pending_samples()
     assert kept.turn_id == new
     assert store.stats().samples["dropped"] == 1

@@ -73,7 +73,7 @@ def up_cmd(
     judge_model: str | None = typer.Option(None, "--judge-model", help="Judge model name at --judge-url."),
     judge_api_key: str | None = typer.Option(None, "--judge-api-key", help="Key for --judge-url (env CLAWBRIDGE_JUDGE_API_KEY)."),
     batch_size: int | None = typer.Option(None, "--batch-size", help=f"Samples per training step (default {_default('batch_size')})."),
-    max_staleness: int | None = typer.Option(None, "--max-staleness", help="Drop samples older than this many versions."),
+    max_staleness: int | None = typer.Option(None, "--max-staleness", help="Drop samples drawn more than this many served versions ago."),
     learning_rate: float | None = typer.Option(None, "--lr", help=f"LoRA learning rate (default {_default('learning_rate'):g})."),
     resume: bool | None = typer.Option(None, "--resume/--no-resume", help="Continue from the latest checkpoint."),
     budget_usd: float | None = typer.Option(None, "--budget-usd", help="Stop training (never serving) at this spend."),

@@ -274,11 +274,9 @@ class Promotion:
         return await self._gate(candidate, serving, await self._recent(batch), asked, prompts)
 
     def _defer(self, candidate: int, serving: int) -> int:
-        """`candidate` is trained on unjudged while `serving` keeps serving: a full batch waits
-        and its candidate comes within minutes, where judging this one would take as long as
-        the step (the gate's probes and the review share the engine with the user). Not a
-        decision: patience is not spent, and a restart judges the newest candidate
-        (`interrupted`: never judged)."""
+        """`candidate` is trained on unjudged while `serving` keeps serving: the next candidate
+        is a full batch away, and judging this one costs as long as the step. Not a decision:
+        patience is not spent; a restart judges the newest (`interrupted`: never judged)."""
         self.unjudged += 1
         self.held = serving
         log.info("policy@v%d is trained on unjudged: a full batch waits behind it (%d of gate_every %d); "

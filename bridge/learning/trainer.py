@@ -30,6 +30,7 @@ from clawbridge.learning.promotion import (
     Promotion,
     Resumed,
     checkpoint,
+    history_of,
     next_step_number,
 )
 from clawbridge.protocol import Backend, BackendError, Screens, TransientBackendError
@@ -49,6 +50,12 @@ def warmed(optim: OptimSpec, k: int, warmup_steps: int) -> OptimSpec:
     if warmup_steps <= 0 or k >= warmup_steps:
         return optim
     return replace(optim, learning_rate=optim.learning_rate * max(k, 1) / warmup_steps)
+
+
+def oldest_fresh(served: Sequence[int], max_staleness: int) -> int:
+    """The oldest version whose samples still train (pure): the one that served `max_staleness`
+    servings before the newest of `served` (oldest first); 0 while fewer have served."""
+    return served[-1 - max_staleness] if len(served) > max_staleness else 0
 
 
 def step_record(metrics: StepMetrics, batch: Sequence[Sample]) -> dict[str, float]:
@@ -107,7 +114,8 @@ class Trainer:
 
     async def _step(self) -> StepResult | None:
         s, store, backend = self.settings, self.store, self.backend
-        self.dropped_stale += await store.run(store.drop_stale_samples, backend.version, s.max_staleness)
+        oldest = await self._oldest_fresh(s.max_staleness)
+        self.dropped_stale += await store.run(store.drop_stale_samples, oldest)
         batch = await self._batch()
         if len(batch) < s.batch_size:
             return None
@@ -143,6 +151,16 @@ class Trainer:
             await checkpoint(backend, store, step, served)
         self.last = StepResult(step, policy.version, len(batch), record, served)
         return self.last
+
+    async def _oldest_fresh(self, max_staleness: int) -> int:
+        """The oldest version whose samples still train. Staleness counts the versions that
+        served since a sample's (`History.served`), so a backlog drawn by the serving version
+        stays fresh however many candidates were trained on it unjudged or held back, and when
+        one of them begins serving. Without a gate every version serves."""
+        serving = self.backend.version
+        if self.promotion.gate is None:
+            return serving - max_staleness
+        return oldest_fresh((await history_of(self.store)).served(serving), max_staleness)
 
     async def _batch(self) -> list[Sample]:
         """The oldest `batch_size` judged samples. A sample the backend can never train (a greedy

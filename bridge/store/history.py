@@ -85,6 +85,13 @@ class History:
         """The gate's newest decision on `version` (None: never judged)."""
         return next((d for d in reversed(self.decisions) if d.candidate == version), None)
 
+    def served(self, serving: int) -> list[int]:
+        """The versions that served, oldest first, up to `serving`: v0, each candidate the gate
+        accepted, each copy and blend, and `serving` itself. Candidates trained on unjudged
+        (`gate_every`) or held back never served."""
+        accepted = {d.candidate for d in self.decisions if d.decision == "accepted"}
+        return sorted(v for v in {0, serving, *accepted, *self.copies, *self.blends} if v <= serving)
+
     def by_version(self) -> dict[int, GateRecord]:
         """Each judged version's newest decision."""
         return {d.candidate: d for d in self.decisions}

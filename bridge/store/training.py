@@ -260,14 +260,15 @@ class TrainingStore(StoreBase):
             raise SampleStateError(f"cannot move samples to {state}: {bad}")
         return len(wanted)
 
-    def drop_stale_samples(self, current_version: int, max_staleness: int) -> int:
-        """Drop untrained samples produced more than `max_staleness` versions ago."""
+    def drop_stale_samples(self, oldest_fresh: int) -> int:
+        """Drop untrained samples drawn by a version older than `oldest_fresh` (the trainer's
+        `Promotion.oldest_fresh`: `max_staleness` versions served ago)."""
         with self._write() as conn:
             res = conn.execute(
                 sa.update(t.samples)
                 .where(
                     t.samples.c.state.in_(("pending", "judged")),
-                    t.samples.c.version < current_version - max_staleness,
+                    t.samples.c.version < oldest_fresh,
                 )
                 .values(state="dropped", reason="stale", updated_at=utcnow())
             )
