@@ -45,6 +45,7 @@ from clawbridge.learning.probes import gate_tiers, general_probes
 from clawbridge.learning.trainer import warmed
 from clawbridge.store import Sample, Store
 from clawbridge.types import SamplingParams
+from replay_steps import answers as replay_answers  # bench/, beside this script
 
 SELECTIONS = ("fifo", "instructed", "approved", "corrected")
 
@@ -111,21 +112,20 @@ async def measure(backend: LocalBackend, renderer: Renderer, sc: scenarios.Scena
     gate_params = SamplingParams(max_tokens=g.gate_max_tokens, temperature=g.gate_temperature, seed=seed)
     held_params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
 
-    async def ask(messages: list[dict[str, str]], params: SamplingParams) -> list[tuple[str, str | None]]:
-        comps = await backend.sample(renderer.render(instructed(messages, instruction)), params, n=answers)
-        return [(renderer.parse(c.tokens, c.finish_reason).content or "", c.finish_reason) for c in comps]
-
-    probe = await asyncio.gather(*(ask([{"role": "user", "content": q.question}], gate_params) for q in qs))
-    held = await asyncio.gather(*(ask(sc.messages(p), held_params) for p in sc.heldout_prompts))
-    ok = [q.key.answered(t) for q, row in zip(qs, probe, strict=True) for t, _ in row]
-    verdicts = [sc.rate(p, t, f) for p, row in zip(sc.heldout_prompts, held, strict=True) for t, f in row]
-    for q, row in list(zip(qs, probe, strict=True))[:show]:
-        print(f"    probe [{'ok' if q.key.answered(row[0][0]) else '--'}] {q.question[:40]!r} -> {row[0][0][:90]!r}",
-              file=sys.stderr)
-    for p, row in list(zip(sc.heldout_prompts, held, strict=True))[:show]:
-        v = sc.rate(p, *row[0])
+    # each question's `answers` answers in a row (`replay_steps.answers`)
+    probe = await replay_answers(backend, renderer, [(instructed([{"role": "user", "content": q.question}], instruction), q)
+                                                     for q in qs], gate_params, answers)
+    held = await replay_answers(backend, renderer, [(instructed(sc.messages(p), instruction), p)
+                                                    for p in sc.heldout_prompts], held_params, answers)
+    ok = [qs[i // answers].key.answered(t) for i, (t, _) in enumerate(probe)]
+    verdicts = [sc.rate(sc.heldout_prompts[i // answers], t, f) for i, (t, f) in enumerate(held)]
+    for i in range(min(show, len(qs))):
+        t = probe[i * answers][0]
+        print(f"    probe [{'ok' if ok[i * answers] else '--'}] {qs[i].question[:40]!r} -> {t[:90]!r}", file=sys.stderr)
+    for i in range(min(show, len(sc.heldout_prompts))):
+        t, v = held[i * answers][0], verdicts[i * answers]
         print(f"    held  [{'truly' if v.truly else 'pref' if v.preferred else 'ans' if v.answered else '--'}] "
-              f"{p[:40]!r} -> {row[0][0][:90]!r}", file=sys.stderr)
+              f"{sc.heldout_prompts[i][:40]!r} -> {t[:90]!r}", file=sys.stderr)
     return {"probe": sum(ok) / len(ok), "truly": sum(v.truly for v in verdicts) / len(verdicts),
             "preferred": sum(v.preferred for v in verdicts) / len(verdicts)}
 
@@ -184,7 +184,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         print(f"{label:34s} step {k}  probe {m['probe']:.0%}  truly {m['truly']:.0%}  "
                               f"preferred {m['preferred']:.0%}  ({len(datums)} datums, {metrics.tokens} tokens, "
                               f"{took:.0f} s)", file=sys.stderr)
-                if text is not None and args.blends and k in args.after:
+                if args.blends and k in args.after:
                     candidate = backend.newest
                     for alpha in args.blends:  # each of the last candidate's delta, as the gate would try it
                         await backend.blend(candidate, alpha)

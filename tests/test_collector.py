@@ -4,12 +4,15 @@ judged again and nothing trained twice. Tiny random model, rules judge, real SQL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from clawbridge.backends.local import LocalBackend
@@ -37,11 +40,10 @@ def test_explicit_feedback_outranks_the_judges():
     assert combine_signal([]).reward == 0.0
 
 
-async def test_a_sample_dropped_while_it_is_judged_is_left_dropped_without_an_error(
-        data_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
-    """A new version begins serving while the collector judges a turn of an old one: the
-    trainer drops the turn's sample as stale meanwhile, and the collector's write finds it gone.
-    The sample stays dropped, and that is no failure (no retry, no error logged)."""
+@contextlib.asynccontextmanager
+async def _judged_but_unsettled(data_dir: Path) -> AsyncIterator[tuple[Any, Store, LocalBackend, str, int]]:
+    """A turn whose judgments are stored and whose sample is still pending (the state a crash
+    leaves between the two): the settings, store, started backend, turn id and sample id."""
     settings = settings_for(data_dir)
     store = Store.open(settings.db_url)
     backend = LocalBackend.from_settings(settings)
@@ -51,6 +53,18 @@ async def test_a_sample_dropped_while_it_is_judged_is_left_dropped_without_an_er
         sid, _ = store.create_sample(tid, "combine", state="pending")
         store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="prm", votes=(JudgeVote(raw="+1", value=1),), reward=1.0))
         store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="hint", votes=(JudgeVote(raw="none"),)))
+        yield settings, store, backend, tid, sid
+    finally:
+        await backend.close()
+        store.close()
+
+
+async def test_a_sample_dropped_while_it_is_judged_is_left_dropped_without_an_error(
+        data_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    """A new version begins serving while the collector judges a turn of an old one: the
+    trainer drops the turn's sample as stale meanwhile, and the collector's write finds it gone.
+    The sample stays dropped, and that is no failure (no retry, no error logged)."""
+    async with _judged_but_unsettled(data_dir) as (settings, store, backend, _tid, sid):
         settle = store.set_sample_advantages
 
         def stale_meanwhile(*args: object, **kwargs: object) -> None:
@@ -64,31 +78,16 @@ async def test_a_sample_dropped_while_it_is_judged_is_left_dropped_without_an_er
         assert (s.state, s.reason) == ("dropped", "stale")
         assert collector.stats.failures == 0 and not [r for r in caplog.records if r.levelname == "ERROR"]
         assert await collector.run_once() == 0  # nothing left to settle
-    finally:
-        await backend.close()
-        store.close()
 
 
 async def test_a_pending_sample_with_stored_judgments_is_finished_without_judging_again(data_dir: Path):
-    settings = settings_for(data_dir)
-    store = Store.open(settings.db_url)
-    backend = LocalBackend.from_settings(settings)
-    await backend.start()
-    try:
-        [tid] = record_turns(store, 1)
-        # the state a crash leaves between "judgments stored" and "sample settled"
-        sid, _ = store.create_sample(tid, "combine", state="pending")
-        store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="prm", votes=(JudgeVote(raw="+1", value=1),), reward=1.0))
-        store.add_judgment(Judgment(turn_id=tid, judge="rules", kind="hint", votes=(JudgeVote(raw="none"),)))
+    async with _judged_but_unsettled(data_dir) as (settings, store, backend, tid, sid):
         collector = collector_for(settings, backend, store)
         assert await collector.run_once() == 1
         [s] = store.get_samples([sid])
         assert s.state == "judged" and s.reward == 1.0 and s.advantages == (1.0,) * len(s.completion_ids)
         assert len(store.judgments(tid)) == 2  # nothing judged twice
         assert await collector.run_once() == 0
-    finally:
-        await backend.close()
-        store.close()
 
 
 CHILD = textwrap.dedent(

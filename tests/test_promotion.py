@@ -150,7 +150,6 @@ async def test_a_backlog_drawn_by_the_served_version_stays_fresh_when_a_trained_
         assert (await trainer.step_once()).served == 2  # type: ignore[union-attr]  # judged, accepted
         third = await trainer.step_once()
         assert third is not None and third.samples == 2 and trainer.dropped_stale == 0
-        assert {s.state for s in store.get_samples([s.id for s in store.pending_samples(10)])} <= {"judged"}
 
 
 def test_staleness_counts_the_versions_that_served():

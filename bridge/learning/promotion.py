@@ -236,11 +236,10 @@ class Promotion:
         self.gate = gate
         self.optimizer = optimizer or OptimizerAge()
         self.decisions: list[GateDecision] = []
-        # gate_patience: the version held serving while training continues from held-back
-        # candidates (None: the newest serves), and how many were held back in a row
+        # the version held serving while training continues from held-back (gate_patience) or
+        # unjudged (gate_every) candidates (None: the newest serves), and how many in a row of each
         self.held: int | None = None
-        self.held_back_in_a_row = 0
-        self.unjudged = 0  # candidates in a row trained on without a judgement (`gate_every`)
+        self.held_back_in_a_row, self.unjudged = 0, 0
 
     def pin(self, serving: int) -> None:
         """While a step trains and its candidate is judged, `serving` goes on serving."""
@@ -253,15 +252,16 @@ class Promotion:
         if self.gate is not None:
             self.backend.serve(self.held)
 
-    async def promote(self, batch: Sequence[Sample], candidate: int, serving: int, *, waiting: bool = False) -> int:
+    async def promote(self, batch: Sequence[Sample], candidate: int, serving: int) -> int:
         """The step's candidate, just published from `batch`: returns the version that serves next.
-        `waiting`: a full batch already waits behind it; then, within `gate_every`, it is trained
-        on unjudged (`deferred`). Where instructions are served, each version the gate judges is
-        first reviewed (`_review`): the applied preferences its weights carry alone are left out
-        of its instruction, so the gate judges it as it would be served (a candidate that learned
-        a preference, asked for it again on top, answers worse than either alone); the version
-        that serves applies its review."""
-        if self.gate is not None and waiting and self.unjudged + 1 < self.settings.gate_every:
+        A full batch waiting behind it: trained on unjudged, within `gate_every` (`_defer`).
+        Where instructions are served, each version the gate judges is first reviewed
+        (`_review`): the applied preferences its weights carry alone are left out of its
+        instruction, so the gate judges it as it would be served (a candidate that learned a
+        preference, asked for it again on top, answers worse than either); what serves applies it."""
+        s = self.settings
+        if (self.gate is not None and self.unjudged + 1 < s.gate_every
+                and len(await self.store.run(self.store.pending_samples, s.batch_size, method=s.method)) >= s.batch_size):
             return self._defer(candidate, serving)
         self.unjudged = 0
         asked = await what_was_asked(self.store, served=self.retirement is not None)
@@ -445,7 +445,7 @@ class Promotion:
         back by the gate (gate_patience) is given up."""
         policy = await self.backend.rollback(version)
         self.optimizer.steps = 0
-        self.held, self.held_back_in_a_row = None, 0
+        self.held, self.held_back_in_a_row, self.unjudged = None, 0, 0
         await self.store.run(self.store.record_policy_version,
                              PolicyVersionRow(version=policy.version, path=policy.path, samples=0, copy_of=version))
         return policy

@@ -137,8 +137,7 @@ class Trainer:
                     mean_reward=record["mean_reward"], samples=len(batch),
                 ),
             )
-            waiting = len(await store.run(store.pending_samples, s.batch_size, method=s.method)) >= s.batch_size
-            served = await self.promotion.promote(batch, policy.version, before, waiting=waiting)
+            served = await self.promotion.promote(batch, policy.version, before)
         finally:
             self.promotion.release()
         log.info(

@@ -262,7 +262,7 @@ class TrainingStore(StoreBase):
 
     def drop_stale_samples(self, oldest_fresh: int) -> int:
         """Drop untrained samples drawn by a version older than `oldest_fresh` (the trainer's
-        `Promotion.oldest_fresh`: `max_staleness` versions served ago)."""
+        `oldest_fresh`: the version that served `max_staleness` servings ago)."""
         with self._write() as conn:
             res = conn.execute(
                 sa.update(t.samples)
