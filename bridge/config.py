@@ -198,8 +198,8 @@ class GateSettings(_Section):
     gate_reference_samples: int = Field(2, ge=1, description="Answers per probe of v0 and the twin, asked once for every candidate: the more, the fewer wrong decisions (docs/methods.md#harm-is-judged-against-what-you-asked-for).")
     gate_max_tokens: int = Field(64, ge=1, description="max_tokens of a probe answer.")
     gate_temperature: float = Field(0.7, gt=0, description="Temperature of probe answers.")
-    retire_share: float = Field(0.8, gt=0, description="An applied preference's instruction is retired (the preference is learned) when a served version's weights alone carry this share of its pull: 1 - KL(twin || version) / KL(twin || base) on the twin's answers to the user's recent prompts (docs/methods.md#the-weights-later).")
-    restore_share: float = Field(0.5, ge=0, description="A learned preference's instruction comes back when a later served version carries less than this share of it.")
+    retire_share: float = Field(0.6, gt=0, description="An applied preference's instruction is retired (the preference is learned) when a served version's weights alone carry this share of its pull: 1 - KL(twin || version) / KL(twin || base) on the twin's answers to the user's recent prompts. Past one half the weights alone are nearer the twin than the weights with the instruction on top, which over-shoot (docs/methods.md#the-weights-later).")
+    restore_share: float = Field(0.4, ge=0, description="A learned preference's instruction comes back when a later served version carries less than this share of it.")
     retire_samples: int = Field(2, ge=1, description="The twin's answers per recent prompt that the share is measured on.")
 
 

@@ -84,3 +84,31 @@ def test_a_second_negation_undoes_the_first() -> None:
 
 def test_hints_without_words_are_the_same_only_when_equal() -> None:
     assert prefs.same("No.", " no. ") and not prefs.same("No.", "Never.")
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ("Too long. Please answer in one short sentence, under 20 words.",
+     "That's too long for me. Just one short sentence of at most 20 words, please."),
+    ("Use bullet points.", "Please answer with a numbered list."),
+    ("Do not use bullet points.", "No lists, please."),
+    ("Answer in French.", "Please reply in French."),
+])
+def test_the_same_wish_about_form_in_other_words_is_one_preference(a: str, b: str) -> None:
+    """Two wordings of one wish about the form of an answer (the same stances, the same numbers)
+    are one preference, served as one instruction: served twice, the model was asked twice as
+    hard, and the gate's twin with it."""
+    assert prefs.same(a, b) and prefs.same(b, a)
+    known = prefs.merge([], [(a, "t1"), (b, "t2")], 1)
+    assert [(p.count, p.state) for p in known] == [(2, "applied")]
+    assert prefs.served_instruction(known) == min(a, b, key=len)
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    ("Keep answers under 20 words.", "One sentence of at most 50 words, please."),  # other numbers
+    ("Too long. Please answer in one short sentence, under 20 words.", "Shorter, please."),
+    ("Keep it short.", "Brief answers in a bulleted list, please."),  # one more stance
+    ("Answer in French.", "Answer in German."),
+    ("Keep it short.", "Give me longer answers."),
+])
+def test_other_wishes_about_form_stay_apart(a: str, b: str) -> None:
+    assert not prefs.same(a, b) and not prefs.same(b, a)

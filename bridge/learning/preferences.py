@@ -5,7 +5,8 @@ functions here see one user's list at a time, so one user's hearings never count
 
 A correction the judges turn into a hint is **heard** (the collector, as soon as the turn is
 judged): the hint, less the sentences that quote the turn's own question (`unquoted`), counts for
-the known preference that says the same thing (`same`; a negated wish never matches the wish;
+the known preference that says the same thing (`same`: mostly the same words, or the same
+stances on the form of an answer in other words; a negated wish never matches the wish;
 the shortest wording is kept, unless it would change the form the preference is about), or
 starts a new one. Each turn counts once (`Preference.turns`), so a collector that re-runs a
 sample after a crash hears nothing twice.
@@ -33,7 +34,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from datetime import datetime
 
-from clawbridge.learning.form import MAX_CHARS, NEGATIONS, contradicts, form, hostile, senses
+from clawbridge.learning.form import (
+    MAX_CHARS,
+    NEGATIONS,
+    contradicts,
+    form,
+    hostile,
+    senses,
+    stances,
+)
 from clawbridge.store import Preference
 
 SAME = 0.8  # the share of the shorter hint's words in the longer one at which they say the same thing
@@ -50,11 +59,26 @@ def same(a: str, b: str) -> bool:
     """Two hints say the same thing: SAME or more of the shorter one's words are in the other,
     negated in both or in neither (so "Too long, one short sentence please." and the same words
     followed by an objection are one wish, and "Do not use bullet points." is not "Use bullet
-    points.")."""
+    points."); or both are about the form of an answer alone and take the same stances on the
+    same axes (`same_form`: "Too long. Please answer in one short sentence, under 20 words." and
+    "That's too long for me. Just one short sentence of at most 20 words, please." are one wish,
+    worded twice, not two instructions served one after the other)."""
     wa, wb = senses(a), senses(b)
     if not wa or not wb:
         return a.strip().lower() == b.strip().lower()
-    return len(wa & wb) / min(len(wa), len(wb)) >= SAME
+    return len(wa & wb) / min(len(wa), len(wb)) >= SAME or same_form(a, b)
+
+
+_NUMBERS = re.compile(r"[0-9]+")
+
+
+def same_form(a: str, b: str) -> bool:
+    """`a` and `b` are about the same form kind (`form`), take the same values on the same axes
+    (`stances`: length shorter, no list, in French ...; at least one) and name the same numbers
+    ("at most 20 words" is not "at most 50 words", nor "Shorter.")."""
+    kind = form(a)
+    return (kind is not None and kind == form(b) and bool(stances(a)) and stances(a) == stances(b)
+            and set(_NUMBERS.findall(a)) == set(_NUMBERS.findall(b)))
 
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
@@ -199,5 +223,5 @@ def instruction(prefs: Sequence[Preference]) -> str | None:
 
 
 __all__ = ["HEARINGS", "MAX_APPLIED", "MAX_CHARS", "NEGATIONS", "STATES", "PreferenceRefused", "applicable",
-           "confirm", "instruction", "merge", "refusal", "reheard", "same", "senses", "served_by_user",
+           "confirm", "instruction", "merge", "refusal", "reheard", "same", "same_form", "senses", "served_by_user",
            "served_instruction", "unquoted", "wanted_instruction"]
