@@ -204,5 +204,19 @@ def contradicts(a: str, b: str) -> bool:
     only_negated_b = {w for w, n in wb if n and (w, False) not in wb}
     return any((w in only_negated_a) != (w in only_negated_b) for w in common)
 
-__all__ = ["KINDS", "MAX_CHARS", "NEGATIONS", "VOCABULARY", "contradicts", "form", "hostile", "negates", "senses",
-           "stances"]
+def same_form(a: str, b: str) -> bool:
+    """`a` and `b` say one wish about the form of an answer in other words: the same form kind
+    (`form`), the same values on the same axes (`stances`: length shorter, no list, in French
+    ...; at least one) and the same numbers ("at most 20 words" is not "at most 50 words", nor
+    "Shorter.")."""
+    kind, taken = form(a), stances(a)
+    return (kind is not None and kind == form(b) and bool(taken) and taken == stances(b)
+            and _numbers(a) == _numbers(b))
+
+
+def _numbers(text: str) -> set[str]:
+    return {w for w in _WORDS.findall(text.lower()) if w.isdigit()}
+
+
+__all__ = ["KINDS", "MAX_CHARS", "NEGATIONS", "VOCABULARY", "contradicts", "form", "hostile", "negates", "same_form",
+           "senses", "stances"]

@@ -40,8 +40,8 @@ from clawbridge.learning.form import (
     contradicts,
     form,
     hostile,
+    same_form,
     senses,
-    stances,
 )
 from clawbridge.store import Preference
 
@@ -60,25 +60,13 @@ def same(a: str, b: str) -> bool:
     negated in both or in neither (so "Too long, one short sentence please." and the same words
     followed by an objection are one wish, and "Do not use bullet points." is not "Use bullet
     points."); or both are about the form of an answer alone and take the same stances on the
-    same axes (`same_form`: "Too long. Please answer in one short sentence, under 20 words." and
+    same axes (`form.same_form`: "Too long. Please answer in one short sentence, under 20 words." and
     "That's too long for me. Just one short sentence of at most 20 words, please." are one wish,
     worded twice, not two instructions served one after the other)."""
     wa, wb = senses(a), senses(b)
     if not wa or not wb:
         return a.strip().lower() == b.strip().lower()
     return len(wa & wb) / min(len(wa), len(wb)) >= SAME or same_form(a, b)
-
-
-_NUMBERS = re.compile(r"[0-9]+")
-
-
-def same_form(a: str, b: str) -> bool:
-    """`a` and `b` are about the same form kind (`form`), take the same values on the same axes
-    (`stances`: length shorter, no list, in French ...; at least one) and name the same numbers
-    ("at most 20 words" is not "at most 50 words", nor "Shorter.")."""
-    kind = form(a)
-    return (kind is not None and kind == form(b) and bool(stances(a)) and stances(a) == stances(b)
-            and set(_NUMBERS.findall(a)) == set(_NUMBERS.findall(b)))
 
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+")
@@ -223,5 +211,5 @@ def instruction(prefs: Sequence[Preference]) -> str | None:
 
 
 __all__ = ["HEARINGS", "MAX_APPLIED", "MAX_CHARS", "NEGATIONS", "STATES", "PreferenceRefused", "applicable",
-           "confirm", "instruction", "merge", "refusal", "reheard", "same", "same_form", "senses", "served_by_user",
+           "confirm", "instruction", "merge", "refusal", "reheard", "same", "senses", "served_by_user",
            "served_instruction", "unquoted", "wanted_instruction"]
