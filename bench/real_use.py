@@ -13,7 +13,7 @@ What it does, in order:
     when the answer meets the preference and answers the question, the correction otherwise; the
     session closes; the user takes `--think-s` to read an answer and type each message: 0 is an
     agent that never pauses), then a short request timed while the learner works; every `--every`
-    conversations the held-out prompts are asked again, as served and with `X-Instructions: off`
+    conversations (and after each of `--at`'s) the held-out prompts are asked again, as served and with `X-Instructions: off`
     (the weights alone; a server that does not know the header serves the weights alone anyway)
     stop the server (SIGTERM, by its PID)
 
@@ -22,7 +22,9 @@ random numbers), graded by the scenario's check; they are never trained on. It p
 curves by conversations, the conversation at which the preference first shows (the served rate's
 paired 95 % interval against v0 above zero) and at which the server reports the preference's
 instruction retired, the general probe at v0 and at the last gate decision (the server's
-`/metrics`), a short request's latency idle and while the learner works, and the wall time.
+`/metrics`), a short request's latency idle and while the learner works (split by what
+`/v1/status` says it does just before and after the request: the gate sampling, a training step,
+otherwise), and the wall time.
 `--json FILE` writes them: served_curve, weights_curve, twin, v0, first_shown_at, retired_at,
 probe_v0, probe_last, price_points, latency, seconds.
 """
@@ -196,6 +198,14 @@ class User:
         )
         return time.monotonic() - t0
 
+    async def busy(self) -> set[str]:
+        """What the learner does on the engine now (`/v1/status`: "training", "judging", "gate
+        references", "settling")."""
+        r = await self.http.get("/v1/status")
+        r.raise_for_status()
+        busy = (r.json().get("extra") or {}).get("busy") or ""
+        return {b.strip() for b in str(busy).split(",") if b.strip()}
+
     async def status(self) -> dict[str, Any]:
         """/v1/status, with the preferences' list (`/v1/preferences`: each with its state)."""
         r = await self.http.get("/v1/status")
@@ -247,6 +257,28 @@ def percentile(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, max(0, round(q * (len(ys) - 1))))]
 
 
+def phase(seen: set[str]) -> str:
+    """Which of the learner's works a timed request ran beside (what `/v1/status` said just before
+    and just after it): "gate" (judging a candidate, or asking v0 and the twin), "step" (a
+    training step), "other" (settling the collector's samples, or nothing)."""
+    if seen & {"judging", "gate references"}:
+        return "gate"
+    return "step" if "training" in seen else "other"
+
+
+def latency_figures(idle: list[float], timed: list[tuple[float, str]]) -> dict[str, float]:
+    """p50 and p95 idle, while learning (every timed request after the first conversation) and
+    by the learner's work (`phase`), with how many requests each has."""
+    out = {"idle_p50": statistics.median(idle), "idle_p95": percentile(idle, 0.95)}
+    groups = {"working": [t for t, _ in timed], **{ph: [t for t, p in timed if p == ph] for ph in ("gate", "step", "other")}}
+    for name, xs in groups.items():
+        if xs:
+            out.update({f"{name}_p50": statistics.median(xs), f"{name}_p95": percentile(xs, 0.95),
+                        f"{name}_n": float(len(xs))})
+    out["working_max"] = max(t for t, _ in timed)
+    return out
+
+
 async def run(args: argparse.Namespace) -> Report:
     scenario = load(args.scenario)
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="real-use-"))
@@ -278,13 +310,16 @@ async def _day(user: User, scenario: Scenario, args: argparse.Namespace, t0: flo
     report = Report(scenario.name, args.seed, args.think_s, v0, twin)
     prompts = list(scenario.training_prompts)
     rng = random.Random(args.seed)
-    busy: list[float] = []
+    timed: list[tuple[float, str]] = []  # a short request's latency, and what the learner did meanwhile
+    at = {int(x) for x in args.at.split(",") if x.strip()}
     for i in range(1, args.conversations + 1):
         if (i - 1) % len(prompts) == 0:
             rng.shuffle(prompts)
         await user.converse(prompts[(i - 1) % len(prompts)], i, args.user_max_tokens)
-        busy.append(await user.short_request())
-        if i % args.every == 0 or i == args.conversations:
+        before = await user.busy()
+        latency = await user.short_request()
+        timed.append((latency, phase(before | await user.busy())))
+        if i % args.every == 0 or i in at or i == args.conversations:
             served = await user.heldout(i)
             weights = await user.heldout(i, weights_only=True)
             report.served_curve.append(served)
@@ -302,11 +337,7 @@ async def _day(user: User, scenario: Scenario, args: argparse.Namespace, t0: flo
     report.probe_v0 = _metric(metrics, "preferences_probe_plain") or _metric(metrics0, "preferences_probe_plain")
     report.probe_last = _metric(metrics, "gate_probe_candidate")
     report.price_points = _metric(metrics, "preferences_price_points")
-    report.latency = {
-        "idle_p50": statistics.median(idle), "idle_p95": percentile(idle, 0.95),
-        "working_p50": statistics.median(busy), "working_p95": percentile(busy, 0.95),
-        "working_max": max(busy),
-    }
+    report.latency = latency_figures(idle, timed)
     report.seconds = time.monotonic() - t0
     return report
 
@@ -323,6 +354,10 @@ def print_report(r: Report) -> None:
     print(f"a short request: idle p50 {lat['idle_p50']:.2f} s p95 {lat['idle_p95']:.2f} s; while learning "
           f"p50 {lat['working_p50']:.2f} s p95 {lat['working_p95']:.2f} s max {lat['working_max']:.2f} s "
           f"(p95 ratio {lat['working_p95'] / lat['idle_p95']:.1f}x)")
+    for ph, what in (("gate", "while the gate samples"), ("step", "while a step trains"), ("other", "otherwise")):
+        if f"{ph}_n" in lat:
+            print(f"  {what}: {lat[f'{ph}_n']:.0f} requests, p50 {lat[f'{ph}_p50']:.2f} s p95 {lat[f'{ph}_p95']:.2f} s "
+                  f"(p95 ratio {lat[f'{ph}_p95'] / lat['idle_p95']:.1f}x)")
     print(f"wall {r.seconds:.0f} s")
 
 
@@ -332,6 +367,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="Order of the training prompts.")
     p.add_argument("--conversations", type=int, default=120)
     p.add_argument("--every", type=int, default=20, help="Measure the held-out prompts every N conversations.")
+    p.add_argument("--at", default="10", help="Also measure after these conversations (comma-separated).")
     p.add_argument("--eval-samples", type=int, default=2, help="Answers per held-out prompt and measurement.")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of a held-out answer.")
     p.add_argument("--user-max-tokens", type=int, default=0, help="max_tokens the user's agent sends (0: none, the server's default).")

@@ -7,7 +7,7 @@ import dataclasses
 from datetime import UTC, datetime
 
 import pytest
-from clawbridge.learning.baking import MIN_LIFT, carried, retired, verdict
+from clawbridge.learning.baking import LOSS_MARGIN, MIN_LIFT, Kept, carried, lost, retired, verdict
 from clawbridge.store import Preference, Store
 
 
@@ -48,6 +48,16 @@ def test_retired_at_the_retire_share_and_back_only_below_the_restore_share():
     assert verdict(0.6, learned=True, retire_share=0.8, restore_share=0.5) is True
     assert verdict(0.6, learned=False, retire_share=0.8, restore_share=0.5) is False
     assert verdict(0.49, learned=True, retire_share=0.8, restore_share=0.5) is False
+
+
+def test_a_learned_preference_is_lost_only_when_clearly_less_is_carried():
+    """Paired on the serving version's answers, a candidate is held back only past the margin,
+    and never on what could not be measured."""
+    kept = Kept(9, (), 0.86)
+    assert lost(kept, 0.68)  # the serving version carried 0.86, the candidate 0.68: more than 0.1 less
+    assert not lost(kept, 0.86 - LOSS_MARGIN + 0.01)  # within the margin
+    assert not lost(kept, 0.95)  # carries more
+    assert not lost(kept, None) and not lost(None, 0.1)  # nothing to pair with
 
 
 def test_retired_changes_only_what_was_measured_and_leaves_a_dropped_one_alone():
@@ -253,6 +263,7 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
         promotion = parts.trainer.promotion
         assert promotion.gate is not None and promotion.retirement is not None
         promotion.retirement.min_lift = 0.0
+        promotion.retirement.loss_margin = float("inf")  # a lost preference holds back: the next test's
         shares: list[float | None] = []
         judged: list[str | None] = []
         states: list[str] = []
@@ -260,7 +271,7 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
 
         async def reviewed(prompts, instructions):  # the real review, its shares kept for the test
             out = await review(prompts, instructions)
-            shares.append(out[0][1])
+            shares.append(out[0].share)
             return out
 
         async def watched(candidate, serving, **kw):  # what the real gate is asked with; the second held back
@@ -351,3 +362,67 @@ def test_a_hint_that_repeats_an_applied_preference_is_not_asked_of_the_teacher_t
     stacked = teacher_view(asked, "That doesn't answer my question.", instruction)
     assert stacked != instructed(asked, instruction) and "doesn't answer" in stacked[0]["content"]
     assert "Too long" in teacher_view(asked, "Too long. Please answer in one short sentence.", None)[0]["content"]
+
+
+async def test_a_candidate_carrying_a_learned_preference_clearly_less_than_the_serving_one_is_held_back(tmp_path):
+    """The version that serves keeps its measurement of each instruction (`Retirement.serves`); a
+    later candidate is measured again on the same twin answers (paired: weights equal to the
+    serving version's carry exactly as much) and, where the preference is learned (served by the
+    weights alone), held back when it carries more than LOSS_MARGIN less, without the probes.
+    Here the candidate's weights are the base model's: they carry nothing."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.server import build_learning
+    from helpers.learning import settings_for
+
+    settings = settings_for(tmp_path, method="opd", w_negative=1.0, batch_size=8, learning_rate=2e-2, gate="on",
+                            gate_every=1, gate_patience=1, gate_probes=4, gate_probes_max=4, retire_share=1e9,
+                            restore_share=0.1)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        renderer = Renderer(backend.tokenizer())
+        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
+        parts = build_learning(settings, backend, store, renderer)
+        promotion = parts.trainer.promotion
+        assert promotion.gate is not None and promotion.retirement is not None
+        retirement = promotion.retirement
+        retirement.min_lift = 0.0
+        evaluated: list[int] = []
+        evaluate = promotion.gate.evaluate
+
+        async def watched(candidate, serving, **kw):  # the real gate; its verdict on a random model is not under test
+            evaluated.append(candidate)
+            return dataclasses.replace(await evaluate(candidate, serving, **kw), decision="accepted")
+
+        promotion.gate.evaluate = watched  # type: ignore[method-assign]
+        for k in range(3):  # three versions serve, each trained on turns served under the instruction
+            await _instructed_turns(backend, renderer, store, 8, first=8 * k)
+            assert await parts.collector.run_once() == 8
+            assert (await parts.trainer.step_once()).served == k + 1
+        kept = retirement.kept[INSTRUCTION]
+        assert kept.version == 3 and len(kept.prompts) == 8
+        assert kept.share > LOSS_MARGIN, kept.share  # the trained weights carry some of it: the case under test
+        store.update_preferences(lambda known: [dataclasses.replace(p, state="learned", learned_version=3) for p in known])
+
+        await _instructed_turns(backend, renderer, store, 8, first=24)
+        assert await parts.collector.run_once() == 8
+        batch = store.pending_samples(8, method="opd")
+        base = await backend.rollback(0)  # a candidate whose weights are the base model's
+        assert await promotion.promote(batch, base.version, 3) == 3
+        decision = promotion.decisions[-1]
+        assert (decision.candidate, decision.decision) == (base.version, "rejected")
+        assert "learned preference 1 lost" in decision.reason and f"where v3 carries {kept.share:.2f}" in decision.reason
+        assert base.version not in evaluated  # held back before the probes
+        assert store.history().preferences[0].state == "learned"
+
+        same = await backend.rollback(3)  # the serving version's weights again: paired, they carry as much
+        [reviewed] = await retirement.review(kept.prompts, [(INSTRUCTION, True)])
+        assert reviewed.share_on_kept == pytest.approx(kept.share) and not reviewed.lost
+        assert await promotion.promote(batch, same.version, 3) == same.version
+        assert same.version in evaluated and promotion.decisions[-1].decision == "accepted"
+        assert retirement.kept[INSTRUCTION].version == same.version  # what serves now is kept to
+    finally:
+        store.close()
+        await backend.close()

@@ -63,3 +63,41 @@ async def test_the_learner_closes_its_judges_clients_when_it_is_cancelled(tmp_pa
         await task
     assert client.is_closed
     store.close()
+
+
+async def test_the_learner_says_what_it_does_on_the_engine(tmp_path: Path):
+    """`/v1/status` names the learner's work beside the user's requests (a benchmark splits a
+    request's latency by it): "training" while the step's datums and train_step run, "judging"
+    while its candidate is reviewed and gated, nothing once the step is done."""
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.server import build_learning
+    from helpers.learning import record_turns, settings_for
+
+    settings = settings_for(tmp_path, gate="on", gate_probes=2, gate_probes_max=2)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        learner = Learner(settings)
+        learner.bind(build_learning(settings, backend, store, Renderer(backend.tokenizer())))
+        trainer = learner.trainer
+        assert trainer is not None and learner.busy() == [] and "busy" not in learner.status()
+        record_turns(store, 4)
+        assert learner.collector is not None and await learner.collector.run_once() > 0
+        seen: list[str] = []
+        train_step, promote = backend.train_step, trainer.promotion.promote
+
+        async def training(*a, **kw):  # the real step; what the learner says meanwhile is noted
+            seen.append(learner.status()["busy"])
+            return await train_step(*a, **kw)
+
+        async def judging(*a, **kw):
+            seen.append(learner.status()["busy"])
+            return await promote(*a, **kw)
+
+        backend.train_step, trainer.promotion.promote = training, judging  # type: ignore[method-assign]
+        assert await trainer.step_once() is not None
+        assert seen == ["training", "judging"] and learner.busy() == []
+    finally:
+        store.close()
+        await backend.close()

@@ -27,17 +27,26 @@ have come, the instruction left out. `share` >= `retire_share` retires the instr
 preference is "learned"); a later version whose share falls below `restore_share` brings it back.
 A lift below `MIN_LIFT` says the instruction hardly changes these answers: nothing to measure, no
 change. The twin's answers are fresh draws, never the answers training saw.
+
+**Keeping what was learned.** A learned preference is served by the weights alone, so a candidate
+that carries it clearly less than the serving version serves the user worse on it. The serving
+version's share is kept with the prompts it was measured on (`Kept`); the candidate is measured
+again on the same twin answers, so the two shares are paired (the same answers, the same lift: no
+sampling between them), and `lost` holds the candidate back when it carries `LOSS_MARGIN` less.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from clawbridge.chat.instructions import instructed
 from clawbridge.chat.renderer import Renderer
+from clawbridge.learning.gate import Asked
+from clawbridge.learning.preferences import instruction
 from clawbridge.protocol import Backend
 from clawbridge.store import Preference, StoredTurn
 from clawbridge.store.records import JSONObject
@@ -45,7 +54,10 @@ from clawbridge.types import Completion, SamplingParams
 
 Prompt = tuple[Sequence[JSONObject], Sequence[JSONObject] | None]  # a user's messages and tools
 
+log = logging.getLogger(__name__)
+
 MIN_LIFT = 0.02  # nats per token: an instruction whose lift on its own answers is below this is not measured
+LOSS_MARGIN = 0.1  # share: a candidate carrying a learned preference this much less than the serving version is held back
 
 
 async def student_view(turn: StoredTurn, renderer: Renderer, backend: Backend) -> StoredTurn:
@@ -132,28 +144,121 @@ def verdict(share: float | None, learned: bool, retire_share: float, restore_sha
     return share >= restore_share if learned else share >= retire_share
 
 
-__all__ = ["MIN_LIFT", "Carried", "Prompt", "Retirement", "Twin", "carried", "retired", "student_view", "verdict"]
+@dataclass(frozen=True)
+class Kept:
+    """What the serving version's weights alone carry of one instruction, and the prompts it was
+    measured on (their twin answers are kept: a candidate measured on them is paired with it)."""
+
+    version: int
+    prompts: tuple[Prompt, ...]
+    share: float
+
+
+def lost(kept: Kept | None, now: float | None, margin: float = LOSS_MARGIN) -> bool:
+    """Whether a candidate whose weights alone carry `now` of a learned preference, measured on
+    `kept`'s answers, carries it clearly less than the serving version did (pure); never when
+    either could not be measured."""
+    return kept is not None and now is not None and now < kept.share - margin
+
+
+@dataclass(frozen=True)
+class Reviewed:
+    """One instruction's measurement of the newest weights: on the batch's prompts (`carried`,
+    `share`, the verdict `learned`) and, where the serving version's is kept, on its answers
+    (`kept`, `share_on_kept`)."""
+
+    carried: Carried
+    share: float | None
+    learned: bool
+    kept: Kept | None = None
+    share_on_kept: float | None = None
+    lost: bool = False  # `lost`: carries it clearly less than the serving version
+
+
+__all__ = ["LOSS_MARGIN", "MIN_LIFT", "Carried", "Kept", "Prompt", "Retirement", "Review", "Reviewed", "Twin",
+           "carried", "lost", "retired", "review_of", "student_view", "verdict"]
+
+
+@dataclass(frozen=True)
+class Review:
+    """What one version's weights alone carry of each applied or learned preference
+    (`Retirement`), and so how it would be served: `changed` (preference id -> learned)
+    is what its serving would change, `instruction` the applied preferences it would still be
+    served with (None: none; the weights carry every one), `lost` why it would serve a learned
+    preference clearly worse than the serving version (`lost`: it is held back)."""
+
+    changed: dict[int, bool]
+    instruction: str | None
+    users: tuple[str, ...] = ()  # whose preferences change
+    lost: tuple[str, ...] = ()
+    measured: dict[str, Reviewed] = field(default_factory=dict)  # by instruction
+    prompts: tuple[Prompt, ...] = ()  # what it was measured on
+
+    def asked(self, asked: Asked) -> Asked:
+        """`asked` with the candidate asked as it would be served."""
+        return replace(asked, candidate=self.instruction)
+
+
+def review_of(version: int, prefs: Sequence[Preference], reviewed: Sequence[Reviewed],
+              prompts: Sequence[Prompt]) -> Review:
+    """`version`'s `Review` from its measurement of each of `prefs` (pure, but for the log)."""
+    changed: dict[int, bool] = {}
+    losses: list[str] = []
+    for p, r in zip(prefs, reviewed, strict=True):
+        kept = "" if r.kept is None or r.share_on_kept is None else (
+            f"{r.share_on_kept:.2f} on v{r.kept.version}'s answers, where v{r.kept.version} carries {r.kept.share:.2f}")
+        log.info("preference %d %r: v%d's weights alone carry %s of its instruction (lift %.3f nats/token, "
+                 "%d tokens)%s%s", p.id, p.text, version, "unmeasurable" if r.share is None else f"{r.share:.2f}",
+                 r.carried.lift, r.carried.tokens, kept and f"; {kept}",
+                 "" if r.learned == (p.state == "learned") else (" -> learned if it serves" if r.learned
+                                                                 else " -> applied again if it serves"))
+        if r.learned != (p.state == "learned"):
+            changed[p.id] = r.learned
+        if r.lost:
+            losses.append(f"learned preference {p.id} lost: v{version}'s weights alone carry {kept} "
+                        "(clearly less: it would serve the user worse)")
+    still = [p for p, r in zip(prefs, reviewed, strict=True) if not r.learned]
+    return Review(changed, instruction(still), tuple(dict.fromkeys(p.user for p in prefs if p.id in changed)),
+                  tuple(losses), {p.text: r for p, r in zip(prefs, reviewed, strict=True)}, tuple(prompts))
 
 
 class Retirement:
-    """Which applied preferences the newest weights carry alone (`Twin.measure`, `verdict`)."""
+    """Which applied preferences the newest weights carry alone (`Twin.measure`, `verdict`), and
+    how much the serving version carried of each (`kept`, by instruction)."""
 
     def __init__(self, twin: Twin, retire_share: float, restore_share: float, min_lift: float = MIN_LIFT) -> None:
         if restore_share > retire_share:
             raise ValueError(f"restore_share {restore_share:g} above retire_share {retire_share:g} would flap")
         self.twin, self.retire_share, self.restore_share = twin, retire_share, restore_share
         self.min_lift = min_lift  # an instruction whose lift is below this is not measured (`MIN_LIFT`)
+        self.loss_margin = LOSS_MARGIN  # `lost`
+        # the serving version's measurement of each instruction; empty after a restart or a
+        # rollback (nothing to pair with: no candidate is held back for a loss until a version serves)
+        self.kept: dict[str, Kept] = {}
 
-    async def review(self, prompts: Sequence[Prompt],
-                     instructions: Sequence[tuple[str, bool]]) -> list[tuple[Carried, float | None, bool]]:
+    async def review(self, prompts: Sequence[Prompt], instructions: Sequence[tuple[str, bool]]) -> list[Reviewed]:
         """For each (instruction, learned now): what the newest weights carry of it, its share
-        (None: not measurable), and whether it is learned after this measurement."""
+        (None: not measurable), whether it is learned after this measurement, and for a learned
+        one the serving version kept a measurement of, the share on that version's answers."""
         out = []
         for text, learned in instructions:
             c = await self.twin.measure(prompts, text)
             share = c.share_at(self.min_lift)
-            out.append((c, share, verdict(share, learned, self.retire_share, self.restore_share)))
+            kept = self.kept.get(text) if learned else None
+            on_kept = (await self.twin.measure(kept.prompts, text)).share_at(self.min_lift) if kept else None
+            out.append(Reviewed(c, share, verdict(share, learned, self.retire_share, self.restore_share),
+                                kept, on_kept, lost(kept, on_kept, self.loss_margin)))
         return out
+
+    def serves(self, version: int, prompts: Sequence[Prompt], reviewed: Mapping[str, Reviewed]) -> None:
+        """`version`, reviewed on `prompts`, serves: its shares are what later candidates keep to."""
+        for text, r in reviewed.items():
+            if r.share is not None:
+                self.kept[text] = Kept(version, tuple(prompts), r.share)
+
+    def forget_kept(self) -> None:
+        """Other weights serve (a rollback): no measurement to pair with until a reviewed one serves."""
+        self.kept.clear()
 
 
 def retired(known: Sequence[Preference], changed: Mapping[int, bool], version: int, now: datetime) -> list[Preference]:

@@ -89,7 +89,7 @@ class Asked:
     """What the user has asked for, and what each version is asked with: `wanted`, every applied
     or learned preference (the twin is asked with it); `served`, the instruction served now with
     the serving version (the applied preferences); `candidate`, the instruction the candidate
-    would be served with (`served` less what its weights carry alone, `promotion.Review`), so
+    would be served with (`served` less what its weights carry alone, `baking.Review`), so
     each answers the probes as the user would get it."""
 
     wanted: str | None = None

@@ -70,6 +70,7 @@ class Learner:
         # told the preferences whenever the collector's hearing changed them (the composition
         # root serves the applied ones at once)
         self.on_preferences: Callable[[str, Sequence[Preference]], None] | None = None
+        self.settling = self.preparing = False  # a settle pass, the gate's references being asked
 
     def bind(self, parts: LearningParts) -> None:
         self.parts = parts
@@ -141,9 +142,27 @@ class Learner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await settling
 
-    @staticmethod
-    async def _settle(parts: LearningParts) -> int:
-        return await parts.collector.run_once() + await parts.episodes.run_once()
+    async def _settle(self, parts: LearningParts) -> int:
+        self.settling = True
+        try:
+            return await parts.collector.run_once() + await parts.episodes.run_once()
+        finally:
+            self.settling = False
+
+    async def _prepare(self, trainer: Trainer) -> None:
+        self.preparing = True
+        try:
+            await trainer.promotion.prepare()
+        finally:
+            self.preparing = False
+
+    def busy(self) -> list[str]:
+        """What the learner does on the engine now: "training", "judging" (a step and its gate),
+        "gate references" (v0 and the twin asked while a batch fills), "settling" (the teacher
+        and the rewrites); empty when it waits."""
+        doing = self.trainer.doing if self.trainer is not None else None
+        return [name for name, on in (("training", doing == "training"), ("judging", doing == "judging"),
+                                      ("gate references", self.preparing), ("settling", self.settling)) if on]
 
     async def _pass(self, work: Awaitable[int | None], what: str) -> int:
         """`work`'s count (0 for work that counts nothing); a failure is counted and logged, and
@@ -182,7 +201,7 @@ class Learner:
                     await asyncio.sleep(self.poll_s)
                     continue
                 if preparing is None or preparing.done():
-                    preparing = asyncio.create_task(self._pass(trainer.promotion.prepare(), "the gate's references"))
+                    preparing = asyncio.create_task(self._pass(self._prepare(trainer), "the gate's references"))
                 await self.ready.wait()
         finally:
             if preparing is not None:
@@ -197,6 +216,8 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Fields for `/v1/status` and the status line (judge, judged, samples, step, reward)."""
         out: dict[str, Any] = {"judge": self.judge_name, "method": self.settings.training.method}
+        if busy := self.busy():
+            out["busy"] = ", ".join(busy)
         if self.training_stopped:
             out["training_stopped"] = self.training_stopped
         if self.paused:

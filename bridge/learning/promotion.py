@@ -33,7 +33,6 @@ a copy or a blend is recorded with its version (`copy_of`, `blend_of`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,22 +94,6 @@ async def what_was_asked(store: Store, *, served: bool) -> Asked:
     now = preferences.instruction([p for p in known if p.state == "applied" and preferences.refusal(p) is None])
     now = now if served else None
     return Asked(preferences.wanted_instruction(known), now, now)
-
-
-@dataclass(frozen=True)
-class Review:
-    """What one version's weights alone carry of each applied or learned preference
-    (`baking.Retirement`), and so how it would be served: `changed` (preference id -> learned)
-    is what its serving would change, `instruction` the applied preferences it would still be
-    served with (None: none; the weights carry every one)."""
-
-    changed: dict[int, bool]
-    instruction: str | None
-    users: tuple[str, ...] = ()  # whose preferences change
-
-    def asked(self, asked: Asked) -> Asked:
-        """`asked` with the candidate asked as it would be served."""
-        return dataclasses.replace(asked, candidate=self.instruction)
 
 
 # --- restarts -----------------------------------------------------------------------------------
@@ -293,7 +276,7 @@ class Promotion:
         asked = await what_was_asked(self.store, served=self.retirement is not None)
         await self.gate.general_rates(asked.wanted if self.gate.reference == "twin" else None)
 
-    async def _review(self, version: int, prompts: Sequence[baking.Prompt]) -> Review | None:
+    async def _review(self, version: int, prompts: Sequence[baking.Prompt]) -> baking.Review | None:
         """What `version` (the newest weights) carries alone of each applied or learned preference,
         measured on the user's prompts (`baking.Retirement`); None: nothing measured (no
         instruction is served, no preference or no prompt), so it is judged as served now."""
@@ -304,23 +287,14 @@ class Promotion:
         if not prefs:
             return None
         reviewed = await self.retirement.review(prompts, [(p.text, p.state == "learned") for p in prefs])
-        changed: dict[int, bool] = {}
-        for p, (c, share, learned) in zip(prefs, reviewed, strict=True):
-            log.info("preference %d %r: v%d's weights alone carry %s of its instruction (lift %.3f nats/token, "
-                     "%d tokens)%s", p.id, p.text, version, "unmeasurable" if share is None else f"{share:.2f}",
-                     c.lift, c.tokens,
-                     "" if learned == (p.state == "learned") else (" -> learned if it serves" if learned
-                                                                   else " -> applied again if it serves"))
-            if learned != (p.state == "learned"):
-                changed[p.id] = learned
-        still = [p for p, (*_, learned) in zip(prefs, reviewed, strict=True) if not learned]
-        return Review(changed, preferences.instruction(still),
-                      tuple(dict.fromkeys(p.user for p in prefs if p.id in changed)))
+        return baking.review_of(version, prefs, reviewed, prompts)
 
-    async def _apply(self, review: Review, version: int) -> None:
+    async def _apply(self, review: baking.Review, version: int) -> None:
         """`version` serves: the preferences its weights carry alone are learned (their
         instruction stops), those a learned one's weights lost are applied again."""
         now = datetime.now(UTC)
+        if self.retirement is not None:  # what later candidates keep to (`baking.lost`)
+            self.retirement.serves(version, review.prompts, review.measured)
         for user in review.users:  # each user's apart
             await self.store.run(self.store.update_preferences,
                                  lambda known: baking.retired(known, review.changed, version, now), user)
@@ -379,7 +353,8 @@ class Promotion:
     async def _judge(self, candidate: int, serving: int, recent: Sequence[Recent], asked: Asked,
                      prompts: Sequence[baking.Prompt] = ()) -> GateDecision:
         """The gate's decision on `candidate` (the newest weights) as it would be served
-        (`_review`), recorded before it acts; accepted, its review applies."""
+        (`_review`), recorded before it acts; accepted, its review applies. A candidate that
+        lost a learned preference is held back without asking the probes."""
         assert self.gate is not None
         try:
             review = await self._review(candidate, prompts)
@@ -388,7 +363,10 @@ class Promotion:
                 if asked.candidate != asked.served:
                     log.info("gate: policy@v%d is judged with the instruction it would be served with: %s",
                              candidate, "none" if asked.candidate is None else repr(asked.candidate))
-            decision = await self.gate.evaluate(candidate, serving, recent=recent, asked=asked)
+            if review is not None and review.lost:
+                decision = GateDecision(candidate, serving, "rejected", "; ".join(review.lost))
+            else:
+                decision = await self.gate.evaluate(candidate, serving, recent=recent, asked=asked)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -493,6 +471,8 @@ class Promotion:
         async with self.lock:
             previous = self.backend.version
             policy = await self._copy_of(version)
+            if self.retirement is not None:
+                self.retirement.forget_kept()
             self.backend.serve(None)  # the copy serves (a pin held for a gate's lineage ends here)
             step = await next_step_number(self.store) - 1
             path = await checkpoint(self.backend, self.store, step, policy.version, f"rollback-v{policy.version:06d}")

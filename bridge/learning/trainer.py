@@ -106,6 +106,7 @@ class Trainer:
         self.dropped_untrainable = 0
         self._failures: dict[tuple[int, ...], int] = {}  # batch -> permanent train_step failures in a row
         self.last: StepResult | None = None  # the newest step this process trained
+        self.doing: str | None = None  # "training" or "judging" while a step runs (`/v1/status`)
 
     async def step_once(self) -> StepResult | None:
         """Train one step if a full batch is waiting; None otherwise."""
@@ -122,6 +123,7 @@ class Trainer:
         step = await next_step_number(store)
         before = backend.version  # the served version (held, while training goes on from a held-back candidate)
         self.promotion.pin(before)  # the candidate is published but not served until it passes
+        self.doing = "training"
         try:
             optim = warmed(s.optim, self.optimizer.steps + 1, s.warmup_steps)
             # one request per sample: the engine batches the fresh draws of the whole batch together
@@ -137,8 +139,10 @@ class Trainer:
                     mean_reward=record["mean_reward"], samples=len(batch),
                 ),
             )
+            self.doing = "judging"
             served = await self.promotion.promote(batch, policy.version, before)
         finally:
+            self.doing = None
             self.promotion.release()
         log.info(
             "step %d: %d samples, loss %.4f, mean reward %+.2f -> policy@v%d%s",
