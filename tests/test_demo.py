@@ -192,6 +192,15 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     lo, hi = summary["interval"]
     assert -1 <= lo <= summary["delta"] <= hi <= 1
     assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
+    # the correction, heard twice in the first round, is served at once (instant preferences) and
+    # measured as served beside the weights alone: v0 measured again with it
+    versions = summary["versions"]
+    assert versions[0]["instruction"] is None and versions[0]["served_truly"] == versions[0]["truly"]
+    instructed = [v for v in versions if v["instruction"] is not None]
+    assert instructed and instructed[0]["instruction"] == "Too long. Please answer in under 3 words.", versions
+    assert [c for c, _ in summary["served_curve"]] == [c for c, _ in summary["weights_curve"]] == [
+        v["conversations"] for v in versions]
+    assert [t for _, t in summary["weights_curve"]] == [v["truly"] for v in versions]
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
     # v0 asked for the preference: teachability on the held-out prompts, the price on the probe
     teach, price = summary["teachability"], summary["price"]

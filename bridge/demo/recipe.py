@@ -28,10 +28,7 @@ DEMO_RECIPE: dict[str, Any] = {
     # answers come in bursts of short prompts (a gate's probe, a measurement): more rows a decode
     # step finish them sooner, where an agent's long prompts would hold too much KV (docs/engine.md)
     "engine_max_batch": 64,
-    **MEASURED,  # the learning recipe
-    # the demo's conversations are answered by the weights alone: its figures are what training
-    # learns from uninstructed answers (docs/serving.md#the-users-preferences)
-    "instant_preferences": False,
+    **MEASURED,  # the learning recipe; the user's preferences applied at once, as in `clawbridge up`
 }
 
 # The tools demo's settings (`clawbridge demo --scenario tools`, docs/agents.md).

@@ -29,6 +29,16 @@ class VersionEval:
     probe: float | None = None  # the general probe set's on-topic rate (v0 and the last version)
     probe_per_prompt: tuple[float, ...] = ()  # per probe question, for the paired interval
     conversations: int = 0  # training conversations before this version served
+    # as served (instant preferences): the user's applied preferences as an instruction on top of
+    # the weights; the weights alone where none was served (`instruction` None)
+    instruction: str | None = None
+    served_truly: float | None = None
+    served_truly_per_prompt: tuple[float, ...] = ()
+
+    @property
+    def served(self) -> float:
+        """Truly satisfied as the user was served."""
+        return self.truly if self.served_truly is None else self.served_truly
 
 
 @dataclass
@@ -106,6 +116,9 @@ class DemoResult:
             "interval": [r4(self.interval[0]), r4(self.interval[1])],
             "truly_before": r4(b.truly), "truly_after": r4(a.truly), "truly_delta": r4(a.truly - b.truly),
             "truly_interval": [r4(self.truly_interval[0]), r4(self.truly_interval[1])],
+            # as served, by conversations: what the user got, the instruction included
+            "served_curve": [[v.conversations, r4(v.served)] for v in self.versions],
+            "weights_curve": [[v.conversations, r4(v.truly)] for v in self.versions],
             "on_topic_before": r4(b.on_topic), "on_topic_after": r4(a.on_topic),
             "probe_before": r4(b.probe), "probe_after": r4(a.probe),
             "probe_interval": None if self.probe_interval is None else [r4(x) for x in self.probe_interval],
@@ -122,7 +135,7 @@ class DemoResult:
         versions = [
             {"version": v.version, "rate": r4(v.rate), "on_topic": r4(v.on_topic), "truly": r4(v.truly),
              "probe": r4(v.probe), "samples": v.samples, "conversations": v.conversations,
-             "seconds": round(v.seconds, 1)}
+             "served_truly": r4(v.served), "instruction": v.instruction, "seconds": round(v.seconds, 1)}
             for v in self.versions
         ]
         return report.summary(self, measures, versions)

@@ -105,15 +105,16 @@ class SimulatedUser:
         return v.truly
 
     async def _answers(self, prompt: str, messages: list[dict[str, str]], n: int, max_tokens: int,
-                       seed: int | None = None) -> list[tuple[str, str | None]]:
+                       seed: int | None = None, *, served: bool = False) -> list[tuple[str, str | None]]:
+        """`n` answers, never trained on: the weights alone, or `served` as the user is (with the
+        instruction of the preferences applied now)."""
         r = self.scenario.recipe
+        head = {"X-Session-Id": f"eval-{uuid.uuid4().hex[:12]}", "X-Train": "false", "X-Session-Done": "true"}
         async with self.sem:
             resp = await self.client.chat.completions.create(
                 model=self.model, messages=messages,  # type: ignore[arg-type]
                 max_tokens=max_tokens, temperature=r.temperature, n=n, seed=seed,
-                # the weights alone are measured: never the user's preferences as an instruction
-                extra_headers={"X-Session-Id": f"eval-{uuid.uuid4().hex[:12]}",
-                               "X-Train": "false", "X-Session-Done": "true", "X-Instructions": "off"},
+                extra_headers=head if served else {**head, "X-Instructions": "off"},
             )
         return [(c.message.content or "", c.finish_reason) for c in resp.choices]
 
@@ -125,13 +126,22 @@ class SimulatedUser:
         """Add the seconds since `since` to `part` (the --json's seconds_by_part)."""
         self.seconds[part] = self.seconds.get(part, 0.0) + time.monotonic() - since
 
-    async def evaluate(self, version: int) -> tuple[VersionEval, list[dict[str, Any]]]:
-        """Held-out rates: `eval_samples` answers per prompt, never trained on. Every version
-        answers a prompt with the same seed (common random numbers): the engines draw by inverse
-        CDF, so two versions that agree answer alike and a paired difference is the versions',
-        not the dice's."""
+    async def evaluate(self, version: int, instruction: str | None = None) -> tuple[VersionEval, list[dict[str, Any]]]:
+        """Held-out rates of the weights alone: `eval_samples` answers per prompt, never trained
+        on; where an `instruction` is served (instant preferences), truly satisfied as served too.
+        Every version answers a prompt with the same seed (common random numbers): the engines
+        draw by inverse CDF, so two versions that agree answer alike and a paired difference is
+        the versions', not the dice's."""
         r, sc = self.scenario.recipe, self.scenario
         t0 = time.monotonic()
+        served: tuple[float, ...] = ()
+        if instruction is not None:
+            async def as_served(prompt: str) -> float:
+                answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens,
+                                              eval_seed(prompt), served=True)
+                return rate([sc.rate(prompt, text, finish).truly for text, finish in answers])
+
+            served = tuple(await asyncio.gather(*(as_served(p) for p in sc.heldout_prompts)))
 
         async def one(prompt: str) -> tuple[list[Verdict], dict[str, Any]]:
             answers = await self._answers(prompt, sc.messages(prompt), r.eval_samples, r.max_tokens, eval_seed(prompt))
@@ -150,7 +160,8 @@ class SimulatedUser:
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ev = VersionEval(version, mean(pref), pref, len(pref) * r.eval_samples, time.monotonic() - t0,
                          on_topic=mean(topic), truly=mean(truly), truly_per_prompt=truly,
-                         on_topic_per_prompt=topic, conversations=self.conversations)
+                         on_topic_per_prompt=topic, conversations=self.conversations, instruction=instruction,
+                         served_truly=mean(served) if served else None, served_truly_per_prompt=served)
         return ev, [ex for _, ex in rated]
 
 
@@ -289,30 +300,38 @@ class PreferenceRounds:
         awaiting = len(await store.run(store.turns_awaiting_judgment, kinds, 1000))
         return st.samples.get("judged", 0), st.samples.get("pending", 0) + awaiting
 
+    def served_instruction(self) -> str | None:
+        """What the user is served on top of the weights now (the applied preferences)."""
+        return self.running.proxy.standing.served
+
     def wants_measure(self, served: int, previous: VersionEval, *, held_back: bool, last: bool) -> bool:
-        return (served != previous.version and not held_back) or last
+        """A new version serves, or what is served on top of it changed (a preference applied at
+        once, or retired), or the run ends."""
+        return (served != previous.version and not held_back) or last or self.served_instruction() != previous.instruction
 
     async def measure(self, version: int, previous: VersionEval | None, *,
                       last: bool) -> tuple[VersionEval, list[dict[str, Any]]]:
+        instruction = self.served_instruction()
         if previous is None:
-            ev, ex = await self.user.evaluate(version)
+            ev, ex = await self.user.evaluate(version, instruction)
             ev = await self.with_probe(ev)
             await self.ask_for_it(ev)
         else:
             store = self.running.store
             history = await store.run(store.history)
             copied = reusable(previous, version, history, conversations=self.user.conversations)
-            if copied is not None:
+            if copied is not None and instruction == previous.instruction:
                 ev, ex = copied, self.shown[previous.version]
             else:
-                ev, ex = await self.user.evaluate(version)
+                ev, ex = await self.user.evaluate(version, instruction)
             if last and ev.probe is None:
                 ev = await self.with_probe(ev)
         self.shown[ev.version] = ex
         return ev, ex
 
     def headline(self, ev: VersionEval) -> str:
-        return f"policy@v{ev.version}: truly satisfied {ev.truly:.0%}"
+        served = "" if ev.instruction is None else f"; as served, with the instruction {ev.served:.0%}"
+        return f"policy@v{ev.version}: truly satisfied {ev.truly:.0%} (the weights alone){served}"
 
     async def aclose(self) -> None:
         await self.client.close()
@@ -387,6 +406,8 @@ def save_plot(result: DemoResult, path: Path) -> Path:
     series = [
         Series("truly satisfied (preference AND answered)", [(v.version, v.truly) for v in vs],
                {"marker": "o", "color": "#1f6feb", "lw": 2}),
+        Series("truly satisfied as served (with the instruction)", [(v.version, v.served) for v in vs],
+               {"marker": "^", "color": "#8250df", "ls": "--"}),
         Series("preference met", [(v.version, v.rate) for v in vs], {"marker": ".", "color": "#8b949e", "ls": "--"}),
         Series("answers the question", [(v.version, v.on_topic) for v in vs],
                {"marker": ".", "color": "#2da44e", "ls": ":"}),
@@ -422,12 +443,19 @@ def _asked_rows(result: DemoResult) -> list[tuple[str, str]]:
     return rows
 
 
+def served_curve(result: DemoResult) -> str:
+    """Truly satisfied as the user was served at each measurement, by conversations: `0: 0% · 11:
+    32% · ...` (the applied preferences' instruction on top of the weights, until they carry it)."""
+    return " · ".join(f"{v.conversations}: {v.served:.0%}" for v in result.versions)
+
+
 def result_table(result: DemoResult) -> list[tuple[str, str]]:
     b, a = result.first, result.last
     c80 = result.conversations_to_80
     return [
         ("truly satisfied (preference met AND answered)", f"{change(b.truly, a.truly)} (policy@v{a.version})"),
         ("difference (95% interval)", difference(b.truly, a.truly, result.truly_interval)),
+        ("as served, by conversations (instant preferences)", served_curve(result)),
         ("preference met", change(b.rate, a.rate)),
         ("answers the question (held-out)", change(b.on_topic, a.on_topic)),
         ("general probe: answers the question", change(b.probe, a.probe, result.probe_interval)),
