@@ -176,7 +176,8 @@ def test_paired_interval_by_hand():
 
 @pytest.mark.timeout(280)
 async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
-    sc = scenario.Scenario.model_validate(TINY)
+    # instant preferences on (the demo's own recipe serves the weights alone): both curves measured
+    sc = scenario.Scenario.model_validate({**TINY, "recipe": {**TINY["recipe"], "instant_preferences": True}})  # type: ignore[dict-item]
     settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
     result = await run_demo(sc, settings, plot_path=tmp_path / "tiny.png")
     summary = json.loads(json.dumps(result.summary()))
@@ -193,7 +194,7 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert -1 <= lo <= summary["delta"] <= hi <= 1
     assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
     # the correction, heard twice in the first round, is served at once (instant preferences) and
-    # measured as served beside the weights alone: v0 measured again with it
+    # measured as served beside the weights alone: a version measured again with it
     versions = summary["versions"]
     assert versions[0]["instruction"] is None and versions[0]["served_truly"] == versions[0]["truly"]
     instructed = [v for v in versions if v["instruction"] is not None]
@@ -227,11 +228,14 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
 async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tmp_path: Path):
     """Nobody is ever satisfied, and with the default w_negative 0 a correction trains only its
     rewrite, which the tiny model never writes well enough: the round plays its batch and three
-    more, then stops with what happened and what to change, instead of talking for ever."""
+    more, then stops with what happened and what to change, instead of talking for ever. (With
+    instant preferences on, the correction, heard twice, is served as an instruction and every
+    turn served under it trains as a distillation datum: this is the case without them.)"""
     from clawbridge.demo.rounds import NothingToTrain
 
     never = {**TINY, "check": {"must_match": ["ZZQZZ"]},
-             "recipe": {k: v for k, v in TINY["recipe"].items() if k != "w_negative"}}  # type: ignore[attr-defined]
+             "recipe": {**{k: v for k, v in TINY["recipe"].items() if k != "w_negative"},  # type: ignore[attr-defined]
+                        "instant_preferences": False}}
     sc = scenario.Scenario.model_validate(never)
     assert "w_negative" not in sc.recipe.settings and DEMO_RECIPE["w_negative"] == 0.0
     settings = demo_settings(sc, tmp_path / "data", model="tiny-random")

@@ -28,7 +28,12 @@ DEMO_RECIPE: dict[str, Any] = {
     # answers come in bursts of short prompts (a gate's probe, a measurement): more rows a decode
     # step finish them sooner, where an agent's long prompts would hold too much KV (docs/engine.md)
     "engine_max_batch": 64,
-    **MEASURED,  # the learning recipe; the user's preferences applied at once, as in `clawbridge up`
+    **MEASURED,  # the learning recipe
+    # the demo's conversations are answered by the weights alone: served with the instruction,
+    # its short run holds every candidate back against v0 asked for the preference on the
+    # validation split (docs/measurements.md); a scenario's recipe may turn it on, and the demo
+    # then measures both curves (docs/learning.md#clawbridge-demo)
+    "instant_preferences": False,
 }
 
 # The tools demo's settings (`clawbridge demo --scenario tools`, docs/agents.md).
