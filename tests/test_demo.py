@@ -176,8 +176,7 @@ def test_paired_interval_by_hand():
 
 @pytest.mark.timeout(280)
 async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
-    # instant preferences on (the demo's own recipe serves the weights alone): both curves measured
-    sc = scenario.Scenario.model_validate({**TINY, "recipe": {**TINY["recipe"], "instant_preferences": True}})  # type: ignore[dict-item]
+    sc = scenario.Scenario.model_validate(TINY)
     settings = demo_settings(sc, tmp_path / "data", model="tiny-random")
     result = await run_demo(sc, settings, plot_path=tmp_path / "tiny.png")
     summary = json.loads(json.dumps(result.summary()))
@@ -193,15 +192,8 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     lo, hi = summary["interval"]
     assert -1 <= lo <= summary["delta"] <= hi <= 1
     assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
-    # the correction, heard twice in the first round, is served at once (instant preferences) and
-    # measured as served beside the weights alone: a version measured again with it
-    versions = summary["versions"]
-    assert versions[0]["instruction"] is None and versions[0]["served_truly"] == versions[0]["truly"]
-    instructed = [v for v in versions if v["instruction"] is not None]
-    assert instructed and instructed[0]["instruction"] == "Too long. Please answer in under 3 words.", versions
-    assert [c for c, _ in summary["served_curve"]] == [c for c, _ in summary["weights_curve"]] == [
-        v["conversations"] for v in versions]
-    assert [t for _, t in summary["weights_curve"]] == [v["truly"] for v in versions]
+    # the demo's recipe serves the weights alone: as served is the weights alone
+    assert all(v["instruction"] is None and v["served_truly"] == v["truly"] for v in summary["versions"])
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
     # v0 asked for the preference: teachability on the held-out prompts, the price on the probe
     teach, price = summary["teachability"], summary["price"]
@@ -223,6 +215,23 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert parts["held-out"] + parts["probe"] + parts["teachability"] + parts["twin probe"] <= parts["measure"] + 1
     # the arithmetic the timings were taken in: what this CPU resolves the setting to
     assert summary["dtype"] == precision.name(precision.choose(settings.engine.engine_dtype, "cpu", precision.cpu_flags()))
+
+
+async def test_with_instant_preferences_the_demo_measures_the_weights_alone_and_as_served(tmp_path: Path):
+    """A scenario that turns instant preferences on is served as `clawbridge up` serves: the
+    careless user's correction (every reply, the check is never met), heard twice in the first
+    round, is served at once, and the version is measured again with it, as served beside the
+    weights alone; the JSON's two curves are by conversations."""
+    never = {**TINY, "check": {"must_match": ["ZZQZZ"]}, "answers": {"object": False},
+             "recipe": {**TINY["recipe"], "instant_preferences": True, "rounds": 1}}  # type: ignore[dict-item]
+    sc = scenario.Scenario.model_validate(never)
+    summary = (await run_demo(sc, demo_settings(sc, tmp_path / "data", model="tiny-random"))).summary()
+    versions = summary["versions"]
+    assert versions[0]["instruction"] is None and versions[0]["served_truly"] == versions[0]["truly"]
+    assert [v["instruction"] for v in versions[1:]] == ["Too long. Please answer in under 3 words."], versions
+    assert [c for c, _ in summary["served_curve"]] == [c for c, _ in summary["weights_curve"]] == [
+        v["conversations"] for v in versions]
+    assert [t for _, t in summary["served_curve"]] == [v["served_truly"] for v in versions]
 
 
 async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tmp_path: Path):
