@@ -238,6 +238,29 @@ async def test_the_gate_asks_the_candidate_with_the_instruction_only_where_one_i
             store.close()
 
 
+@contextlib.asynccontextmanager
+async def _applied(tmp_path, **kw):
+    """The local backend on the tiny model, a store holding INSTRUCTION as an applied preference,
+    and the learning parts as the composition root builds them (gate on, opd, batches of 8)."""
+    from clawbridge.backends.local import LocalBackend
+    from clawbridge.chat.renderer import Renderer
+    from clawbridge.server import build_learning
+    from helpers.learning import settings_for
+
+    settings = settings_for(tmp_path, method="opd", w_negative=1.0, batch_size=8, learning_rate=2e-2, gate="on",
+                            gate_probes=4, gate_probes_max=4, **kw)
+    backend = LocalBackend.from_settings(settings)
+    await backend.start()
+    store = Store.open(settings.db_url)
+    try:
+        renderer = Renderer(backend.tokenizer())
+        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
+        yield backend, store, renderer, build_learning(settings, backend, store, renderer)
+    finally:
+        store.close()
+        await backend.close()
+
+
 async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_carry(tmp_path):
     """Each candidate is reviewed before the gate: an applied preference its weights carry alone
     (share >= retire_share) is left out of the instruction it is judged with, as it would be
@@ -246,20 +269,7 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
     Steps on turns served under the instruction move the weights (the random model heeds an
     instruction faintly: its lift is measured from 0 here, so its shares swing both ways, and the
     test follows each verdict rather than a trajectory)."""
-    from clawbridge.backends.local import LocalBackend
-    from clawbridge.chat.renderer import Renderer
-    from clawbridge.server import build_learning
-    from helpers.learning import settings_for
-
-    settings = settings_for(tmp_path, method="opd", w_negative=1.0, batch_size=8, learning_rate=2e-2,
-                            gate="on", gate_probes=4, gate_probes_max=4, retire_share=0.3, restore_share=0.1)
-    backend = LocalBackend.from_settings(settings)
-    await backend.start()
-    store = Store.open(settings.db_url)
-    try:
-        renderer = Renderer(backend.tokenizer())
-        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
-        parts = build_learning(settings, backend, store, renderer)
+    async with _applied(tmp_path, retire_share=0.3, restore_share=0.1) as (backend, store, renderer, parts):
         promotion = parts.trainer.promotion
         assert promotion.gate is not None and promotion.retirement is not None
         promotion.retirement.min_lift = 0.0
@@ -300,9 +310,6 @@ async def test_the_gate_judges_a_candidate_without_the_instructions_its_weights_
         # a version served without it (learned), and one held back whose review changed nothing
         assert any(a is None and d.decision == "accepted" for a, d in zip(judged, promotion.decisions, strict=True))
         assert promotion.decisions[1].decision == "rejected"
-    finally:
-        store.close()
-        await backend.close()
 
 
 async def test_the_gate_asks_its_references_while_the_learner_waits_for_a_batch(tmp_path):
@@ -370,21 +377,8 @@ async def test_a_candidate_carrying_a_learned_preference_clearly_less_than_the_s
     serving version's carry exactly as much) and, where the preference is learned (served by the
     weights alone), held back when it carries more than LOSS_MARGIN less, without the probes.
     Here the candidate's weights are the base model's: they carry nothing."""
-    from clawbridge.backends.local import LocalBackend
-    from clawbridge.chat.renderer import Renderer
-    from clawbridge.server import build_learning
-    from helpers.learning import settings_for
-
-    settings = settings_for(tmp_path, method="opd", w_negative=1.0, batch_size=8, learning_rate=2e-2, gate="on",
-                            gate_every=1, gate_patience=1, gate_probes=4, gate_probes_max=4, retire_share=1e9,
-                            restore_share=0.1)
-    backend = LocalBackend.from_settings(settings)
-    await backend.start()
-    store = Store.open(settings.db_url)
-    try:
-        renderer = Renderer(backend.tokenizer())
-        store.save_preferences([Preference(INSTRUCTION, 2, ("a", "b"), 0, id=1, state="applied", kind="length")])
-        parts = build_learning(settings, backend, store, renderer)
+    async with _applied(tmp_path, gate_every=1, gate_patience=1, retire_share=1e9,
+                        restore_share=0.1) as (backend, store, renderer, parts):
         promotion = parts.trainer.promotion
         assert promotion.gate is not None and promotion.retirement is not None
         retirement = promotion.retirement
@@ -423,6 +417,3 @@ async def test_a_candidate_carrying_a_learned_preference_clearly_less_than_the_s
         assert await promotion.promote(batch, same.version, 3) == same.version
         assert same.version in evaluated and promotion.decisions[-1].decision == "accepted"
         assert retirement.kept[INSTRUCTION].version == same.version  # what serves now is kept to
-    finally:
-        store.close()
-        await backend.close()

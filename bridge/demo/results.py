@@ -33,7 +33,6 @@ class VersionEval:
     # the weights; the weights alone where none was served (`instruction` None)
     instruction: str | None = None
     served_truly: float | None = None
-    served_truly_per_prompt: tuple[float, ...] = ()
 
     @property
     def served(self) -> float:

@@ -161,7 +161,7 @@ class SimulatedUser:
         ev = VersionEval(version, mean(pref), pref, len(pref) * r.eval_samples, time.monotonic() - t0,
                          on_topic=mean(topic), truly=mean(truly), truly_per_prompt=truly,
                          on_topic_per_prompt=topic, conversations=self.conversations, instruction=instruction,
-                         served_truly=mean(served) if served else None, served_truly_per_prompt=served)
+                         served_truly=mean(served) if served else None)
         return ev, [ex for _, ex in rated]
 
 
