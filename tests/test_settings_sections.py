@@ -191,3 +191,17 @@ def test_the_demo_prints_the_settings_its_recipe_makes():
     printed = json.loads(r.output)
     assert printed["opd_draws"] == 4 and printed["method"] == "opd" and printed["engine_max_batch"] == 64
     assert set(printed) == set(FLAT)
+
+
+def test_the_demo_serves_the_weights_alone_unless_asked_to_serve_as_clawbridge_up_does():
+    """The demo's recipe turns instant preferences off (docs/learning.md#clawbridge-demo);
+    `--instant` turns them on as `clawbridge up` has them, and the tools scenario refuses it."""
+    from clawbridge.cli.main import app
+
+    plain = CliRunner().invoke(app, ["demo", "--print-settings"])
+    instant = CliRunner().invoke(app, ["demo", "--print-settings", "--instant"])
+    assert plain.exit_code == 0 and instant.exit_code == 0, (plain.output, instant.output)
+    assert json.loads(plain.output)["instant_preferences"] is False
+    assert json.loads(instant.output)["instant_preferences"] is True
+    refused = CliRunner().invoke(app, ["demo", "--scenario", "tools", "--instant"])
+    assert refused.exit_code == 2 and "--instant does not apply" in refused.output

@@ -49,6 +49,7 @@ def run_demo_command(
     as_json: bool,
     seed: int,
     print_settings: bool = False,
+    instant: bool = False,
 ) -> None:
     from clawbridge.demo import runner as demo
     from clawbridge.demo import scenario, tools
@@ -61,6 +62,10 @@ def run_demo_command(
         typer.echo(f"clawbridge demo: {e}", err=True)
         raise typer.Exit(2) from e
     if agentic is not None:
+        if instant:
+            typer.echo("clawbridge demo: the tools scenario has no simulated user's preference to serve; "
+                       "--instant does not apply", err=True)
+            raise typer.Exit(2)
         run_tools_command(agentic, console, model=model, method=method, rounds=rounds, data_dir=data_dir,
                           out=out, as_json=as_json, seed=seed, print_settings=print_settings)
         return
@@ -73,7 +78,9 @@ def run_demo_command(
         sc = sc.model_copy(update={"recipe": sc.recipe.model_copy(update={"rounds": rounds})})
     # printing only: no temporary directory is made
     folder = Path(data_dir) if data_dir else Path("TEMPORARY") if print_settings else default_data_dir()
-    settings = demo.demo_settings(sc, folder, model=model, seed=seed, method=method)
+    # --instant: served as `clawbridge up` serves (the demo's recipe serves the weights alone)
+    settings = demo.demo_settings(sc, folder, model=model, seed=seed, method=method,
+                                  instant_preferences=True if instant else None)
     if print_settings:
         typer.echo(json.dumps(settings.flat(), indent=2))
         return

@@ -234,13 +234,14 @@ def demo_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the JSON summary on stdout (progress goes to stderr)."),
     seed: int = typer.Option(0, help="Sampling and LoRA seed."),
     print_settings: bool = typer.Option(False, "--print-settings", help="Print the settings the scenario's recipe makes (by flat name, JSON) and exit."),
+    instant: bool = typer.Option(False, "--instant", help="Serve the user's preference at once as an instruction, as `clawbridge up` does, and measure two curves: as served and the weights alone (docs/learning.md#clawbridge-demo)."),
 ) -> None:
     """Watch the model learn: a simulated user with a hidden preference talks to clawbridge over
     the OpenAI API; clawbridge judges, trains and publishes; held-out prompts show the change."""
     from clawbridge.cli.demo import run_demo_command
 
     run_demo_command(scenario, model=model, method=method, rounds=rounds, data_dir=data_dir,
-                     out=out, as_json=as_json, seed=seed, print_settings=print_settings)
+                     out=out, as_json=as_json, seed=seed, print_settings=print_settings, instant=instant)
 
 
 @app.command("status")
