@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from clawbridge.demo import scenario
 from clawbridge.demo.recipe import DEMO_RECIPE
-from clawbridge.demo.runner import demo_settings, run_demo
+from clawbridge.demo.runner import demo_settings, result_table, run_demo
 from clawbridge.local_gpu import precision
 
 TINY = {
@@ -194,6 +194,7 @@ async def test_demo_smoke_on_the_tiny_model_gives_the_summary(tmp_path: Path):
     assert summary["steps"] == 2 and summary["versions"][0]["version"] == 0
     # the demo's recipe serves the weights alone: as served is the weights alone
     assert all(v["instruction"] is None and v["served_truly"] == v["truly"] for v in summary["versions"])
+    assert ("as served", "the weights alone") in result_table(result)
     assert summary["train_conversations"] >= 4 and Path(summary["plot"]).stat().st_size > 1000
     # v0 asked for the preference: teachability on the held-out prompts, the price on the probe
     teach, price = summary["teachability"], summary["price"]
@@ -225,13 +226,16 @@ async def test_with_instant_preferences_the_demo_measures_the_weights_alone_and_
     never = {**TINY, "check": {"must_match": ["ZZQZZ"]}, "answers": {"object": False},
              "recipe": {**TINY["recipe"], "instant_preferences": True, "rounds": 1}}  # type: ignore[dict-item]
     sc = scenario.Scenario.model_validate(never)
-    summary = (await run_demo(sc, demo_settings(sc, tmp_path / "data", model="tiny-random"))).summary()
+    result = await run_demo(sc, demo_settings(sc, tmp_path / "data", model="tiny-random"))
+    summary = result.summary()
     versions = summary["versions"]
     assert versions[0]["instruction"] is None and versions[0]["served_truly"] == versions[0]["truly"]
     assert [v["instruction"] for v in versions[1:]] == ["Too long. Please answer in under 3 words."], versions
     assert [c for c, _ in summary["served_curve"]] == [c for c, _ in summary["weights_curve"]] == [
         v["conversations"] for v in versions]
     assert [t for _, t in summary["served_curve"]] == [v["served_truly"] for v in versions]
+    [row] = [value for label, value in result_table(result) if label.startswith("as served")]
+    assert row.startswith("0: ") and row != "the weights alone"  # the curve, by conversations
 
 
 async def test_a_scenario_whose_feedback_trains_nothing_stops_with_the_reason(tmp_path: Path):

@@ -29,10 +29,11 @@ DEMO_RECIPE: dict[str, Any] = {
     # step finish them sooner, where an agent's long prompts would hold too much KV (docs/engine.md)
     "engine_max_batch": 64,
     **MEASURED,  # the learning recipe
-    # the demo's conversations are answered by the weights alone: served with the instruction,
-    # its short run holds every candidate back against v0 asked for the preference on the
-    # validation split (docs/measurements.md); a scenario's recipe may turn it on, and the demo
-    # then measures both curves (docs/learning.md#clawbridge-demo)
+    # the demo's conversations are answered by the weights alone, so its table is what training
+    # learned: served with the instruction, no candidate of its five rounds serves the preference
+    # as well as v0 asked for it, plain or with the instruction on top (docs/measurements.md);
+    # `--instant` or a scenario's recipe turns it on, and the demo then measures both curves
+    # (docs/learning.md#clawbridge-demo)
     "instant_preferences": False,
 }
 

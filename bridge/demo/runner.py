@@ -452,12 +452,13 @@ def served_curve(result: DemoResult) -> str:
 def result_table(result: DemoResult) -> list[tuple[str, str]]:
     b, a = result.first, result.last
     c80 = result.conversations_to_80
-    served = [("as served, by conversations (instant preferences)", served_curve(result))
-              if any(v.instruction is not None for v in result.versions) else ("as served", "the weights alone")]
+    instructed = any(v.instruction is not None for v in result.versions)
+    served = (("as served, by conversations (instant preferences)", served_curve(result)) if instructed
+              else ("as served", "the weights alone"))
     return [
         ("truly satisfied (preference met AND answered)", f"{change(b.truly, a.truly)} (policy@v{a.version})"),
         ("difference (95% interval)", difference(b.truly, a.truly, result.truly_interval)),
-        *served,
+        served,
         ("preference met", change(b.rate, a.rate)),
         ("answers the question (held-out)", change(b.on_topic, a.on_topic)),
         ("general probe: answers the question", change(b.probe, a.probe, result.probe_interval)),
