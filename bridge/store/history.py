@@ -37,12 +37,13 @@ class GateRecord:
     reference: str | None = None  # what the general probe was judged against ("twin" | "v0")
     asked: str | None = None  # the preferences the twin was asked with
     created_at: datetime | None = None  # None: decided before the store kept the time
+    user: str = DEFAULT_USER  # whose candidate it judged
 
     @classmethod
-    def of(cls, record: Mapping[str, Any]) -> GateRecord:
+    def of(cls, record: Mapping[str, Any], user: str = DEFAULT_USER) -> GateRecord:
         """From a decision's record (`learning.gate.GateDecision.record()`)."""
         return cls(int(record["version"]), int(record["serving"]), str(record["decision"]), str(record["reason"]),
-                   dict(record.get("figures") or {}), record.get("reference"), record.get("asked"))
+                   dict(record.get("figures") or {}), record.get("reference"), record.get("asked"), user=user)
 
     def as_json(self) -> dict[str, Any]:
         """The record's JSON, keyed as `GateDecision.record()` (the page reads it)."""
@@ -110,14 +111,20 @@ class History:
         return origin(a) == origin(b)
 
 
-def read_history(conn: sa.Connection) -> History:
+def read_history(conn: sa.Connection, user: str | None = None) -> History:
+    """The gate's decisions and the versions' origins, of `user`'s lineage only if given; the
+    preferences are every user's."""
     g, pv = t.gate_decisions.c, t.policy_versions.c
+    decided = sa.select(t.gate_decisions).order_by(g.id)
+    made = (sa.select(pv.version, pv.copy_of, pv.blend_of, pv.blend_alpha)
+            .where(sa.or_(pv.copy_of.is_not(None), pv.blend_of.is_not(None))))
+    if user is not None:
+        decided, made = decided.where(g.user_name == user), made.where(pv.user_name == user)
     decisions = tuple(
         GateRecord(r.candidate, r.serving, r.decision, r.reason, dict(r.figures or {}), r.reference, r.asked,
-                   r.created_at)
-        for r in conn.execute(sa.select(t.gate_decisions).order_by(g.id)))
-    origins = conn.execute(sa.select(pv.version, pv.copy_of, pv.blend_of, pv.blend_alpha)
-                           .where(sa.or_(pv.copy_of.is_not(None), pv.blend_of.is_not(None)))).all()
+                   r.created_at, r.user_name)
+        for r in conn.execute(decided))
+    origins = conn.execute(made).all()
     return History(
         decisions=decisions,
         copies={r.version: r.copy_of for r in origins if r.copy_of is not None},
@@ -156,16 +163,17 @@ def history_mark(conn: sa.Connection) -> tuple[Any, Any]:
 
 
 class HistoryStore(StoreBase):
-    def history(self) -> History:
+    def history(self, user: str | None = None) -> History:
+        """Every lineage's history together, or `user`'s (`read_history`)."""
         with self._read() as conn:
-            return read_history(conn)
+            return read_history(conn, user)
 
     def record_gate_decision(self, record: GateRecord) -> None:
         with self._write() as conn:
             conn.execute(t.gate_decisions.insert().values(
                 candidate=record.candidate, serving=record.serving, decision=record.decision,
                 reason=record.reason, figures=record.figures, reference=record.reference, asked=record.asked,
-                created_at=record.created_at or utcnow()))
+                created_at=record.created_at or utcnow(), user_name=record.user))
 
     def preferences(self, user: str = DEFAULT_USER) -> tuple[Preference, ...]:
         """`user`'s preferences, first heard first (what their served instruction is made of)."""

@@ -219,6 +219,7 @@ class TrainingStep:
     metrics: JSONObject = field(default_factory=dict)
     samples: int = 0  # filled in by the store from the sample ids it marks
     created_at: datetime = field(default_factory=utcnow)
+    user: str = DEFAULT_USER  # whose lineage it trained
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,6 +233,7 @@ class PolicyVersionRow:
     copy_of: int | None = None  # a copy of this version's weights (a rollback, or a candidate given up)
     blend_of: int | None = None  # this held-back candidate's delta, scaled by `blend_alpha` (a blend)
     blend_alpha: float | None = None
+    user: str = DEFAULT_USER  # whose adapter it is (v0, the base, begins every user's lineage)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -173,6 +173,9 @@ training_steps = sa.Table(
     sa.Column("metrics", sa.JSON, nullable=False),
     sa.Column("samples", sa.Integer, nullable=False),
     sa.Column("created_at", UTCDateTime(), nullable=False),
+    # whose lineage the step trained (0012): version and step numbers are every user's together
+    sa.Column("user_name", sa.Text, nullable=False, server_default="default"),
+    sa.Index(None, "user_name"),
 )
 
 policy_versions = sa.Table(
@@ -190,6 +193,9 @@ policy_versions = sa.Table(
     sa.Column("copy_of", sa.Integer),
     sa.Column("blend_of", sa.Integer),
     sa.Column("blend_alpha", sa.Float),
+    # the user whose adapter the version is (0012); v0, the base model, begins every lineage
+    sa.Column("user_name", sa.Text, nullable=False, server_default="default"),
+    sa.Index(None, "user_name"),
 )
 
 # The gate's decisions, one row each, oldest first (0007). A candidate may be judged more than once
@@ -208,6 +214,8 @@ gate_decisions = sa.Table(
     sa.Column("asked", sa.Text),
     sa.Column("created_at", UTCDateTime()),
     sa.Index(None, "candidate"),
+    sa.Column("user_name", sa.Text, nullable=False, server_default="default"),  # whose candidate (0012)
+    sa.Index(None, "user_name"),
 )
 
 # The user's preferences (0007): what the judged hints asked for, in the order first heard

@@ -179,9 +179,10 @@ class TrainingStore(StoreBase):
         *,
         method: str | None = None,
         state: SampleState = "judged",
+        user: str | None = None,
     ) -> list[Sample]:
-        """Samples waiting for the trainer (state `judged`: advantages ready), oldest first.
-        `state="pending"` lists those still waiting for their advantages."""
+        """Samples waiting for the trainer (state `judged`: advantages ready), oldest first;
+        `user`'s only if given. `state="pending"` lists those still waiting for their advantages."""
         s = t.samples
         q = (
             sa.select(
@@ -197,10 +198,28 @@ class TrainingStore(StoreBase):
         )
         if method is not None:
             q = q.where(s.c.method == method)
+        if user is not None:
+            q = q.where(s.c.turn_id.in_(turns_of(user)))
         if limit is not None:
             q = q.limit(limit)
         with self._read() as conn:
             return [codec.sample_from_row(r) for r in conn.execute(q)]
+
+    def users_with_samples(self, method: str | None = None) -> list[str]:
+        """The users who have judged samples waiting for the trainer (of `method` if given)."""
+        s = t.samples
+        q = (sa.select(t.sessions.c.user_name).distinct()
+             .select_from(s.join(t.turns, t.turns.c.id == s.c.turn_id).join(t.sessions, t.sessions.c.id == t.turns.c.session_id))
+             .where(s.c.state == "judged"))
+        if method is not None:
+            q = q.where(s.c.method == method)
+        with self._read() as conn:
+            return sorted(r[0] for r in conn.execute(q))
+
+    def lineage_users(self) -> list[str]:
+        """The users who have versions of their own (a lineage to come back to at a start)."""
+        with self._read() as conn:
+            return sorted(r[0] for r in conn.execute(sa.select(t.policy_versions.c.user_name).distinct()))
 
     def get_samples(self, ids: Sequence[int]) -> list[Sample]:
         s = t.samples
@@ -260,17 +279,16 @@ class TrainingStore(StoreBase):
             raise SampleStateError(f"cannot move samples to {state}: {bad}")
         return len(wanted)
 
-    def drop_stale_samples(self, oldest_fresh: int) -> int:
+    def drop_stale_samples(self, oldest_fresh: int, user: str | None = None) -> int:
         """Drop untrained samples drawn by a version older than `oldest_fresh` (the trainer's
-        `oldest_fresh`: the version that served `max_staleness` servings ago)."""
+        `oldest_fresh`: the version that served `max_staleness` servings ago), `user`'s only if
+        given (each user's versions make only their own samples stale)."""
+        where = [t.samples.c.state.in_(("pending", "judged")), t.samples.c.version < oldest_fresh]
+        if user is not None:
+            where.append(t.samples.c.turn_id.in_(turns_of(user)))
         with self._write() as conn:
             res = conn.execute(
-                sa.update(t.samples)
-                .where(
-                    t.samples.c.state.in_(("pending", "judged")),
-                    t.samples.c.version < oldest_fresh,
-                )
-                .values(state="dropped", reason="stale", updated_at=utcnow())
+                sa.update(t.samples).where(*where).values(state="dropped", reason="stale", updated_at=utcnow())
             )
             return int(res.rowcount)
 
@@ -295,6 +313,7 @@ class TrainingStore(StoreBase):
                     metrics=step.metrics,
                     samples=n,
                     created_at=step.created_at,
+                    user_name=step.user,
                 )
             )
             if policy is not None:
@@ -335,10 +354,18 @@ class TrainingStore(StoreBase):
                 )
             ).first() is not None
 
-    def training_steps(self) -> list[TrainingStep]:
+    def training_steps(self, user: str | None = None) -> list[TrainingStep]:
+        """The steps trained, oldest first; `user`'s only if given."""
+        q = sa.select(t.training_steps).order_by(t.training_steps.c.step)
+        if user is not None:
+            q = q.where(t.training_steps.c.user_name == user)
         with self._read() as conn:
-            rows = conn.execute(sa.select(t.training_steps).order_by(t.training_steps.c.step))
-            return [TrainingStep(**r._asdict()) for r in rows]
+            return [step_from_row(r) for r in conn.execute(q)]
+
+    def next_step(self) -> int:
+        """The number the next training step takes: one numbering for every user's steps."""
+        with self._read() as conn:
+            return int(conn.execute(sa.select(sa.func.max(t.training_steps.c.step))).scalar() or 0) + 1
 
     def record_policy_version(self, row: PolicyVersionRow) -> None:
         with self._write() as conn:
@@ -348,26 +375,51 @@ class TrainingStore(StoreBase):
         """Versions are append-only: the number is the primary key and a row is never updated,
         so a version number used twice fails the transaction (VersionReused) instead of
         rewriting history."""
+        values = asdict(row)
+        values["user_name"] = values.pop("user")
         try:
-            conn.execute(t.policy_versions.insert().values(**asdict(row)))
+            conn.execute(t.policy_versions.insert().values(**values))
         except sa.exc.IntegrityError:  # the whole transaction (a step and its samples) rolls back
             raise VersionReused(row.version) from None
 
-    def latest_version(self) -> PolicyVersionRow | None:
+    def latest_version(self, user: str | None = None) -> PolicyVersionRow | None:
+        """The newest version; of `user`'s lineage only if given (v0 begins every lineage)."""
+        q = sa.select(t.policy_versions).order_by(t.policy_versions.c.version.desc()).limit(1)
+        if user is not None:
+            q = q.where(sa.or_(t.policy_versions.c.user_name == user, t.policy_versions.c.version == 0))
         with self._read() as conn:
-            row = conn.execute(
-                sa.select(t.policy_versions).order_by(t.policy_versions.c.version.desc()).limit(1)
-            ).first()
-        return None if row is None else PolicyVersionRow(**row._asdict())
+            row = conn.execute(q).first()
+        return None if row is None else version_from_row(row)
 
     def policy_version(self, version: int) -> PolicyVersionRow | None:
         with self._read() as conn:
             row = conn.execute(
                 sa.select(t.policy_versions).where(t.policy_versions.c.version == version)
             ).first()
-        return None if row is None else PolicyVersionRow(**row._asdict())
+        return None if row is None else version_from_row(row)
 
-    def versions(self) -> list[PolicyVersionRow]:
+    def versions(self, user: str | None = None) -> list[PolicyVersionRow]:
+        """Every version, oldest first; `user`'s lineage only if given (v0 begins each)."""
+        q = sa.select(t.policy_versions).order_by(t.policy_versions.c.version)
+        if user is not None:
+            q = q.where(sa.or_(t.policy_versions.c.user_name == user, t.policy_versions.c.version == 0))
         with self._read() as conn:
-            rows = conn.execute(sa.select(t.policy_versions).order_by(t.policy_versions.c.version))
-            return [PolicyVersionRow(**r._asdict()) for r in rows]
+            return [version_from_row(r) for r in conn.execute(q)]
+
+
+def turns_of(user: str) -> sa.Select[tuple[str]]:
+    """The ids of `user`'s turns (through their sessions), for an IN clause."""
+    return sa.select(t.turns.c.id).join(t.sessions, t.sessions.c.id == t.turns.c.session_id).where(
+        t.sessions.c.user_name == user)
+
+
+def version_from_row(row: sa.Row[Any]) -> PolicyVersionRow:
+    values = row._asdict()
+    values["user"] = values.pop("user_name")
+    return PolicyVersionRow(**values)
+
+
+def step_from_row(row: sa.Row[Any]) -> TrainingStep:
+    values = row._asdict()
+    values["user"] = values.pop("user_name")
+    return TrainingStep(**values)
