@@ -161,11 +161,12 @@ class LocalBackend(Routing):
         *,
         model: ScoreModel = "policy",
         temperature: float = 1.0,
+        version: int | None = None,
     ) -> list[float]:
         if len(prompt_ids) + len(completion_ids) > self.context_length:
             raise ContextLengthExceeded(len(prompt_ids), len(completion_ids), self.context_length)
         return await self.engine.score(
-            prompt_ids, completion_ids, model=model, temperature=temperature
+            prompt_ids, completion_ids, model=model, temperature=temperature, version=version
         )
 
     async def train_step(
@@ -194,6 +195,10 @@ class LocalBackend(Routing):
     async def restore(self, version: int, path: str | None) -> None:
         """Serve and train on from `version`'s published weights (fresh optimizer)."""
         await self.engine.restore(version, path)
+
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train on from another user's lineage (`protocol.Lineages`)."""
+        await self.engine.switch(state, version, path)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.close)

@@ -176,9 +176,10 @@ class Backend(Protocol):
         *,
         model: ScoreModel = "policy",
         temperature: float = 1.0,
+        version: int | None = None,
     ) -> list[float]:
         """log p(completion_ids[i] | prompt, completion_ids[:i]) for every completion token
-        (suffix only), under the newest policy or the frozen base."""
+        (suffix only), under a published policy (`version`; None: the newest) or the frozen base."""
         ...
 
     async def train_step(
@@ -219,6 +220,22 @@ class Restorable(Protocol):
     a restart needs when the newest version is newer than the last checkpoint."""
 
     async def restore(self, version: int, path: str | None) -> None: ...
+
+
+@runtime_checkable
+class Lineages(Protocol):
+    """Trains several users' adapters over one base model, one at a time: `switch` makes another
+    user's lineage the trainable one (docs/learning.md#each-user-their-own-adapter). Versions
+    stay one numbering for all users, and any published version can be served or scored by
+    number (`sample`, `score`), so each user is served their own while another's trains."""
+
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train on from the checkpoint `state` (a `save_state` of the lineage switched to: its
+        weights and optimizer exactly) or, without one, from published `version`'s weights (at
+        `path` where the platform keeps them apart; 0: a fresh adapter, the base model) with a fresh
+        optimizer. What is published and what serves, and the next version's number, are
+        unchanged (unlike `load_state` and `restore`, which set the newest version)."""
+        ...
 
 
 @runtime_checkable

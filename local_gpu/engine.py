@@ -317,9 +317,12 @@ class Engine(Scheduling, Forwarding, Decoding, AdapterRows, VersionSlots, Traini
         *,
         model: Literal["policy", "base"] = "policy",
         temperature: float = 1.0,
+        version: int | None = None,
     ) -> list[float]:
+        """`version`: the published version whose weights "policy" means (None: the newest)."""
         return await self._call(
-            self._score, tuple(prompt_ids), tuple(completion_ids), model, temperature
+            self._score, tuple(prompt_ids), tuple(completion_ids), model, temperature,
+            None if model == "base" else version,
         )
 
     async def train_step(
@@ -377,6 +380,12 @@ class Engine(Scheduling, Forwarding, Decoding, AdapterRows, VersionSlots, Traini
 
     async def restore(self, version: int, path: str | None) -> None:
         await self._call(self._restore, version, path)
+
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train on from another lineage (`protocol.Lineages`): from the checkpoint `state`, or from
+        published `version`'s weights (at `path`; 0: a fresh adapter) with a fresh optimizer.
+        What is published and served, and the numbering of versions, stay as they are."""
+        await self._call(self._switch, state, version, path)
 
     async def logits(self, token_ids: Sequence[int], *, version: int | None = None) -> torch.Tensor:
         """The logits at every position of `token_ids` on a version (default: the newest),

@@ -219,7 +219,7 @@ class Scheduling:
         return bool(prompt) and bool(completion) and len(prompt) + len(completion) <= SCORE_CHUNK
 
     def _more_scores(self, first: _Job) -> list[_Job]:
-        """The other waiting `score` jobs on `first`'s model, taken out of the queue (in order,
+        """The other waiting `score` jobs on `first`'s model and version, taken out of the queue (in order,
         up to SCORE_ROW tokens with `first`'s: one packed forward, decode steps still between):
         callers ask for many at once (a turn's rewrites, a step's teacher), and each alone pays
         a whole forward's overhead for a few dozen tokens. Only scores queued before any other
@@ -230,7 +230,7 @@ class Scheduling:
         while self._jobs and self._jobs[0].fn == self._score:
             job = self._jobs.popleft()
             size = len(job.args[0]) + len(job.args[1]) if self._scoring(job) else 0
-            if size and job.args[2] == first.args[2] and size <= room:
+            if size and job.args[2] == first.args[2] and job.args[4] == first.args[4] and size <= room:
                 taken.append(job)
                 room -= size
             else:

@@ -74,10 +74,19 @@ class Training:
         completion: tuple[int, ...],
         model: Literal["policy", "base"],
         temperature: float,
+        version: int | None = None,
     ) -> list[float]:
         if not prompt or not completion:
             raise ValueError("score needs a non-empty prompt and completion")
-        name = BASE if model == "base" else self._row(self._newest)
+        if model == "base":
+            return self._score_on(BASE, prompt, completion, temperature)
+        held = self._acquire(version)  # "policy": the newest, or the version asked for
+        try:
+            return self._score_on(self._row(held), prompt, completion, temperature)
+        finally:
+            self._release(held)
+
+    def _score_on(self, name: str, prompt: tuple[int, ...], completion: tuple[int, ...], temperature: float) -> list[float]:
         ids, keep = prompt + completion, len(completion) + 1
         with torch.inference_mode(), self._abandonable():
             parts, cache = [], None
@@ -98,15 +107,20 @@ class Training:
             lp = token_logprobs(logits, targets, temperature if temperature > 0 else 1.0)
         return [float(x) for x in lp.tolist()]
 
-    def _scores(self, asked: list[tuple[tuple[int, ...], tuple[int, ...], str, float]]) -> list[list[float]]:
-        """Several `_score`s on one model (`asked`: their arguments, SCORE_CHUNK tokens at most in
-        all) in one packed forward: one forward's overhead for all of them. Each is a solo
-        `_score`'s logprobs up to the matmuls' rounding at another shape (exact in fp32)."""
-        model = asked[0][2]
-        name = BASE if model == "base" else self._row(self._newest)
-        data = [Datum(p, c, (0.0,) * len(c), (0.0,) * len(c), t if t > 0 else 1.0) for p, c, _, t in asked]
-        with torch.inference_mode(), self._abandonable():
-            lp = self._batch_logprobs(data, name).tolist()
+    def _scores(self, asked: list[tuple[tuple[int, ...], tuple[int, ...], str, float, int | None]]) -> list[list[float]]:
+        """Several `_score`s on one model and version (`asked`: their arguments, SCORE_CHUNK tokens
+        at most in all) in one packed forward: one forward's overhead for all of them. Each is a
+        solo `_score`'s logprobs up to the matmuls' rounding at another shape (exact in fp32)."""
+        model, version = asked[0][2], asked[0][4]
+        held = None if model == "base" else self._acquire(version)
+        name = BASE if held is None else self._row(held)
+        data = [Datum(p, c, (0.0,) * len(c), (0.0,) * len(c), t if t > 0 else 1.0) for p, c, _, t, _ in asked]
+        try:
+            with torch.inference_mode(), self._abandonable():
+                lp = self._batch_logprobs(data, name).tolist()
+        finally:
+            if held is not None:
+                self._release(held)
         out, at = [], 0
         for d in data:
             out.append([float(x) for x in lp[at : at + len(d.completion_ids)]])
@@ -288,32 +302,44 @@ class Training:
     def _restore(self, version: int, path: str | None) -> None:
         """After a restart: train on from the weights published as `version` (at `path`), with a
         fresh optimizer, and serve them as the newest version."""
-        if version == 0:
-            self._set_trainable(self._initial)
-        else:
-            folder = Path(path) if path else self._adapter_dir(version)
-            file = folder / adapters.WEIGHTS
-            if not file.exists():
-                raise UnknownVersion(
-                    version,
-                    self._newest,
-                    f"policy@v{version}'s weights are gone ({file} is missing)",
-                )
-            weights = adapters.read(folder, str(self.device))
-            self._set_trainable(weights)
-            if folder != self._adapter_dir(version):  # another process's (docs/scale-out.md)
-                self._folders[version] = folder
+        self._set_trainable(self._weights_at(version, path))
         self._prefixes.clear()  # a version number read back from disk: cache nothing across
         self._newest = version
         self._release(self._acquire(None))  # loads the newest version's adapter if missing
 
+    def _weights_at(self, version: int, path: str | None) -> dict[str, torch.Tensor]:
+        """The weights published as `version` (at `path`; v0: the initial adapter)."""
+        if version == 0:
+            return self._initial
+        folder = Path(path) if path else self._adapter_dir(version)
+        file = folder / adapters.WEIGHTS
+        if not file.exists():
+            raise UnknownVersion(version, self._newest, f"policy@v{version}'s weights are gone ({file} is missing)")
+        if folder != self._adapter_dir(version):  # another process's (docs/scale-out.md)
+            self._folders[version] = folder
+        return adapters.read(folder, str(self.device))
+
+    def _switch(self, state: str | None, version: int, path: str | None) -> None:
+        """Another lineage's trainable weights and optimizer (`Engine.switch`); what serves and
+        the newest version are left alone."""
+        if state is None:
+            self._set_trainable(self._weights_at(version, path))
+        else:
+            self._load_checkpoint(self._checkpoint_dir(state))
+
     def _load_state(self, name: str) -> None:
+        meta = self._load_checkpoint(self._checkpoint_dir(name))
+        self._prefixes.clear()
+        self._newest = int(meta["version"])
+        self._release(self._acquire(None))  # loads the newest version's adapter if missing
+
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """The trainable weights and the optimizer's state saved at `path`; returns its meta."""
         from safetensors.torch import load_file
 
-        path = self._checkpoint_dir(name)
         if not (path / "state.json").exists():
             raise BackendError(f"no checkpoint at {path}")
-        meta = json.loads((path / "state.json").read_text())
+        meta: dict[str, Any] = json.loads((path / "state.json").read_text())
         self._set_trainable(
             load_file(str(path / "adapter" / "adapter_model.safetensors"), device=str(self.device))
         )
@@ -321,6 +347,4 @@ class Training:
         if saved["optimizer"] is not None:
             self._get_optimizer().load_state_dict(saved["optimizer"])
         self._steps = int(meta["steps"])
-        self._prefixes.clear()
-        self._newest = int(meta["version"])
-        self._release(self._acquire(None))  # loads the newest version's adapter if missing
+        return meta
