@@ -144,17 +144,20 @@ class RollbackRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: int = Field(ge=0, description="The published version whose weights to serve again (0: the base model).")
+    user: str | None = Field(None, description="Whose lineage: the version must be theirs; for v0, whose adapter starts again from the base (default: the version's owner, and for v0 the default user).")
 
 
 def rollback_route(learner: Learner) -> Route:
-    """`POST /v1/admin/rollback {"version": K}`: publish vK's weights as the next version."""
+    """`POST /v1/admin/rollback {"version": K, "user"?: NAME}`: publish vK's weights as the next
+    version of its owner's lineage (v0: the named user's, else the default user's)."""
 
     async def rollback(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
         users.require_admin(proxy.check_auth(request))
         body = await read_body(request, RollbackRequest, "rollback")
         try:
-            rb = await learner.rollback(proxy.backend, proxy.store, body.version)
+            who = users.checked_name(body.user, "user") if body.user is not None else None
+            rb = await learner.rollback(proxy.backend, proxy.store, body.version, who)
         except UnknownVersion as e:
             raise APIError(404, str(e), param="version", code="version_not_found") from None
         except TransientBackendError as e:
@@ -218,7 +221,7 @@ async def preference_action(proxy: Proxy, action: str, pid: Any, lock: asyncio.L
     except (TypeError, ValueError):
         raise APIError(400, f"The preference must be a number, got {pid!r}.", param="id", code="invalid_value") from None
     try:
-        out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh, lock,
+        out = await standing.act(proxy.store, action, pref_id, proxy.version_for(user), proxy.standing.refresh, lock,
                                  user)
     except KeyError:
         whose = f" of {user!r}'s" if user else ""

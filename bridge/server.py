@@ -36,6 +36,7 @@ from clawbridge.learning.gate import Gate, GateProbe, probe_scorer
 from clawbridge.learning.gate_rules import GENERAL
 from clawbridge.learning.learner import Learner, LearningParts
 from clawbridge.learning.lease import Coordinator
+from clawbridge.learning.lineages import UserLineages, settle_start
 from clawbridge.learning.probes import Probe, gate_tiers, general_probes
 from clawbridge.learning.promotion import Resumed, pin_interrupted, resume
 from clawbridge.learning.trainer import Trainer
@@ -51,6 +52,7 @@ from clawbridge.serving import anthropic, completions, metrics, responses
 from clawbridge.serving.app import create_app
 from clawbridge.serving.instructing import REFRESH_S
 from clawbridge.serving.proxy import Proxy, ProxyHooks
+from clawbridge.store.records import DEFAULT_USER
 from clawbridge.types import SamplingParams
 from clawbridge.ui import ui_routes
 from clawbridge.ui.live import live_board
@@ -113,7 +115,8 @@ def learner_hooks(learner: Learner) -> ProxyHooks:
 def learner_task(learner: Learner) -> BackgroundTask:
     async def learn(running: Running, resumed: Resumed | None) -> None:
         learner.on_preferences = serves_preferences(running.proxy)  # a preference heard is served at once
-        bind_learner(learner, running.backend, running.store, running.renderer, resumed=resumed)
+        bind_learner(learner, running.backend, running.store, running.renderer, resumed=resumed,
+                     lineages=running.proxy.lineages)
         await learner.run()
 
     async def run(running: Running) -> None:
@@ -132,24 +135,28 @@ def learner_task(learner: Learner) -> BackgroundTask:
 
 
 def bind_learner(learner: Learner, backend: Backend, store: Store, renderer: Renderer | None = None, *,
-                 resumed: Resumed | None = None) -> None:
+                 resumed: Resumed | None = None, lineages: UserLineages | None = None) -> None:
     """Build the learner's parts on the live backend and store and bind them. `renderer`: the
     server's own (`Running.renderer`); a new one only where no server runs (tools, tests).
-    `resumed`: what `resume` loaded at the start (None: a fresh optimizer)."""
+    `resumed`: what `resume` loaded at the start (None: a fresh optimizer). `lineages`: the
+    server's users' lineages (None: one lineage, every user's samples on one adapter)."""
     learner.bind(build_learning(learner.settings, backend, store, renderer or Renderer(backend.tokenizer()),
                                 lock=learner.lock, probes=learner.extra_probes, resumed=resumed,
-                                on_preferences=learner.on_preferences))
+                                on_preferences=learner.on_preferences, lineages=lineages))
 
 
 def build_learning(
     settings: Settings, backend: Backend, store: Store, renderer: Renderer, *,
     lock: asyncio.Lock | None = None, probes: Sequence[GateProbe] = (), resumed: Resumed | None = None,
     on_preferences: Callable[[str, Sequence[Preference]], None] | None = None,
+    lineages: UserLineages | None = None,
 ) -> LearningParts:
     """The learner's parts, each built once: the teacher scorer shared by the collector, the
     episodes and (`hint_selection = overlap`) the hint judge; the judges; the gate with the
     judge model's pairwise comparison when there is one; the trainer that runs it, which goes on
-    from what `resume` loaded (`resumed`: a checkpoint brought the optimizer's moments back)."""
+    from what `resume` loaded (`resumed`: a checkpoint brought the optimizer's moments back).
+    With `lineages`, each user's trainer is built the same way on their lineage when they first
+    have a batch (`make_trainer`); the gate, judges and teacher are everyone's."""
     learning, training = settings.learning, settings.training
     teacher = Teacher(backend, renderer, model=training.teacher, clip=learning.opd_clip)
     judging = settings.judging
@@ -159,15 +166,29 @@ def build_learning(
     # the trainer hands the gate gate_recent of a batch's prompts to compare pairwise: none, no comparison
     pairwise = PairwiseJudge(client, seed=settings.seed) if client is not None and training.gate_recent else None
     gate = build_gate(settings.gating, backend, renderer, pairwise, probes, seed=settings.seed)
+    lock = lock or asyncio.Lock()  # every lineage's steps share it: one trainable adapter at a time
+
+    def trainer_on(lineage_backend: Backend, lineage_store: Store, resumed: Resumed | None) -> Trainer:
+        return Trainer(settings.training, lineage_backend, lineage_store, lock=lock, gate=gate, teacher=teacher,
+                       resumed=resumed, redraw_max_tokens=learning.redraw_max_tokens,
+                       retirement=build_retirement(settings.gating, lineage_backend, renderer, seed=settings.seed)
+                       if settings.serving.instant_preferences else None)
+
+    if lineages is None:
+        trainer = trainer_on(backend, store, resumed)
+        backend_of: Callable[[str], Backend] = lambda _user: backend  # noqa: E731
+    else:
+        lineages.make_trainer = lambda lineage: trainer_on(
+            lineage.backend, lineage.store, resumed if lineage.user == DEFAULT_USER else None)  # type: ignore[arg-type]
+        trainer = lineages.trainer(lineages.default)
+        backend_of = lambda user: lineages.get(user).backend  # noqa: E731
     return LearningParts(
         judges=judges,
         collector=Collector(learning, backend, store, judges, teacher, method=training.method,
-                            on_preferences=on_preferences, distils_topk=training.opd_topk > 0),
+                            on_preferences=on_preferences, distils_topk=training.opd_topk > 0, backend_of=backend_of),
         episodes=EpisodeLearner(learning, backend, store, judges, teacher, method=training.method),
-        trainer=Trainer(settings.training, backend, store, lock=lock, gate=gate, teacher=teacher, resumed=resumed,
-                        retirement=build_retirement(settings.gating, backend, renderer, seed=settings.seed)
-                        if settings.serving.instant_preferences else None,
-                        redraw_max_tokens=learning.redraw_max_tokens),
+        trainer=trainer,
+        lineages=lineages,
     )
 
 
@@ -360,16 +381,21 @@ async def serve(
     # Before the first request: the newest version the store recorded serves, and training goes
     # on from it (versions are append-only; docs/operating.md, "Restarts"), trained or not.
     resumed = await resume(backend, store)
+    # each user's own lineage of versions, served by their own (docs/learning.md#each-user-their-own-adapter)
+    lineages = UserLineages(backend, store)
+    await settle_start(lineages, resumed)
     if settings.train and settings.gating.gate != "off":
         # a restart that interrupted the gate: the version that served then serves until the
-        # learner has settled it (`Promotion.recover`)
-        await pin_interrupted(backend, store)
+        # learner has settled it (`Promotion.recover`), each user's apart
+        for lineage in list(lineages.by_user.values()):
+            await pin_interrupted(lineage.backend, lineage.store)  # type: ignore[arg-type]
     coordinator = Coordinator(store, backend, train=settings.train) if store.shared else None
     if coordinator is not None:
         await coordinator.start()  # the lease, or the version the trainer serves
     renderer = Renderer(backend.tokenizer())
     app = create_app(settings, backend, store, hooks, renderer=renderer, surfaces=SURFACES)
     proxy: Proxy = app.state.proxy
+    proxy.lineages = lineages
     if coordinator is not None:
         proxy.hooks.status_extra = _with_trainer(coordinator, proxy.hooks.status_extra)
 

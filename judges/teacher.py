@@ -41,20 +41,21 @@ class Teacher:
         (`teacher_view`)."""
         return self.renderer.render(teacher_view(turn.messages, hint, turn.instruction), turn.tools)
 
-    async def logprobs(self, turn: TurnContext, hint: str | None) -> list[float]:
+    async def logprobs(self, turn: TurnContext, hint: str | None, *, backend: Backend | None = None) -> list[float]:
         """log p_teacher(completion_ids[i] | prompt + instruction + hint, completion_ids[:i]).
         Cached for the last few (prompt, hint, completion) so scoring candidates and training
-        share one call."""
+        share one call. `backend`: the turn's user's lineage, whose policy a "policy" teacher is."""
         if not turn.completion_ids:
             raise ValueError("the teacher needs the turn's completion ids")
         prompt = self.prompt_ids(turn, hint)
         # the live policy's scores change with its version; the frozen base's never do
-        version = self.backend.version if self.model == "policy" else 0
+        backend = backend or self.backend  # a user's own lineage, for the live policy (`learning.lineages`)
+        version = backend.version if self.model == "policy" else 0
         key = (tuple(prompt), turn.completion_ids, self.model, version, turn.temperature)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        lp = await self.backend.score(
+        lp = await backend.score(
             prompt, turn.completion_ids, model=self.model, temperature=turn.temperature
         )
         if len(lp) != len(turn.completion_ids):

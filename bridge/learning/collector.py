@@ -137,9 +137,12 @@ class Collector:
     def __init__(
         self, settings: LearningSettings, backend: Backend, store: Store, judges: Judges, teacher: Teacher, *,
         method: Method, on_preferences: Callable[[str, Sequence[Preference]], None] | None = None,
-        distils_topk: bool = False,
+        distils_topk: bool = False, backend_of: Callable[[str], Backend] | None = None,
     ) -> None:
         self.settings = settings
+        # a user's own lineage (`learning.lineages`): "policy" scores of their turns are their
+        # adapter's, never another user's; None: one adapter for everyone
+        self.backend_of: Callable[[str], Backend] = backend_of or (lambda _user: backend)
         # the trainer distils the teacher's top-k distribution on a taught sample's tokens
         # (`opd_topk`): a turn served under an instruction then trains even with no advantage
         self.distils_topk = distils_topk
@@ -163,7 +166,7 @@ class Collector:
         text = preferences.unquoted(hint, asked_of(turn))
         if not text:
             return None
-        version, user = self.backend.version, turn.user
+        version, user = self.backend_of(turn.user).version, turn.user
         before = await self.store.run(self.store.preferences, user)
         after = await self.store.run(
             self.store.update_preferences, lambda known: preferences.merge(known, [(text, turn.id)], version, utcnow()),
@@ -254,10 +257,11 @@ class Collector:
         # a turn served under the applied preferences trains from the student's view (`baking`):
         # the prompt without the instruction, its logprobs re-scored there; its teacher is asked
         # with the instruction, so the turn distils it whether or not the user corrected it
-        turn = await student_view(turn, self.teacher.renderer, self.backend)
+        backend = self.backend_of(turn.user)  # the user's own adapter scores their turn
+        turn = await student_view(turn, self.teacher.renderer, backend)
         teacher_lp: list[float] | None = None
         if (signal.hint is not None or turn.instruction) and self.method != "binary":
-            teacher_lp = await self.teacher.logprobs(self.context(turn), signal.hint)
+            teacher_lp = await self.teacher.logprobs(self.context(turn), signal.hint, backend=backend)
         advantages = sample_advantages(
             self.method, signal.reward, teacher_lp is not None, teacher_lp, turn.logprobs,
             w_opd=self.settings.w_opd, w_rl=self.settings.w_rl, clip=self.settings.opd_clip,
@@ -267,7 +271,7 @@ class Collector:
         rewrite = None
         if teacher_lp is not None and self.settings.rewrites > 0 and signal.hint is not None:
             rewrite = await write_rewrite(
-                self.backend, self.teacher.renderer, turn, signal.hint, samples=self.settings.rewrites,
+                backend, self.teacher.renderer, turn, signal.hint, samples=self.settings.rewrites,
                 weight=self.settings.w_rewrite, teacher=self.teacher.model, rule=self.settings.rewrite_pick,
                 min_relevance=self.settings.rewrite_min_relevance, min_lift=self.settings.rewrite_min_lift,
                 max_tokens=self.settings.redraw_max_tokens,

@@ -31,10 +31,12 @@ from clawbridge.learning.episodes import EpisodeLearner
 from clawbridge.learning.gate import GateDecision, GateProbe
 from clawbridge.learning.promotion import Promotion, RollbackResult
 from clawbridge.learning.trainer import StepResult, Trainer
-from clawbridge.protocol import BackendError
+from clawbridge.protocol import BackendError, UnknownVersion
+from clawbridge.store.records import DEFAULT_USER
 
 if TYPE_CHECKING:
     from clawbridge.backends.base import Backend
+    from clawbridge.learning.lineages import UserLineages
     from clawbridge.store import Preference, Store
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ class LearningParts:
     judges: Judges
     collector: Collector
     episodes: EpisodeLearner  # SDK groups: outcome rewards (learning.episodes)
-    trainer: Trainer
+    trainer: Trainer  # the default user's (a single-user install's only one)
+    lineages: UserLineages | None = None  # every user's own (None: one adapter for everyone)
 
 
 class Learner:
@@ -71,6 +74,7 @@ class Learner:
         # root serves the applied ones at once)
         self.on_preferences: Callable[[str, Sequence[Preference]], None] | None = None
         self.settling = self.preparing = False  # a settle pass, the gate's references being asked
+        self.last_user: str | None = None  # whose lineage the newest step trained
 
     def bind(self, parts: LearningParts) -> None:
         self.parts = parts
@@ -87,13 +91,24 @@ class Learner:
     def trainer(self) -> Trainer | None:
         return self.parts.trainer if self.parts is not None else None
 
-    async def rollback(self, backend: Backend, store: Store, version: int) -> RollbackResult:
-        """Serve `version`'s weights again as a new version (the route's work). Works before the
-        background task has bound the trainer, too: the lock is the learner's."""
+    async def rollback(self, backend: Backend, store: Store, version: int, user: str | None = None) -> RollbackResult:
+        """Serve `version`'s weights again as a new version (the route's work), in the lineage of
+        the user whose version it is (`user`: whose lineage v0 begins again; the default user's
+        when none is named). Works before the background task has bound the trainer, too: the
+        lock is the learner's."""
         if (why := self.elsewhere()) is not None:
             raise BackendError(why)
-        promotion = (self.trainer.promotion if self.trainer is not None
-                     else Promotion(self.settings.training, backend, store, lock=self.lock))
+        lineages = self.parts.lineages if self.parts is not None else None
+        if lineages is not None:
+            row = await store.run(store.policy_version, version) if version else None
+            owner = row.user if row is not None else (user or DEFAULT_USER)
+            if user is not None and owner != lineages.name_of(user):
+                raise UnknownVersion(version, lineages.get(user).backend.newest,
+                                     f"policy@v{version} is not one of {user}'s versions")
+            promotion = lineages.trainer(lineages.get(owner)).promotion
+        else:
+            promotion = (self.trainer.promotion if self.trainer is not None
+                         else Promotion(self.settings.training, backend, store, lock=self.lock))
         self.last_rollback = await promotion.rollback(version)
         return self.last_rollback
 
@@ -107,6 +122,8 @@ class Learner:
             # the newest version serves since before the first request (`server.serve`); what
             # a restart interrupted of the gate's work is settled first
             await self.parts.trainer.promotion.recover()
+            for trainer in self.trainers()[1:]:  # each other user's gate work, settled the same way
+                await trainer.promotion.recover()
             await asyncio.gather(self._collect_loop(self.parts), self._train_loop(self.parts.trainer))
         finally:
             await self.parts.judges.aclose()
@@ -156,11 +173,37 @@ class Learner:
         finally:
             self.preparing = False
 
+    def trainers(self) -> list[Trainer]:
+        """Every lineage's trainer, the default user's first (`learning.lineages`)."""
+        if self.parts is None:
+            return []
+        lineages = self.parts.lineages
+        if lineages is None:
+            return [self.parts.trainer]
+        return [self.parts.trainer, *(lineages.trainer(x) for user, x in sorted(lineages.by_user.items())
+                                      if x is not lineages.default)]
+
+    async def step_once(self) -> StepResult | None:
+        """One step of the lineage whose turn it is (`UserLineages.waiting`: the one trained
+        longest ago first, so no user's backlog starves another's); None when no lineage has a
+        full batch."""
+        assert self.parts is not None
+        lineages = self.parts.lineages
+        if lineages is None:
+            return await self.parts.trainer.step_once()
+        for lineage in await lineages.waiting(self.settings.training.method):
+            result = await lineages.trainer(lineage).step_once()
+            if result is not None:
+                lineages.turn(lineage)
+                self.last_user = lineage.user
+                return result
+        return None
+
     def busy(self) -> list[str]:
         """What the learner does on the engine now: "training", "judging" (a step and its gate),
         "gate references" (v0 and the twin asked while a batch fills), "settling" (the teacher
         and the rewrites); empty when it waits."""
-        doing = self.trainer.doing if self.trainer is not None else None
+        doing = next((t.doing for t in self.trainers() if t.doing), None)
         return [name for name, on in (("training", doing == "training"), ("judging", doing == "judging"),
                                       ("gate references", self.preparing), ("settling", self.settling)) if on]
 
@@ -187,7 +230,7 @@ class Learner:
                     await self.ready.wait()
                     continue
                 try:
-                    if await trainer.step_once() is not None:
+                    if await self.step_once() is not None:
                         continue
                 except asyncio.CancelledError:
                     raise
@@ -211,7 +254,8 @@ class Learner:
 
     @property
     def last_step(self) -> StepResult | None:
-        return self.trainer.last if self.trainer is not None else None
+        """The newest step of any lineage."""
+        return max((t.last for t in self.trainers() if t.last is not None), key=lambda r: r.step, default=None)
 
     def status(self) -> dict[str, Any]:
         """Fields for `/v1/status` and the status line (judge, judged, samples, step, reward)."""

@@ -185,8 +185,8 @@ async def pin_interrupted(backend: Backend, store: Store) -> Interrupted | None:
 
 
 async def next_step_number(store: Store) -> int:
-    steps = await store.run(store.training_steps)
-    return (steps[-1].step if steps else 0) + 1
+    """One numbering of every user's steps."""
+    return await store.run(store.next_step)
 
 
 # --- promotion ----------------------------------------------------------------------------------

@@ -159,10 +159,12 @@ class Trainer:
         """The oldest version whose samples still train. Staleness counts the versions that
         served since a sample's (`History.served`), so a backlog drawn by the serving version
         stays fresh however many candidates were trained on it unjudged or held back, and when
-        one of them begins serving. Without a gate every version serves."""
+        one of them begins serving. Without a gate every version serves. Only this lineage's
+        versions count (the store is one user's: `lineages.UserStore`)."""
         serving = self.backend.version
-        if self.promotion.gate is None:
-            return serving - max_staleness
+        if self.promotion.gate is None:  # this lineage's versions (another user's never make these stale)
+            return oldest_fresh([v.version for v in await self.store.run(self.store.versions) if v.version <= serving],
+                                max_staleness)
         return oldest_fresh((await history_of(self.store)).served(serving), max_staleness)
 
     async def _batch(self) -> list[Sample]:

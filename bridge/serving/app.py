@@ -54,7 +54,7 @@ def create_app(
         return json_response({"object": "list", "data": [proxy.model_card()]})
 
     async def healthz(request: Request) -> Response:
-        return json_response({"status": "ok", "version": backend.version})
+        return json_response({"status": "ok", "version": proxy.version_for(None)})
 
     async def status(request: Request) -> Response:
         return json_response(await metrics_status(proxy, proxy.check_auth(request)))

@@ -69,7 +69,7 @@ class Metrics:
             ("clawbridge_writes_lost", "Writes of any kind never stored", lambda: spool("writes_lost")),
             ("clawbridge_completion_tokens", "Tokens generated", lambda: c.completion_tokens),
             ("clawbridge_sessions_open", "Sessions being tracked", lambda: len(proxy.sessions)),
-            ("clawbridge_policy_version", "Newest policy version", lambda: proxy.backend.version),
+            ("clawbridge_policy_version", "The version the default user is served", lambda: proxy.version_for(None)),
             ("clawbridge_preferences_applied", "Preferences served as an instruction now, every user's together",
              lambda: proxy.standing.enabled * sum(len(x.splitlines()) for x in proxy.standing.texts.values())),
         ):
@@ -93,9 +93,10 @@ class Metrics:
 async def status(proxy: Proxy, caller: Caller = OPERATOR) -> dict[str, Any]:
     """The server's state; for a user's key only what is that user's or no one's: the model, the
     version serving and the user's own open sessions (the counters, the store's counts, the
-    learner and the served instruction are everyone's)."""
+    learner and the served instruction are everyone's). The operator's shows the version each
+    user is served once there are several."""
     backend = proxy.backend
-    about = {"model": proxy.model_name, "backend": backend.name, "version": backend.version,
+    about = {"model": proxy.model_name, "backend": backend.name, "version": proxy.version_for(caller.user),
              **({"dtype": backend.dtype} if isinstance(backend, NamesItsDtype) else {}),
              "uptime_s": round(time.time() - proxy.started, 1)}
     if caller.user is not None:
@@ -108,6 +109,8 @@ async def status(proxy: Proxy, caller: Caller = OPERATOR) -> dict[str, Any]:
         "turn_counts": dict(proxy.sessions.counts),
         "spool": proxy.durable.status(),
     }
+    if proxy.lineages is not None and len(proxy.lineages.by_user) > 1:  # the version each user is served
+        out["users"] = {user: lineage.backend.version for user, lineage in sorted(proxy.lineages.by_user.items())}
     try:
         out["store"] = asdict(await proxy.store.run(proxy.store.stats))
     except Exception as e:  # the status page must work while the store is unhappy

@@ -51,6 +51,7 @@ from starlette.routing import BaseRoute
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
+    from clawbridge.learning.lineages import UserLineages
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,12 @@ class Proxy:
         self.durable = Durable(store, spool, landed=self._landed)
         self.durable.handlers.update(self.hooks.spool_handlers)
         self.standing = instructing.Standing(settings.serving.instant_preferences)  # the root sets its source
+        # each user's own version (`learning.lineages`; the root sets it): None, everyone the backend's
+        self.lineages: UserLineages | None = None
+
+    def version_for(self, user: str | None) -> int:
+        """The version `user`'s request is served by, pinned at admission: their own lineage's."""
+        return self.backend.version if self.lineages is None else self.lineages.serving(user)
 
     # --- the edge ---------------------------------------------------------------------------
 
@@ -321,7 +328,7 @@ class Proxy:
         return Draft(
             id=f"chatcmpl-{os.urandom(12).hex()}", created=int(time.time()), model=self.model_name,
             messages=messages, tools=ask.tools, prompt_ids=prompt, params=params,
-            version=self.backend.version,  # pinned at admission; the backend keeps it
+            version=self.version_for(tag.user),  # pinned at admission: the user's own; the backend keeps it
             adm=adm, request_params=ask.request_params, logprobs=req.logprobs,
             t0=time.perf_counter(), next_state=adm.next_state, instruction=instruction,
         )

@@ -61,7 +61,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
 
     async def status(user: str | None) -> JSON:
         about: JSON = {"live": True, "model": proxy.model_name, "backend": proxy.backend.name,
-                       "version": proxy.backend.version, "uptime_s": round(time.time() - proxy.started, 1),
+                       "version": proxy.version_for(user), "uptime_s": round(time.time() - proxy.started, 1),
                        "learner": None if learner is None else learner_status(learner, user)}
         if user is not None:
             return {**about, "user": user, "sessions_open": proxy.sessions.open_of(user),
@@ -93,7 +93,7 @@ def _live(proxy: Proxy, learner: Learner | None) -> Board:
 
     async def preference(action: str, pref_id: int, user: str | None) -> JSON:
         try:
-            out = await standing.act(proxy.store, action, pref_id, proxy.backend.version, proxy.standing.refresh,
+            out = await standing.act(proxy.store, action, pref_id, proxy.version_for(user), proxy.standing.refresh,
                                      learner.lock if learner is not None else None, user)
         except KeyError:
             whose = "" if user is None else f" of {user}'s"
