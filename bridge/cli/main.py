@@ -251,7 +251,7 @@ def status_cmd(
     user: str | None = typer.Option(None, "--user", help="This user's sessions, turns, samples and preferences alone."),
 ) -> None:
     """Captured turns, judged turns, samples by state, training steps and the newest version;
-    with --user, that user's (the steps, versions and gate are the one adapter's, everyone's)."""
+    with --user, that user's, their own adapter's steps, versions and gate included."""
     from clawbridge.cli.status import checked_user, print_status
 
     print_status(data_dir, db, checked_user("status", user))
@@ -261,11 +261,12 @@ def status_cmd(
 def versions_cmd(
     data_dir: str | None = typer.Option(None, "--data-dir"),
     db: str | None = typer.Option(None),
+    user: str | None = typer.Option(None, "--user", help="This user's own adapter's versions alone."),
 ) -> None:
-    """A table of policy versions: version, step, samples, mean reward, when."""
-    from clawbridge.cli.status import print_versions
+    """A table of policy versions: version, (whose,) step, samples, mean reward, gate, when."""
+    from clawbridge.cli.status import checked_user, print_versions
 
-    print_versions(data_dir, db)
+    print_versions(data_dir, db, checked_user("versions", user))
 
 
 @app.command("rollback")

@@ -33,16 +33,17 @@ def checked_user(command: str, user: str | None) -> str | None:
 
 
 def print_status(data_dir: str | None, db: str | None, user: str | None = None) -> None:
-    """Everyone's status; `user`: that user's counts and preferences, beside the shared adapter's
-    steps, versions and gate (one adapter learns from every user; the cost is left out)."""
+    """Everyone's status; `user`: that user's counts, preferences and own adapter's steps,
+    versions and gate (docs/learning.md#each-user-their-own-adapter; the cost is left out)."""
     from clawbridge.backends.costs import read_spend
     from clawbridge.config import Settings
 
     with _store(data_dir, db) as store:
         st = store.stats(user)
-        steps = store.training_steps()
+        steps = store.training_steps(user)
         lease = store.lease("trainer") if store.shared else None  # several proxies: docs/scale-out.md
-        history = store.history()
+        history = store.history(user)
+        newest = store.latest_version(user)
         known = history.preferences if user is None else store.preferences(user)
     decisions = history.decisions
     t = Table("", "", title="clawbridge status" + ("" if user is None else f" of user {user}"))
@@ -51,9 +52,9 @@ def print_status(data_dir: str | None, db: str | None, user: str | None = None) 
     t.add_row("awaiting a next state", str(st.awaiting_next_state))
     t.add_row("judged turns", str(st.judged_turns))
     t.add_row("samples", " · ".join(f"{k} {v}" for k, v in st.samples.items()))
-    shared = "" if user is None else " (one adapter for every user)"
-    t.add_row("training steps" + shared, str(st.steps))
-    t.add_row("policy version" + shared, f"v{st.latest_version}")
+    whose = "" if user is None else " of their own adapter"
+    t.add_row("training steps" + whose, str(len(steps)))
+    t.add_row("policy version" + whose, f"v{newest.version if newest else 0}")
     t.add_row("preferences", preferences_line(known))
     if lease is not None:
         t.add_row("trainer (lease)", f"{lease.holder}, claimed until {lease.expires_at:%Y-%m-%d %H:%M:%S} UTC")
@@ -140,15 +141,18 @@ def _n(asked: str | None) -> str:
     return "it" if n == 1 else f"these {n}"
 
 
-def print_versions(data_dir: str | None, db: str | None) -> None:
+def print_versions(data_dir: str | None, db: str | None, user: str | None = None) -> None:
+    """Every version (`user`: that user's lineage), with whose it is once several users have one."""
     with _store(data_dir, db) as store:
-        rows = store.versions()
-        gate = store.history().by_version()
-    t = Table("version", "step", "samples", "mean reward", "gate", "when (UTC)", "weights")
-    t.add_row("v0", "-", "-", "-", "-", "-", "base model")
+        rows = [r for r in store.versions(user) if r.version]
+        gate = store.history(user).by_version()
+    several = user is None and len({r.user for r in rows}) > 1
+    t = Table("version", *(["user"] if several else []), "step", "samples", "mean reward", "gate", "when (UTC)",
+              "weights", title=None if user is None else f"versions of user {user}")
+    t.add_row("v0", *(["everyone"] if several else []), "-", "-", "-", "-", "-", "base model")
     for r in rows:
         reward = "-" if r.mean_reward is None else f"{r.mean_reward:+.2f}"
-        t.add_row(f"v{r.version}", version_origin(r), str(r.samples), reward,
+        t.add_row(f"v{r.version}", *([r.user] if several else []), version_origin(r), str(r.samples), reward,
                   gate_label(gate.get(r.version)), r.created_at.strftime("%Y-%m-%d %H:%M:%S"), r.path or "-")
     Console().print(t)
 
