@@ -127,7 +127,10 @@ def learner_task(learner: Learner) -> BackgroundTask:
         learner.elsewhere = coordinator.elsewhere  # a rollback only where the lease is held
 
         async def take_over() -> None:  # the store moved on while another process trained
-            await learn(running, await resume(running.backend, running.store))
+            resumed = await resume(running.backend, running.store)
+            if running.proxy.lineages is not None:
+                await settle_start(running.proxy.lineages, resumed)
+            await learn(running, resumed)
 
         await coordinator.lead(take_over)
 
@@ -389,7 +392,7 @@ async def serve(
         # learner has settled it (`Promotion.recover`), each user's apart
         for lineage in list(lineages.by_user.values()):
             await pin_interrupted(lineage.backend, lineage.store)  # type: ignore[arg-type]
-    coordinator = Coordinator(store, backend, train=settings.train) if store.shared else None
+    coordinator = Coordinator(store, backend, train=settings.train, lineages=lineages) if store.shared else None
     if coordinator is not None:
         await coordinator.start()  # the lease, or the version the trainer serves
     renderer = Renderer(backend.tokenizer())

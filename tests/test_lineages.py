@@ -222,3 +222,37 @@ async def test_a_server_serves_each_user_their_own_version_and_shows_them_to_the
                                                                           DEFAULT_USER: 0}
     finally:
         await asyncio.to_thread(live.stop)
+
+
+async def test_the_two_users_demo_gives_each_users_gain_and_the_crosstalk(tmp_path: Path) -> None:
+    """The plumbing on the tiny model (its figures mean nothing): both users converse as
+    themselves, each lineage trains a step of its own, each user's last version is theirs, and
+    the control runs each alone on a fresh server."""
+    import json
+
+    from clawbridge.demo import scenario, two_users
+    from test_demo import TINY
+
+    shy = {**TINY, "name": "shy", "check": {"must_finish": False, "must_match": [r"\A\S+\Z"]},
+           "replies": {"satisfied": ["Thanks, perfect."], "unsatisfied": ["Please answer in one word."]}}
+    pair = (("alice", scenario.Scenario.model_validate(TINY)), ("bob", scenario.Scenario.model_validate(shy)))
+    settings = two_users.two_users_settings(tmp_path / "data", pair, model="tiny-random")
+    result = await two_users.run_two_users(settings, pair=pair, rounds=1, control=True)
+    summary = json.loads(json.dumps(result.summary()))
+    alice, bob = summary["users"]["alice"], summary["users"]["bob"]
+    assert (alice["scenario"], alice["other_scenario"], bob["scenario"]) == ("tiny", "shy", "shy")
+    for u in (alice, bob):
+        lo, hi = u["truly_interval"]
+        assert -1 <= lo <= u["truly_after"] - u["truly_before"] <= hi <= 1
+        assert u["crosstalk"] == pytest.approx(u["other_after"] - u["other_control"], abs=1e-3)
+    from clawbridge.store import Store
+    with Store.open(settings.db_url) as store:  # each user's step trained their own lineage
+        assert sorted(st.user for st in store.training_steps()) == ["alice", "bob"]
+        assert {v.user for v in store.versions() if v.version} == {"alice", "bob"}
+        for name, u in (("alice", alice), ("bob", bob)):  # each is served their own version (v0: held back)
+            assert u["version"] == 0 or store.policy_version(u["version"]).user == name
+    for name in ("alice", "bob"):
+        with Store.open(settings.model_copy(update={"data_dir": settings.data_dir / f"alone-{name}"}).db_url) as solo:
+            assert [st.user for st in solo.training_steps()] == [name]
+    rows = dict(two_users.result_table(result))
+    assert any("crosstalk" in v for v in rows.values())

@@ -50,6 +50,7 @@ def run_demo_command(
     seed: int,
     print_settings: bool = False,
     instant: bool = False,
+    control: bool = False,
 ) -> None:
     from clawbridge.demo import runner as demo
     from clawbridge.demo import scenario, tools
@@ -69,6 +70,17 @@ def run_demo_command(
         run_tools_command(agentic, console, model=model, method=method, rounds=rounds, data_dir=data_dir,
                           out=out, as_json=as_json, seed=seed, print_settings=print_settings)
         return
+    if scenario_name == "two_users":
+        if instant or method is not None:
+            typer.echo("clawbridge demo: the two_users scenario serves the weights alone with the demo's recipe; "
+                       "--instant and --method do not apply", err=True)
+            raise typer.Exit(2)
+        run_two_users_command(console, model=model, rounds=rounds, data_dir=data_dir, out=out, as_json=as_json,
+                              seed=seed, print_settings=print_settings, control=control)
+        return
+    if control:
+        typer.echo("clawbridge demo: --control applies to the two_users scenario", err=True)
+        raise typer.Exit(2)
     try:
         sc = scenario.load(scenario_name)
     except (FileNotFoundError, ValueError) as e:
@@ -106,6 +118,41 @@ def run_demo_command(
              for ex in result.examples[:2]]
     _report(console, result, sc.name, out_dir, f"held-out prompts the training never saw ({sc.name})",
             demo.result_table(result), lines, as_json=as_json)
+
+
+def run_two_users_command(
+    console: Console, *, model: str | None, rounds: int | None, data_dir: str | None, out: str, as_json: bool,
+    seed: int, print_settings: bool, control: bool,
+) -> None:
+    """Two people, two preferences, one server (`--scenario two_users`): each user's gain and the
+    crosstalk between them."""
+    from clawbridge.demo import two_users
+    from clawbridge.demo.rounds import default_data_dir, engine_dtype
+
+    folder = Path(data_dir) if data_dir else Path("TEMPORARY") if print_settings else default_data_dir()
+    settings = two_users.two_users_settings(folder, model=model, seed=seed)
+    if print_settings:
+        typer.echo(json.dumps(settings.flat(), indent=2))
+        return
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    n = rounds or two_users.sides()[0].own.recipe.rounds
+    console.print(
+        "[bold]clawbridge demo[/] · scenario [cyan]two_users[/]: "
+        + ", ".join(f"{user} wants {sc}" for user, sc in two_users.PAIR) + ", on one server\n"
+        f"  model {settings.model} ({engine_dtype(settings)}) · {n} steps of {settings.training.batch_size} "
+        f"conversations each · data {folder}" + (" · with the control (each user alone)" if control else ""),
+        soft_wrap=True,
+    )
+
+    def note(line: str) -> None:
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
+    result = _with_progress(console, n + 2, lambda progress: two_users.run_two_users(
+        settings, rounds=n, control=control, progress=progress, note=note))
+    lines = [f"  [dim]{u.examples[0]['prompt']}[/]\n    {name}: {u.examples[0]['answer']!r}"
+             for name, u in result.users.items() if u.examples]
+    _report(console, result, two_users.NAME, Path(out), "held-out prompts the training never saw, each user's own",
+            two_users.result_table(result), lines, as_json=as_json)
 
 
 def run_tools_command(
@@ -213,6 +260,7 @@ def _report(
     for line in examples:
         console.print(line)
     verdict = "improved" if result.improved else "no significant change"
-    console.print(f"  {verdict} · plot {result.plot} · summary {out_dir / (name + '.json')}")
+    plot = f" · plot {result.plot}" if result.plot else ""
+    console.print(f"  {verdict}{plot} · summary {out_dir / (name + '.json')}")
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")

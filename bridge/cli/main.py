@@ -225,7 +225,7 @@ def ui_cmd(
 
 @app.command("demo")
 def demo_cmd(
-    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario (concise, one_sentence, tools) or a YAML/JSON file."),
+    scenario: str = typer.Option("concise", "--scenario", help="A built-in scenario (concise, one_sentence, tools, two_users) or a YAML/JSON file."),
     model: str | None = typer.Option(None, help="Model (default: the embedded smollm2-135m-instruct)."),
     method: str | None = typer.Option(None, help="binary | opd | combine (default: the scenario's)."),
     rounds: int | None = typer.Option(None, help="Training steps (default: the scenario's)."),
@@ -235,13 +235,15 @@ def demo_cmd(
     seed: int = typer.Option(0, help="Sampling and LoRA seed."),
     print_settings: bool = typer.Option(False, "--print-settings", help="Print the settings the scenario's recipe makes (by flat name, JSON) and exit."),
     instant: bool = typer.Option(False, "--instant", help="Serve the user's preference at once as an instruction, as `clawbridge up` does, and measure two curves: as served and the weights alone (docs/learning.md#clawbridge-demo)."),
+    control: bool = typer.Option(False, "--control", help="two_users: run each user again alone on a fresh server, to measure the crosstalk against (triples the time)."),
 ) -> None:
     """Watch the model learn: a simulated user with a hidden preference talks to clawbridge over
     the OpenAI API; clawbridge judges, trains and publishes; held-out prompts show the change."""
     from clawbridge.cli.demo import run_demo_command
 
     run_demo_command(scenario, model=model, method=method, rounds=rounds, data_dir=data_dir,
-                     out=out, as_json=as_json, seed=seed, print_settings=print_settings, instant=instant)
+                     out=out, as_json=as_json, seed=seed, print_settings=print_settings, instant=instant,
+                     control=control)
 
 
 @app.command("status")

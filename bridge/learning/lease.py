@@ -24,8 +24,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from clawbridge.protocol import Restorable
+from clawbridge.store.records import DEFAULT_USER
 
 if TYPE_CHECKING:
+    from clawbridge.learning.lineages import UserLineages
     from clawbridge.protocol import Backend
     from clawbridge.store import LeaseRow, Store
 
@@ -51,9 +53,11 @@ class Coordinator:
     def __init__(
         self, store: Store, backend: Backend, *, train: bool,
         ttl_s: float = LEASE_TTL_S, tick_s: float = TICK_S, holder: str | None = None,
+        lineages: UserLineages | None = None,
     ) -> None:
         self.store = store
         self.backend = backend
+        self.lineages = lineages  # each user's version, announced and followed together
         self.train = train
         self.ttl_s = ttl_s
         self.tick_s = tick_s
@@ -61,7 +65,7 @@ class Coordinator:
         self.lease: LeaseRow | None = None  # the lease as last read
         self.holding = asyncio.Event()  # this process holds the trainer lease
         self.lost = asyncio.Event()  # ... and lost it (the learner is cancelled)
-        self.announced: int | None = None  # the version this holder last wrote to SERVING_KEY
+        self.announced: tuple[int, dict[str, int]] | None = None  # what this holder last wrote to SERVING_KEY
         self.followed: int | None = None  # the version this follower last loaded
         self._renewed = 0.0  # monotonic time of the last successful claim
         self._warned = False
@@ -146,22 +150,35 @@ class Coordinator:
         self.lost.set()
         self.announced = None
 
+    def serving(self) -> dict[str, int]:
+        """The version each user is served in this process (one adapter: everyone the backend's)."""
+        if self.lineages is None:
+            return {DEFAULT_USER: self.backend.version}
+        return {user: lineage.backend.version for user, lineage in self.lineages.by_user.items()}
+
     async def _announce(self) -> None:
-        version = self.backend.version
-        if version == self.announced:
+        users = self.serving()
+        version = users.get(DEFAULT_USER, self.backend.version)
+        if (version, users) == self.announced:
             return
-        value = {"version": version, "holder": self.holder, "at": datetime.now(UTC).isoformat()}
+        value = {"version": version, "users": users, "holder": self.holder, "at": datetime.now(UTC).isoformat()}
         try:
             await self.store.run(self.store.set_meta, SERVING_KEY, value)
         except Exception:
             log.exception("could not record the serving version")
             return
-        self.announced = version
+        self.announced = (version, users)
 
     async def _follow(self) -> None:
+        """Serve what the trainer announced: each user's version (the default user's alone from
+        a trainer that announced one), loaded from its published weights in ascending order, so
+        the newest published ends up the newest here too."""
         try:
             value = await self.store.run(self.store.get_meta, SERVING_KEY)
-            if not value or int(value["version"]) == self.backend.version:
+            if not value:
+                return
+            wanted = {str(u): int(v) for u, v in (value.get("users") or {DEFAULT_USER: value["version"]}).items()}
+            if all(self.serving().get(u, 0) == v for u, v in wanted.items()):
                 return
             version = int(value["version"])
             if not isinstance(self.backend, Restorable):
@@ -169,9 +186,13 @@ class Coordinator:
                     log.error("the %s backend cannot serve another process's policy@v%d", self.backend.name, version)
                     self.followed = version
                 return
-            row = await self.store.run(self.store.policy_version, version)
-            await self.backend.restore(version, row.path if row is not None else None)
+            for v in sorted(set(wanted.values())):
+                row = await self.store.run(self.store.policy_version, v)
+                await self.backend.restore(v, row.path if row is not None else None)
             self.backend.serve(None)  # a version this process held at start (`server.serve`) is not its to hold
+            if self.lineages is not None:
+                for user, v in wanted.items():
+                    self.lineages.get(user).backend.follow(v)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # e.g. its weights are still being written: the next tick retries

@@ -247,6 +247,11 @@ class LineageBackend(Routing):
         self.board.current = self.user
         self._newest = max(self._newest, version)
 
+    def follow(self, version: int) -> None:
+        """Serve `version`, which the trainer in another process published for this user
+        (`learning.lease`): this process trains nothing, it follows."""
+        self._newest, self.held = version, None
+
     def _published(self, policy: PolicyVersion) -> PolicyVersion:
         self._newest = policy.version
         return policy
@@ -322,11 +327,12 @@ class UserLineages:
         return (user or DEFAULT_USER) if self.per_user else DEFAULT_USER
 
     async def load(self) -> None:
-        """At the start: every user who has versions gets their lineage back, at their newest."""
+        """At the start (and when this process takes training over from another): every user who
+        has versions gets their lineage back, at their newest."""
         users = await self.store.run(self.store.lineage_users) if self.per_user else []
         for user in {DEFAULT_USER, *users}:
             row = await self.store.run(self.store.latest_version, user if self.per_user else None)
-            self.get(user, row.version if row else 0)
+            self.get(user, row.version if row else 0).backend.follow(row.version if row else 0)
 
     def get(self, user: str | None, newest: int = 0) -> Lineage:
         """`user`'s lineage, made at `newest` on first need (every user with versions was loaded
