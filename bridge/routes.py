@@ -236,8 +236,9 @@ def user_routes(learner: Learner | None = None) -> list[Route]:
     """`DELETE /v1/admin/users/{name}`: delete the user's sessions, all that hangs off them and
     their preferences (`store.users`); the operator's only. It runs once no training step runs
     (the learner's lock: a batch in training never loses a sample under it); then the proxy
-    forgets the user's open sessions and stops serving their preferences. 404 when the store
-    holds nothing of the user's."""
+    forgets the user's open sessions and stops serving their preferences, and their own adapter
+    (trained on what was deleted) starts again from the base model: a copy of v0 serves them
+    (`adapter_reset`). 404 when the store holds nothing of the user's."""
 
     async def delete(request: Request) -> Response:
         proxy: Proxy = request.app.state.proxy
@@ -250,7 +251,14 @@ def user_routes(learner: Learner | None = None) -> list[Route]:
         if not deleted.total:
             raise APIError(404, f"The store holds no data of user {name!r}.", param="name", code="user_not_found")
         log.info("deleted user %s's data: %s", name, deleted.rows)
-        return _json(deleted.as_json())
+        out = deleted.as_json()
+        lineages = learner.parts.lineages if learner is not None and learner.parts is not None else None
+        if lineages is not None and lineages.per_user and proxy.version_for(name) != 0:
+            # their adapter learned from what was deleted: it starts again from the base model
+            rb = await learner.rollback(proxy.backend, proxy.store, 0, name)  # type: ignore[union-attr]
+            out["adapter_reset"] = {"version": rb.version, "was": rb.previous}
+            log.info("user %s's adapter starts again from the base model (v%d)", name, rb.version)
+        return _json(out)
 
     return [Route("/v1/admin/users/{name}", delete, methods=["DELETE"])]
 

@@ -14,6 +14,7 @@ from clawbridge.backends.local import LocalBackend
 from clawbridge.learning.lineages import UserLineages, UserStore
 from clawbridge.learning.trainer import Trainer
 from clawbridge.local_gpu import models
+from clawbridge.protocol import UnknownVersion
 from clawbridge.store import Store
 from clawbridge.store.records import DEFAULT_USER, TurnRecord
 from clawbridge.types import SamplingParams
@@ -148,6 +149,13 @@ async def test_the_learner_trains_the_user_trained_longest_ago_first(tmp_path: P
         assert order == [("alice", 1), ("bob", 2), ("alice", 3), ("alice", 4)]
         assert lineages.serving("alice") == 4 and lineages.serving("bob") == 2
         assert [t.backend.user for t in learner.trainers()] == [DEFAULT_USER, "alice", "bob"]  # type: ignore[attr-defined]
+        # bob's adapter starts again from the base (his data deleted, say): alice's is untouched
+        reset = await learner.rollback(backend, store, 0, "bob")
+        assert (reset.version, reset.previous) == (5, 2) and lineages.serving("bob") == 5
+        assert store.policy_version(5).user == "bob" and lineages.serving("alice") == 4
+        assert await probe(backend, 5) == await backend.score(PROBE_PROMPT, PROBE_ANSWER, model="base")
+        with pytest.raises(UnknownVersion):  # nobody rolls back to another user's version
+            await learner.rollback(backend, store, 4, "bob")
     finally:
         await backend.close()
         store.close()

@@ -288,6 +288,21 @@ class Learner:
             out["learner errors"] = self.errors
         return out
 
+    def lineage_status(self, user: str) -> dict[str, Any]:
+        """One user's own adapter as its user's page shows it: its newest step and gate decision."""
+        lineages = self.parts.lineages if self.parts is not None else None
+        lineage = lineages.by_user.get(lineages.name_of(user)) if lineages is not None else None
+        trainer = self.trainer if lineages is None else lineage.trainer if lineage is not None else None
+        out: dict[str, Any] = {}
+        if trainer is None:
+            return out
+        if trainer.last is not None:
+            out["step"] = trainer.last.step
+        if trainer.promotion.decisions:
+            d = trainer.promotion.decisions[-1]
+            out["gate"] = f"v{d.candidate} {d.decision}"
+        return out
+
     def _priced(self) -> GateDecision | None:
         """The newest gate decision that measured the price of the preferences."""
         decisions = self.trainer.promotion.decisions if self.trainer is not None else []

@@ -239,15 +239,20 @@ def reactions(conn: sa.Connection, user: str | None = None) -> dict[int, JSON]:
     return reaction_view(_reaction_sums(conn, t.samples.c.turn_id.in_(user_turn_ids(user))))
 
 
-def versions(conn: sa.Connection) -> list[JSON]:
-    """Every published version, oldest first (v0, the base model, included)."""
+def versions(conn: sa.Connection, user: str | None = None) -> list[JSON]:
+    """Every published version, oldest first (v0, the base model, included), each with its user;
+    `user`: that user's lineage alone."""
     pv = t.policy_versions.c
-    rows = conn.execute(sa.select(pv.version, pv.step, pv.samples, pv.mean_reward, pv.path, pv.created_at)
-                        .order_by(pv.version)).all()
+    q = sa.select(pv.version, pv.step, pv.samples, pv.mean_reward, pv.path, pv.created_at, pv.user_name)
+    if user is not None:
+        q = q.where(sa.or_(pv.user_name == user, pv.version == 0))
+    rows = conn.execute(q.order_by(pv.version)).all()
     out: list[JSON] = [] if any(r.version == 0 for r in rows) else [
-        {"version": 0, "step": None, "samples": 0, "train_mean_reward": None, "path": None, "created_at": None}]
+        {"version": 0, "step": None, "samples": 0, "train_mean_reward": None, "path": None, "created_at": None,
+         "user": None}]
     out += [{"version": r.version, "step": r.step, "samples": r.samples, "train_mean_reward": r.mean_reward,
-             "path": r.path, "created_at": _iso(r.created_at)} for r in rows]
+             "path": r.path, "created_at": _iso(r.created_at), "user": r.user_name if r.version else None}
+            for r in rows]
     return out
 
 
@@ -344,11 +349,14 @@ def hints(conn: sa.Connection, limit: int = 20, user: str | None = None) -> list
             for r in conn.execute(q)]
 
 
-def steps(conn: sa.Connection, limit: int = 50) -> list[JSON]:
-    """The newest training steps (step, versions, samples, loss and reward), oldest first."""
+def steps(conn: sa.Connection, limit: int = 50, user: str | None = None) -> list[JSON]:
+    """The newest training steps (step, versions, samples, loss and reward), oldest first;
+    `user`: of that user's adapter alone."""
     ts = t.training_steps.c
-    rows = conn.execute(sa.select(ts.step, ts.version_before, ts.version_after, ts.samples, ts.metrics,
-                                  ts.created_at).order_by(ts.step.desc()).limit(_limit(limit))).all()
+    q = sa.select(ts.step, ts.version_before, ts.version_after, ts.samples, ts.metrics, ts.created_at)
+    if user is not None:
+        q = q.where(ts.user_name == user)
+    rows = conn.execute(q.order_by(ts.step.desc()).limit(_limit(limit))).all()
     out = []
     for r in reversed(rows):
         m = r.metrics or {}
@@ -399,19 +407,19 @@ class Browse:
     def progress(self, user: str | None = None) -> JSON:
         """Versions with their reactions, gate decisions and rollbacks; the steps; the hints; and
         the stored preferences (`store.Preference`s, first heard first, each in its state).
-        `user`: the reactions, hints and preferences of that user alone, and the gate's decisions
-        without the instruction it asked with (every user's preferences)."""
+        `user`: that user's own adapter's versions, decisions and steps, and the reactions, hints
+        and preferences of that user alone."""
         with self._conn() as conn:
-            vs = versions(conn)
+            vs = versions(conn, user)
             react = self.reactions(conn) if user is None else reactions(conn, user)
-            history = read_history(conn)
+            history = read_history(conn, user)
             gate = history.by_version()
             for v in vs:
                 v["reactions"] = react.get(v["version"])
                 v["gate"] = gate_view(g, user) if (g := gate.get(v["version"])) is not None else None
                 v["restores"] = history.copies.get(v["version"])
             prefs = history.preferences if user is None else read_preferences(conn, user)
-            return {"versions": vs, "steps": steps(conn), "hints": hints(conn, user=user), "preferences": prefs}
+            return {"versions": vs, "steps": steps(conn, user=user), "hints": hints(conn, user=user), "preferences": prefs}
 
     def waiting(self, user: str | None = None) -> JSON:
         return self._in(waiting, user)
@@ -428,10 +436,10 @@ class Browse:
 
 
 def gate_view(record: GateRecord, user: str | None) -> JSON:
-    """A gate decision as the page shows it; to one user, without `asked`: the instruction the
-    gate asked with is made of every user's preferences."""
+    """A gate decision as the page shows it; to one user, their own candidates' only, each with
+    the instruction it asked (made of that user's preferences alone)."""
     out = record.as_json()
-    if user is not None:
+    if user is not None and record.user != user:
         out["asked"] = None
     return out
 

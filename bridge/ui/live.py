@@ -2,8 +2,8 @@
 the learner's of learning, rollback and pause) and a data directory's with no server
 (`offline_board`, for `clawbridge ui --data-dir`: read-only).
 
-A board's status is everyone's, or one user's (`user`): what serves them (the version, their
-open conversations, the instruction made of their preferences) and whether the one shared
+A board's status is everyone's, or one user's (`user`): what serves them (their own adapter's
+version, their open conversations, the instruction made of their preferences) and how their
 adapter trains, without the server's counters, everyone's learning figures or the cost."""
 
 from __future__ import annotations
@@ -40,17 +40,15 @@ def spend(data_dir: Path) -> JSON | None:
         return None
 
 
-USER_LEARNER_FIELDS = ("step", "gate")  # the shared adapter's; the rest counts everyone's samples
-
-
 def learner_status(learner: Learner, user: str | None = None) -> JSON:
-    """The learner as the page shows it; to one user, whether it trains and its newest step and
-    gate decision, not the figures of everyone's samples nor the instruction the gate asked with."""
+    """The learner as the page shows it; to one user, whether it trains and their own adapter's
+    newest step and gate decision (`Learner.lineage_status`), not the figures of everyone's
+    samples."""
     fields = {k: v if isinstance(v, int | float | str) else str(v) for k, v in learner.status().items()}
     out: JSON = {"fields": fields, "paused": learner.paused, "stopped": learner.training_stopped,
                  "errors": learner.errors, "busy": learner.lock.locked()}
     if user is not None:
-        return {**out, "fields": {k: v for k, v in fields.items() if k in USER_LEARNER_FIELDS}}
+        return {**out, "fields": learner.lineage_status(user)}
     if (d := learner.trainer.promotion.decisions[-1] if learner.trainer and learner.trainer.promotion.decisions else None) is not None:
         out["last_gate"] = d.record()
     return out
