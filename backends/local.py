@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from clawbridge.local_gpu import models, precision
+from clawbridge.local_gpu import adapters, models, precision
 from clawbridge.local_gpu.engine import Engine
 from clawbridge.protocol import BackendError, ContextLengthExceeded, Priority, Routing, ScoreModel
 from clawbridge.types import (
@@ -61,6 +61,7 @@ class LocalBackend(Routing):
         background_share: float = 0.25,
     ) -> None:
         spec = models.resolve(model, cache_dir)
+        self._registered: set[str] = set()  # published versions registered as adapters (`adapter_for`)
         self.model_name = served_model_name or spec.name
         self.context_length = spec.context_length
         # what /v1/models suggests agents ask for: on CPU each token is a decode step of a
@@ -195,6 +196,18 @@ class LocalBackend(Routing):
     async def restore(self, version: int, path: str | None) -> None:
         """Serve and train on from `version`'s published weights (fresh optimizer)."""
         await self.engine.restore(version, path)
+
+    async def adapter_for(self, version: int, path: str | None = None) -> str:
+        """The key of the registered adapter that serves published `version` (`protocol.ServesAdapters`),
+        registered from its folder on first need: rows on many users' versions then decode in one
+        batch through the stack's per-row gather (docs/engine.md#many-adapters-one-base-model-registered-adapters),
+        resident under `adapter_memory_mb`, the least recently used evicted and read back."""
+        key = f"policy@v{version}"
+        if key not in self._registered:
+            folder = Path(path) if path else adapters.folder(self.engine.data_dir / "adapters", version)
+            await self.engine.register_adapter(key, folder, version=version)
+            self._registered.add(key)
+        return key
 
     async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
         """Train on from another user's lineage (`protocol.Lineages`)."""

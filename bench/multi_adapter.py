@@ -1,7 +1,8 @@
 """Many adapters over one base model in the torch engine (the embedded model, rank 16).
 
 (a) Decode throughput of 8 requests in one batch, each on its own registered adapter (the stack's
-per-row gather, and grouped by adapter), against the same 8 requests on one registered adapter
+per-row gather, and grouped by adapter), each as one of 8 users served their own version through
+their lineages (what `clawbridge up` does for users other than `default`), against the same 8 requests on one registered adapter
 (unmerged: the reference), on one published version merged into the bf16 weights (where the
 engine merges), on one version beside the weights and on 8 versions in PEFT's mixed batch (a
 second engine that does not merge). The configurations alternate within each round; the figures
@@ -32,9 +33,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
+from clawbridge.backends.local import LocalBackend
+from clawbridge.learning.lineages import LineageBackend, UserLineages
 from clawbridge.learning.probes import general_probes
 from clawbridge.local_gpu import models, precision
 from clawbridge.local_gpu.engine import Engine
+from clawbridge.store import Store
+from clawbridge.store.records import PolicyVersionRow
 from clawbridge.types import SamplingParams
 
 ROWS = 8
@@ -80,6 +85,39 @@ async def batch_rate(engine: Engine, prompts: list[list[int]], tokens: int,
     return counted / (end[0] - start[0]), counted / (end[1] - start[1])
 
 
+async def views_rate(views: list[LineageBackend], prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """`batch_rate` through each user's own lineage (`learning.lineages`): row i as user i is served."""
+    engine = views[0].shared.engine  # type: ignore[attr-defined]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    clock = time.pthread_getcpuclockid(engine._thread.ident)
+    stamps: list[list[tuple[float, float]]] = [[] for _ in prompts]
+
+    async def one(i: int) -> None:
+        async for _chunk in views[i].sample_stream(prompts[i], params):
+            stamps[i].append((time.perf_counter(), time.clock_gettime(clock)))
+
+    await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    start = max((s[0] for s in stamps), key=lambda t: t[0])
+    end = min((s[-1] for s in stamps), key=lambda t: t[0])
+    counted = sum(1 for s in stamps for t in s if start[0] < t[0] <= end[0])
+    if end[0] <= start[0]:
+        return float("nan"), float("nan")
+    return counted / (end[0] - start[0]), counted / (end[1] - start[1])
+
+
+async def users_versions(backend: LocalBackend, data_dir: Path, weights: list[dict[str, torch.Tensor]]) -> list[LineageBackend]:
+    """8 users, each with a version of their own published and recorded in a store, served through
+    their lineages as `clawbridge up` serves them (a store of the run's own)."""
+    store = Store.open(f"sqlite:///{data_dir / 'bench.db'}")
+    for i, w in enumerate(weights):
+        v = await publish(backend.engine, w)
+        store.record_policy_version(PolicyVersionRow(version=v, path=str(data_dir / "merging" / "adapters" / f"v{v}"),
+                                                     user=f"user{i}"))
+    lineages = UserLineages(backend, store)
+    await lineages.load()
+    return [lineages.get(f"user{i}").backend for i in range(len(weights))]
+
+
 async def publish(engine: Engine, weights: dict[str, torch.Tensor]) -> int:
     await engine._call(engine._set_trainable, weights)
     return (await engine.publish()).version
@@ -90,7 +128,8 @@ async def throughput(args: argparse.Namespace) -> None:
     dtype = precision.resolve(args.dtype, "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         kw = dict(lora_rank=args.rank, lora_alpha=args.rank, dtype=dtype, threads=args.threads, max_batch=16)
-        merging = Engine(spec, data_dir=Path(tmp) / "merging", **kw)  # type: ignore[arg-type]
+        local = LocalBackend(args.model, Path(tmp) / "merging", **kw)  # type: ignore[arg-type]
+        merging = local.engine
         beside = Engine(spec, data_dir=Path(tmp) / "beside", merge_adapters=False, **kw)  # type: ignore[arg-type]
         merging.start()
         beside.start()
@@ -99,6 +138,7 @@ async def throughput(args: argparse.Namespace) -> None:
             weights = [random_adapter(like, i) for i in range(ROWS)]
             for i, w in enumerate(weights):
                 await merging.register_adapter(f"user{i}", w)
+            users = await users_versions(local, Path(tmp), weights)
             merged_v = await publish(merging, weights[0])
             peft_vs = [await publish(beside, w) for w in weights]
             prompts = [chat(merging, p.question) for p in general_probes()[:ROWS]]
@@ -116,6 +156,7 @@ async def throughput(args: argparse.Namespace) -> None:
 
             configs: dict[str, Callable[[], Awaitable[tuple[float, float]]]] = {
                 "8 adapters, one batch (gather)": gather("gather"),
+                "8 users' own versions (lineages)": lambda: views_rate(users, prompts, args.tokens),
                 "8 adapters, one batch (grouped)": gather("group"),
                 "1 adapter, unmerged (reference)": lambda: batch_rate(merging, prompts, args.tokens,
                                                                       ["user0"] * ROWS, nov),

@@ -239,6 +239,24 @@ class Lineages(Protocol):
 
 
 @runtime_checkable
+class ServesAdapters(Protocol):
+    """Serves a published version as a registered adapter (`adapter_for`), which `sample` and
+    `sample_stream` then name (`adapter=KEY`) instead of a version: rows on many users' versions
+    decode in one batch through a per-row gather of the adapters rather than the slower mixed
+    batch of versions (the embedded engine; docs/engine.md). A user's lineage other than the
+    default user's is served this way (`learning.lineages`)."""
+
+    async def adapter_for(self, version: int, path: str | None = None) -> str: ...
+
+    async def sample(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
+                     version: int | None = None, priority: Priority = "user",
+                     adapter: str | None = None) -> list[Completion]: ...
+
+    def sample_stream(self, prompt_ids: Sequence[int], params: SamplingParams, *, version: int | None = None,
+                      priority: Priority = "user", adapter: str | None = None) -> AsyncIterator[TokenChunk]: ...
+
+
+@runtime_checkable
 class Blends(Protocol):
     """Can publish a published version's LoRA delta scaled toward the base: base + alpha * delta,
     exactly (a LoRA delta is B @ A, so B scaled by alpha). The gate tries such a blend of a

@@ -83,6 +83,14 @@ async def test_each_users_steps_train_their_own_adapter_from_the_base(tmp_path: 
         assert await step(ref, "bob") == 1
         assert await probe(backend, v_bob) == pytest.approx(await probe(ref_backend, 1), abs=1e-5)
         assert await probe(backend, v_bob) != pytest.approx(alice_before, abs=1e-4)
+        # each user's rows run on their own version as a registered adapter (one batch, a per-row
+        # gather), with the logprobs their version scores; the default user's on the version itself
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+        drawn = await asyncio.gather(*(lineages.get(u).backend.sample(PROBE_PROMPT, params) for u in ("alice", "bob")))
+        assert [c[0].version for c in drawn] == [1, 2]
+        assert {"policy@v1", "policy@v2"} <= set(backend.engine.adapter_stats().resident_keys)
+        for [c], v in zip(drawn, (1, 2), strict=True):
+            assert await backend.score(PROBE_PROMPT, c.tokens, version=v) == pytest.approx(list(c.logprobs), abs=1e-4)
     finally:
         for b, s in ((backend, store), (ref_backend, ref_store)):
             await b.close()

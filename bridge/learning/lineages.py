@@ -41,6 +41,7 @@ from clawbridge.protocol import (
     Routing,
     ScoreModel,
     Screens,
+    ServesAdapters,
     UnknownVersion,
 )
 from clawbridge.store.records import DEFAULT_USER
@@ -178,6 +179,7 @@ class LineageBackend(Routing):
 
     def __init__(self, board: Switchboard, user: str, newest: int) -> None:
         self.board, self.user, self._newest = board, user, newest
+        self._paths: dict[int, str] = {}  # where this process published a version's weights
         shared = board.backend
         self.shared = shared
         self.name, self.model_name, self.context_length = shared.name, shared.model_name, shared.context_length
@@ -199,13 +201,30 @@ class LineageBackend(Routing):
 
     async def sample(self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1,
                      version: int | None = None, priority: Priority = "user") -> list[Completion]:
-        return await self.shared.sample(prompt_ids, params, n=n, version=self.route(version), priority=priority)
+        routed = self.route(version)
+        if (key := await self._adapter(routed)) is not None:
+            assert isinstance(self.shared, ServesAdapters)
+            return await self.shared.sample(prompt_ids, params, n=n, priority=priority, adapter=key)
+        return await self.shared.sample(prompt_ids, params, n=n, version=routed, priority=priority)
 
     async def sample_stream(self, prompt_ids: Sequence[int], params: SamplingParams, *,
                             version: int | None = None, priority: Priority = "user") -> AsyncIterator[TokenChunk]:
-        async for chunk in self.shared.sample_stream(prompt_ids, params, version=self.route(version),
-                                                     priority=priority):
+        routed = self.route(version)
+        if (key := await self._adapter(routed)) is not None:
+            assert isinstance(self.shared, ServesAdapters)
+            stream = self.shared.sample_stream(prompt_ids, params, priority=priority, adapter=key)
+        else:
+            stream = self.shared.sample_stream(prompt_ids, params, version=routed, priority=priority)
+        async for chunk in stream:
             yield chunk
+
+    async def _adapter(self, version: int) -> str | None:
+        """The registered adapter `version` is served as (`protocol.ServesAdapters`): every user's
+        but the default user's, whose versions the engine serves (and merges) as always, so rows of
+        many users decode in one batch through the per-row gather; None: served as a version."""
+        if version == 0 or self.user == DEFAULT_USER or not isinstance(self.shared, ServesAdapters):
+            return None
+        return await self.shared.adapter_for(version, self._paths.get(version))
 
     async def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, model: ScoreModel = "policy",
                     temperature: float = 1.0, version: int | None = None) -> list[float]:
@@ -254,6 +273,8 @@ class LineageBackend(Routing):
 
     def _published(self, policy: PolicyVersion) -> PolicyVersion:
         self._newest = policy.version
+        if policy.path:
+            self._paths[policy.version] = policy.path
         return policy
 
     async def _check_own(self, version: int) -> None:
