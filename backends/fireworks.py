@@ -20,6 +20,13 @@ The training SDK is Tinker-shaped, so the data and metrics are the Tinker backen
   (weights only: a fresh optimizer) and a publish. On a deployment the delta chain is reset
   first, so the rolled-back weights hot-load as a full `base` checkpoint, not as a delta
   against a snapshot they do not descend from.
+- `score(version=K)`: `forward` on the training client while its weights are vK's (as right
+  after a publish), else on vK's sampler snapshot (`compute_logprobs`, serverless), v0 on the
+  frozen base client. Snapshots stay in the index, so a dropped or earlier process's version's
+  sampling client is opened again (`create_sampling_client(model_path=...)`).
+- `switch` (several users' adapters, `protocol.Lineages`, serverless only: a deployment serves
+  one adapter): the one training client, whose weights and optimizer become the lineage's:
+  `load_state_with_optimizer(state)`, or a published version's checkpoint with `load_state`.
 
 The serverless constructor connects at once, so the backend takes a `connect` callable and
 calls it in `start()`; tests pass the offline fake (tests/fakes/fake_fireworks.py).
@@ -31,29 +38,41 @@ import asyncio
 import logging
 import math
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from clawbridge.backends.costs import CostMeter, Usage
+from clawbridge.backends.fireworks_sdk import NO_TRAINING_ACCESS, connector, dedicated_parts
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy, call, status_of
-from clawbridge.backends.tinker import (
-    KEEP_VERSIONS,
+from clawbridge.backends.tinkerlike import (
     TEMPERATURE_ONE,
+    Samplers,
     StateIndex,
     check_batch,
     check_context,
     completion_logprobs,
+    completion_tail,
     platform_datum,
     require_credentials,
-    rollback_path,
+    sampler_state,
+    scoring_datum,
+    state_path,
     step_metrics,
     stop_list,
     temperature_reason,
     version_state,
 )
-from clawbridge.protocol import BackendError, Priority, Routing, ScoreModel, UnknownVersion
+from clawbridge.protocol import (
+    BackendError,
+    Priority,
+    Routing,
+    ScoreModel,
+    UnknownVersion,
+    require_published,
+)
 from clawbridge.types import (
     Completion,
     Datum,
@@ -71,12 +90,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Mode = Literal["serverless", "dedicated"]
-NO_TRAINING_ACCESS = (
-    "this Fireworks API key has no Training API access (HTTP {status}). clawbridge needs the "
-    "Training API (token-level advantages); without it Fireworks only offers dataset-driven "
-    "managed fine-tuning jobs. Ask Fireworks to enable the Training API for your account, or "
-    "use --backend tinker|modal|local."
-)
 
 
 def _types() -> Any:
@@ -124,9 +137,10 @@ class FireworksBackend(Routing):
         self.service: Any = None
         self._training: Any = None
         self._base: Any = None
-        self._samplers: dict[int, Any] = {}
+        self._samplers = Samplers()
         self._states = StateIndex(state_index)
         self._version = 0
+        self._trained_as: int | None = 0  # the version whose weights the trainer holds, if one's
 
     @classmethod
     def from_settings(
@@ -139,9 +153,9 @@ class FireworksBackend(Routing):
         or builds them from `fireworks_deployment_id`."""
         if client is None:
             require_credentials("fireworks")
-        connect = (lambda: client) if client is not None else _connector(settings)
+        connect = (lambda: client) if client is not None else connector(settings)
         if settings.cloud.fireworks_mode == "dedicated" and not dedicated:
-            dedicated = _dedicated_parts(settings)
+            dedicated = dedicated_parts(settings)
         return cls(
             connect=connect, base_model=settings.cloud.fireworks_base_model, mode=settings.cloud.fireworks_mode,
             tokenizer=tokenizer, served_model_name=settings.serving.served_model_name,
@@ -183,10 +197,10 @@ class FireworksBackend(Routing):
                 raise PermanentBackendError(NO_TRAINING_ACCESS.format(status=status)) from e
             raise
         if self.mode == "serverless":
-            self._samplers[0] = await self._blocking(
+            self._samplers.put(0, await self._blocking(
                 "fireworks create_sampling_client(base)",
                 lambda: self.service.create_sampling_client(base_model=self.base_model),
-            )
+            ))
         else:
             assert self._make_syncer is not None
             self._syncer = self._make_syncer(self._training)
@@ -212,9 +226,7 @@ class FireworksBackend(Routing):
     async def _sample_serverless(self, prompt_ids: Sequence[int], params: SamplingParams, n: int, version: int | None) -> list[Completion]:
         types = _types()
         v = self.route(version)
-        sampler = self._samplers.get(v)
-        if sampler is None:
-            raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")
+        sampler = await self._samplers.of(v, self._version, self._open, (self.version,))
         sp = types.SamplingParams(
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k, seed=params.seed,
@@ -229,6 +241,15 @@ class FireworksBackend(Routing):
             reason: Literal["stop", "length"] = "stop" if seq.stop_reason == "stop" else "length"
             out.append(Completion(tuple(int(t) for t in seq.tokens), tuple(float(x) for x in seq.logprobs), reason, v))
         return out
+
+    async def _open(self, version: int) -> Any:
+        """A sampling client on vK's snapshot again (serverless): the index keeps every one."""
+        path = self._states.path_of(sampler_state(version))
+        if path is None:
+            raise UnknownVersion(version, self._version, f"policy@v{version} is no longer served: its sampler "
+                                                         "snapshot is not known")
+        return await self._blocking("fireworks create_sampling_client",
+                                    lambda: self.service.create_sampling_client(model_path=path))
 
     async def _sample_deployment(self, prompt_ids: Sequence[int], params: SamplingParams, n: int) -> list[Completion]:
         stop = stop_list(params, getattr(self._tokenizer, "eos_token_id", None))
@@ -263,33 +284,47 @@ class FireworksBackend(Routing):
 
     async def score(
         self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
-        model: ScoreModel = "policy", temperature: float = 1.0,
+        model: ScoreModel = "policy", temperature: float = 1.0, version: int | None = None,
     ) -> list[float]:
-        types = _types()
+        """The trainer's `forward` where it holds `version`'s weights (None: the newest) or the
+        base's; else `version`'s sampler snapshot."""
         if temperature != 1.0:
             raise BackendError(TEMPERATURE_ONE.format(platform="Fireworks"))
         if not prompt_ids or not completion_ids:
             raise BackendError("score needs a non-empty prompt and completion")
+        v = 0 if model == "base" else self._version if version is None else version
+        require_published(v, self._version)
         client = self._training
-        if model == "base":
+        if v != self._trained_as and v != 0:
+            return await self._snapshot_logprobs(v, prompt_ids, completion_ids)
+        if v != self._trained_as:
             if self._base is None:
                 self._base = await self._blocking(
                     "fireworks create_base_training_client",
                     lambda: self.service.create_base_training_client(self.base_model),
                 )
             client = self._base
-        full = [*prompt_ids, *completion_ids]
-        n = len(full) - 1
-        datum = types.Datum(
-            model_input=types.ModelInput.from_ints(full[:-1]),
-            loss_fn_inputs={
-                "target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[n]),
-                "weights": types.TensorData(data=[0.0] * (len(prompt_ids) - 1) + [1.0] * len(completion_ids), dtype="float32", shape=[n]),
-            },
-        )
+        datum = scoring_datum(prompt_ids, completion_ids, _types())
         out = await call("fireworks forward", lambda: client.forward([datum], "cross_entropy"), self.retry)
-        self.meter.record("score", Usage(prefill_tokens=len(full)))
+        self.meter.record("score", Usage(prefill_tokens=len(prompt_ids) + len(completion_ids)))
         return [float(x) for x in out.loss_fn_outputs[0]["logprobs"].data[len(prompt_ids) - 1 :]]
+
+    async def _snapshot_logprobs(self, version: int, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+        """Scores on vK's sampler snapshot, for a version the trainer no longer holds."""
+        if self.mode == "dedicated":
+            raise BackendError(f"policy@v{version} can no longer be scored: a dedicated deployment keeps one "
+                               "adapter, and the trainer holds other weights now")
+        sampler = await self._samplers.of(version, self._version, self._open, (self.version,))
+        full = _types().ModelInput.from_ints([*prompt_ids, *completion_ids])
+
+        def submit() -> Any:
+            with warnings.catch_warnings():  # the SDK prefers forward(); no trainer holds these weights
+                warnings.simplefilter("ignore", UserWarning)
+                return sampler.compute_logprobs(full)
+
+        lps = await call("fireworks compute_logprobs", submit, self.retry)
+        self.meter.record("score", Usage(prefill_tokens=len(prompt_ids) + len(completion_ids)))
+        return completion_tail(lps, len(completion_ids), "Fireworks")
 
     def untrainable(self, datum: Datum) -> str | None:
         return temperature_reason(datum, "Fireworks")
@@ -307,6 +342,7 @@ class FireworksBackend(Routing):
             raise BackendError("top-k distillation (opd_topk > 0) needs the teacher's logits inside the loss; "
                                "Fireworks' built-in ppo loss cannot take them")
         check_batch(batch, "Fireworks")
+        self._trained_as = None  # from here on the weights are no published version's
         started = time.monotonic()
         data = [platform_datum(d, 1.0, types) for d in batch]  # the server divides by loss tokens
         config = {"clip_low_threshold": 1.0 - loss.clip_low, "clip_high_threshold": 1.0 + loss.clip_high}
@@ -340,7 +376,7 @@ class FireworksBackend(Routing):
             snapshot = await self._blocking("fireworks save_and_hotload", lambda: self._syncer.save_and_hotload(name))
             if snapshot is None:
                 raise BackendError(f"fireworks: hot-load of {name} failed; still serving policy@v{self._version}")
-            self._version = v
+            self._version, self._trained_as = v, v
             return PolicyVersion(v, str(snapshot))
         saved = await call("fireworks save_weights_for_sampler",
                            lambda: self._training.save_weights_for_sampler(name), self.retry)
@@ -348,17 +384,17 @@ class FireworksBackend(Routing):
             "fireworks create_sampling_client",
             lambda: self.service.create_sampling_client(model_path=saved.path),
         )
-        self._samplers[v] = sampler
-        self._version = v
-        for old in [k for k in self._samplers if 0 < k <= v - KEEP_VERSIONS]:
-            del self._samplers[old]
+        self._states.put(sampler_state(v), saved.path, v)
+        self._version, self._trained_as = v, v
+        self._samplers.put(v, sampler, spare=(self.version,))
         return PolicyVersion(v, saved.path)
 
     async def rollback(self, version: int) -> PolicyVersion:
         """vK's checkpoint into the training session (weights only: a fresh optimizer),
         published as the next version."""
-        path = rollback_path(self._states, version, self._version)
+        path = state_path(self._states, version, self._version)
         await call("fireworks load_state", lambda: self._training.load_state(path), self.retry)
+        self._trained_as = version
         if self._syncer is not None:
             self._syncer.reset_delta_chain()
         published = await self.publish()
@@ -380,6 +416,7 @@ class FireworksBackend(Routing):
         path, version = self._states.get(name)
         await call("fireworks load_state_with_optimizer",
                    lambda: self._training.load_state_with_optimizer(path), self.retry)
+        self._trained_as = None
         if version:
             await self._serve_again(version)
 
@@ -396,6 +433,25 @@ class FireworksBackend(Routing):
                    lambda: self._training.load_state_with_optimizer(state), self.retry)
         await self._serve_again(version)
 
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train another lineage (`protocol.Lineages`) in the one training client: its state
+        (`save_state`'s name or path: weights and optimizer) or published `version`'s checkpoint
+        (`policy-vK`, weights only: a fresh optimizer; v0's is the fresh adapter). `path` is not
+        needed: every version's checkpoint is in the index. What serves, and the versions'
+        numbering, stay as they are. Serverless only: a dedicated deployment serves one adapter."""
+        if self.mode == "dedicated":
+            raise BackendError("a dedicated Fireworks deployment serves one adapter at a time: several users' "
+                               "adapters need fireworks_mode=serverless")
+        if state is not None:
+            where, _ = self._states.get(state)
+            await call("fireworks load_state_with_optimizer",
+                       lambda: self._training.load_state_with_optimizer(where), self.retry)
+            self._trained_as = None
+        else:
+            source = state_path(self._states, version, self._version)
+            await call("fireworks load_state", lambda: self._training.load_state(source), self.retry)
+            self._trained_as = version
+
     async def _serve_again(self, version: int) -> None:
         """Serve the training session's weights as `version` again, writing over nothing: the
         sampler weights (or the deployment's snapshot) get a name of their own."""
@@ -407,11 +463,13 @@ class FireworksBackend(Routing):
         else:
             saved = await call("fireworks save_weights_for_sampler",
                                lambda: self._training.save_weights_for_sampler(name), self.retry)
-            self._samplers[version] = await self._blocking(
+            self._samplers.put(version, await self._blocking(
                 "fireworks create_sampling_client",
                 lambda: self.service.create_sampling_client(model_path=saved.path),
-            )
-        self._version = version
+            ))
+            if self._states.path_of(sampler_state(version)) is None:  # the index is append-only
+                self._states.put(sampler_state(version), saved.path, version)
+        self._version, self._trained_as = version, version
 
     async def close(self) -> None:
         for sampler in self._samplers.values():
@@ -421,39 +479,6 @@ class FireworksBackend(Routing):
         close = getattr(self.service, "close", None)
         if callable(close):
             await asyncio.to_thread(close)
-
-
-def _connector(settings: Settings) -> Callable[[], Any]:
-    def connect() -> Any:
-        import os
-
-        from fireworks.training.sdk import FiretitanServiceClient
-
-        # base_url always given: otherwise the SDK reads TINKER_BASE_URL.
-        return FiretitanServiceClient(base_url=settings.cloud.fireworks_base_url, api_key=os.environ.get("FIREWORKS_API_KEY"))
-
-    return connect
-
-
-def _dedicated_parts(settings: Settings) -> dict[str, Any]:
-    """The deployment sampler and weight syncer of a dedicated deployment (real SDK objects)."""
-    import os
-
-    from fireworks.training.sdk import DeploymentManager, DeploymentSampler, WeightSyncer
-
-    if not settings.cloud.fireworks_deployment_id:
-        raise BackendError("dedicated mode needs --fireworks-deployment-id")
-    key = os.environ.get("FIREWORKS_API_KEY", "")
-    manager = DeploymentManager(api_key=key, base_url="https://api.fireworks.ai")
-    deployment = f"accounts/{manager.account_id}/deployments/{settings.cloud.fireworks_deployment_id}"
-    sampler = DeploymentSampler(inference_url="https://api.fireworks.ai/inference", model=deployment, api_key=key)
-    return {
-        "deployment_sampler": sampler,
-        "weight_syncer": lambda training: WeightSyncer(
-            policy_client=training, deploy_mgr=manager, deployment_id=settings.cloud.fireworks_deployment_id,
-            base_model=settings.cloud.fireworks_base_model, lora_rank=settings.training.lora_rank,
-        ),
-    }
 
 
 def from_settings(settings: Settings) -> Any:

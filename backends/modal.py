@@ -5,7 +5,9 @@ Backend protocol itself running `LocalBackend` in the container, so the semantic
 backend's by construction. The tokenizer lives here (the renderer needs it locally): Modal serves
 the models of the registry (`smollm2-135m-instruct`, `tiny-random`) or an HF folder present on both
 sides. Cost is metered in GPU seconds of call time; Modal also bills cold starts and the idle
-`scaledown_window`, which the meter cannot see (docs/backends.md).
+`scaledown_window`, which the meter cannot see (docs/backends.md). Several users' adapters
+(`protocol.Lineages`) are the local engine's: `switch` loads another lineage's checkpoint or
+published adapter from the Volume, and any version on it is sampled and scored by number.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class ModalBackend(Routing):
         priority: Priority = "user",
     ) -> list[Completion]:
         """`priority` goes with the call: the container's engine serves the user first."""
-        from clawbridge.backends.tinker import check_context
+        from clawbridge.backends.tinkerlike import check_context
 
         check_context(len(prompt_ids), params.max_tokens, self.context_length)
         return list(await self._remote("sample", list(prompt_ids), params, n, self.route(version), priority))
@@ -131,9 +133,10 @@ class ModalBackend(Routing):
 
     async def score(
         self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
-        model: ScoreModel = "policy", temperature: float = 1.0,
+        model: ScoreModel = "policy", temperature: float = 1.0, version: int | None = None,
     ) -> list[float]:
-        return list(await self._remote("score", list(prompt_ids), list(completion_ids), model, temperature, activity="score"))
+        return list(await self._remote("score", list(prompt_ids), list(completion_ids), model, temperature, version,
+                                       activity="score"))
 
     async def train_step(
         self, batch: Sequence[Datum], loss: LossSpec = LossSpec(), optim: OptimSpec = OptimSpec()
@@ -166,6 +169,11 @@ class ModalBackend(Routing):
         fresh optimizer)."""
         await self._remote("restore", version, path, activity="train")
         self._version = int((await self._remote("info"))["version"])
+
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train another lineage (`protocol.Lineages`): the engine's switch, in the container (a
+        checkpoint, or a published adapter on the Volume). Retried: loading twice loads the same."""
+        await self._remote("switch", state, version, path, activity="train")
 
     async def close(self) -> None:
         return None  # the container scales down by itself after its idle window

@@ -3,7 +3,8 @@
 One GPU class, `Engine`, runs exactly the code `clawbridge up --backend local` runs (the
 `clawbridge.local_gpu.engine` torch engine behind `LocalBackend`), loaded once per container in
 `@modal.enter`. Adapters and optimizer state live on a Modal Volume mounted at /state, so a cold
-start resumes from the last saved state. `clawbridge modal deploy --gpu H100` deploys it;
+start resumes from the last saved state, or, after a `switch` to another user's lineage, from
+what that switch loaded, serving the newest version the engine had published. `clawbridge modal deploy --gpu H100` deploys it;
 `backends/modal.py` calls its methods with `.remote.aio`.
 
 Arguments and results are clawbridge's own frozen dataclasses (pickled by Modal), so the remote
@@ -86,10 +87,26 @@ class Engine:
         await backend.start()
         latest = self.state / LATEST
         if latest.exists():  # a cold start: resume training and the version it served
-            name = json.loads(latest.read_text())["name"]
-            log.info("modal engine: resuming from %s", name)
-            await backend.load_state(name)
+            resume = json.loads(latest.read_text())
+            if "switch" in resume:  # a switch (or restore) since: serve the newest, train on from what it loaded
+                log.info("modal engine: serving policy@v%d, training from %s", resume["newest"], resume["switch"])
+                if resume["newest"]:
+                    await backend.restore(int(resume["newest"]), None)
+                await backend.switch(*resume["switch"])
+            else:
+                log.info("modal engine: resuming from %s", resume["name"])
+                await backend.load_state(resume["name"])
         self.backend = backend
+
+    def _resume_from(self, **point: Any) -> None:
+        """What a cold start resumes (LATEST), with the newest version published so far; a
+        publish keeps the point and updates the newest."""
+        latest = self.state / LATEST
+        if not point:
+            point = json.loads(latest.read_text()) if latest.exists() else {}
+            if not point:
+                return
+        latest.write_text(json.dumps({**point, "newest": self.backend.newest}))
 
     def _commit(self) -> None:
         if not modal.is_local():  # in `.local()` runs the Volume is not mounted
@@ -109,10 +126,10 @@ class Engine:
 
     @modal.method()
     async def score(self, prompt_ids: list[int], completion_ids: list[int], model: str = "policy",
-                    temperature: float = 1.0) -> list[float]:
+                    temperature: float = 1.0, version: int | None = None) -> list[float]:
         await self._ready()
         return await self.backend.score(prompt_ids, completion_ids, model="base" if model == "base" else "policy",
-                                        temperature=temperature)
+                                        temperature=temperature, version=version)
 
     @modal.method()
     async def train_step(self, batch: list[Datum], loss: LossSpec, optim: OptimSpec) -> StepMetrics:
@@ -123,6 +140,7 @@ class Engine:
     async def publish(self) -> PolicyVersion:
         await self._ready()
         published = await self.backend.publish()
+        self._resume_from()
         self._commit()
         return published
 
@@ -130,6 +148,7 @@ class Engine:
     async def rollback(self, version: int) -> PolicyVersion:
         await self._ready()
         published = await self.backend.rollback(version)
+        self._resume_from()
         self._commit()
         return published
 
@@ -137,9 +156,18 @@ class Engine:
     async def save_state(self, name: str) -> str:
         await self._ready()
         where = await self.backend.save_state(name)
-        (self.state / LATEST).write_text(json.dumps({"name": name, "path": where}))
+        self._resume_from(name=name, path=where)
         self._commit()
         return where
+
+    @modal.method()
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Another lineage's weights and optimizer become the trainable ones (`protocol.Lineages`);
+        a cold start from now on resumes them."""
+        await self._ready()
+        await self.backend.switch(state, version, path)
+        self._resume_from(switch=[state, version, path])
+        self._commit()
 
     @modal.method()
     async def load_state(self, name: str) -> None:
@@ -150,6 +178,8 @@ class Engine:
     async def restore(self, version: int, path: str | None) -> None:
         await self._ready()
         await self.backend.restore(version, path)
+        self._resume_from(switch=[None, version, path])  # a cold start: serve vK, train on from its weights
+        self._commit()
 
     @modal.exit()
     async def close(self) -> None:

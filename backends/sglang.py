@@ -9,6 +9,12 @@ plus a trainer (the FSDP2 trainer under torchrun). Publishing is a version switc
 SGLang binds a request to the adapter it was admitted with until it finishes, and the router
 counts a request as in flight from admission (before its HTTP request leaves), so no request ever
 names an unloaded adapter and no response mixes versions.
+
+Any published version is served and scored by number (several users' adapters,
+`protocol.Lineages`, or a version the gate holds serving): one unloaded is loaded again from its
+folder for the request that names it, and stays loaded while it is among the `KEEP_ADAPTERS`
+loaded so used most recently. `switch` is the trainer's: `load_state` (weights and optimizer)
+or `load_adapter` (a published version's folder, a fresh optimizer).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+KEEP_ADAPTERS = 4  # older versions loaded again on request, kept loaded (the most recently used)
 
 
 # --- versions ------------------------------------------------------------------------------------
@@ -149,6 +156,9 @@ class SGLangBackend(Routing):
         self._tokenizer = tokenizer
         self._publish_lock = asyncio.Lock()
         self._loaded: list[int] = []  # adapter versions serving new requests (not yet superseded)
+        self._resident: set[int] = set()  # adapter versions loaded in SGLang
+        self._kept: list[int] = []  # older versions loaded again on request, the one used last at the end
+        self._lora_lock = asyncio.Lock()  # loading an older version again vs unloading one
         self._unloads: set[asyncio.Task[None]] = set()
 
     @property
@@ -171,12 +181,38 @@ class SGLangBackend(Routing):
         if len(prompt_ids) + max_tokens > self.context_length:
             raise ContextLengthExceeded(len(prompt_ids), max_tokens, self.context_length)
 
+    @contextlib.asynccontextmanager
+    async def _admitted(self, version: int | None) -> AsyncIterator[int]:
+        """`router.admit`, with the version's adapter loaded again if it was unloaded."""
+        async with self.router.admit(version) as v:
+            if v and v not in self._resident:
+                await self._load_again(v)
+            elif v in self._kept:
+                self._kept.remove(v)
+                self._kept.append(v)
+            yield v
+
+    async def _load_again(self, version: int) -> None:
+        async with self._lora_lock:
+            if version in self._resident:
+                return
+            folder = self.adapters_dir / f"v{version}"
+            if not (folder / "adapter_config.json").exists():
+                raise UnknownVersion(version, self.newest, f"policy@v{version}'s adapter is gone ({folder})")
+            await self.client.load_lora(PolicyVersion(version).name, str(folder))
+            self._resident.add(version)
+            log.info("loaded policy@v%d again (a request names it)", version)
+            self._kept.append(version)
+            for old in self._kept[:-KEEP_ADAPTERS]:
+                self._kept.remove(old)
+                self._unload_later(old)
+
     async def sample(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
         priority: Priority = "user",
     ) -> list[Completion]:
         self._check_length(prompt_ids, params.max_tokens)
-        async with self.router.admit(self.route(version)) as v:
+        async with self._admitted(self.route(version)) as v:
             outs = await asyncio.gather(*(
                 self.client.generate(generate_payload(prompt_ids, params, lora_name(v), stream=False, priority=priority))
                 for _ in range(n)
@@ -198,7 +234,7 @@ class SGLangBackend(Routing):
         priority: Priority = "user",
     ) -> AsyncIterator[TokenChunk]:
         self._check_length(prompt_ids, params.max_tokens)
-        async with self.router.admit(self.route(version)) as v:
+        async with self._admitted(self.route(version)) as v:
             cursor = StreamCursor()
             body = generate_payload(prompt_ids, params, lora_name(v), stream=True, priority=priority)
             async for out in self.client.generate_stream(body):
@@ -216,11 +252,13 @@ class SGLangBackend(Routing):
         *,
         model: ScoreModel = "policy",
         temperature: float = 1.0,
+        version: int | None = None,
     ) -> list[float]:
+        """On published `version`'s adapter (None: the newest), or the base model's."""
         if not prompt_ids or not completion_ids:
             raise BackendError("score needs a non-empty prompt and completion")
         self._check_length([*prompt_ids, *completion_ids], 0)
-        async with self.router.admit(None if model == "policy" else 0) as v:
+        async with self._admitted(version if model == "policy" else 0) as v:
             out = await self.client.generate(
                 score_payload(prompt_ids, completion_ids, lora_name(v), temperature))
         return parse_score(out, len(completion_ids))
@@ -251,14 +289,18 @@ class SGLangBackend(Routing):
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
             await self.client.load_lora(PolicyVersion(k).name, str(final))
+            self._resident.add(k)
             old, self._loaded = self._loaded, [k]
             self.router.advance(k)
             log.info("published policy@v%d in %.3f s", k, time.monotonic() - started)
             for v in old:
-                task = asyncio.create_task(self._unload_when_drained(v))
-                self._unloads.add(task)
-                task.add_done_callback(self._unloads.discard)
+                self._unload_later(v)
             return PolicyVersion(k, str(final))
+
+    def _unload_later(self, version: int) -> None:
+        task = asyncio.create_task(self._unload_when_drained(version))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
 
     async def rollback(self, version: int) -> PolicyVersion:
         """vK's adapter folder (v0: the initial adapter) into the trainer, then the ordinary
@@ -275,12 +317,21 @@ class SGLangBackend(Routing):
         return published
 
     async def _unload_when_drained(self, version: int) -> None:
-        await self.router.drained(version)
-        try:
-            await self.client.unload_lora(PolicyVersion(version).name)
-            log.info("unloaded policy@v%d (drained)", version)
-        except BackendError as e:  # the adapter stays loaded; it costs memory, not correctness
-            log.warning("could not unload policy@v%d: %s", version, e)
+        while True:
+            await self.router.drained(version)
+            async with self._lora_lock:
+                if self.router.inflight(version):
+                    continue  # admitted again meanwhile: wait for those too
+                if version in self._kept or version not in self._resident:
+                    return  # loaded again and kept since, or unloaded already
+                self._resident.discard(version)  # a request admitted from now on loads it again
+                try:
+                    await self.client.unload_lora(PolicyVersion(version).name)
+                    log.info("unloaded policy@v%d (drained)", version)
+                except BackendError as e:  # the adapter stays loaded; it costs memory, not correctness
+                    self._resident.add(version)
+                    log.warning("could not unload policy@v%d: %s", version, e)
+                return
 
     async def drain(self) -> None:
         """Wait until every superseded adapter has been unloaded (tests, shutdown)."""
@@ -295,6 +346,21 @@ class SGLangBackend(Routing):
 
     async def load_state(self, name: str) -> None:
         await self._need_trainer().load_state(self.states_dir / name)
+
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train another lineage (`protocol.Lineages`): the trainer loads its checkpoint `state`
+        (`save_state`'s name or path: weights and optimizer), or published `version`'s adapter
+        folder (at `path`, else `adapters/vK`; v0: the initial adapter) with a fresh optimizer.
+        What serves, and the versions' numbering, stay as they are."""
+        trainer = self._need_trainer()
+        if state is not None:
+            await trainer.load_state(self.states_dir / state)  # an absolute path stays itself
+            return
+        require_published(version, self.newest)
+        folder = None if version == 0 else Path(path) if path else self.adapters_dir / f"v{version}"
+        if folder is not None and not (folder / "adapter_config.json").exists():
+            raise UnknownVersion(version, self.newest, f"policy@v{version}'s adapter is gone ({folder})")
+        await trainer.load_adapter(folder)
 
     async def close(self) -> None:
         for task in list(self._unloads):

@@ -18,6 +18,14 @@ The verbs map one to one onto Tinker's primitives (docs/design.md#the-backend-pr
   also keeps a training state (`save_state("policy-vK")`, saved at start for v0 and beside each
   publish; the index in the data directory remembers its path). Rollback is
   `create_training_client_from_state(path)` (weights only: a fresh optimizer) and a publish.
+- `switch` (several users' adapters, `protocol.Lineages`): one training client per lineage. The
+  client left is kept while it is exactly the state just saved of it (the last `KEEP_LINEAGES`),
+  so switching back to that state takes it up again with no call; any other state is
+  `create_training_client_from_state_with_optimizer(path)`, a published version's weights
+  `create_training_client_from_state("policy-vK")` (v0: `create_lora_training_client`).
+- `score(version=K)`, `sample(version=K)`: vK's sampling client. The `KEEP_SAMPLERS` used most
+  recently stay open; another is opened again from its persisted sampler weights, else from
+  its training state (a training client of its own, `save_weights_and_get_sampling_client`).
 
 Version 0 is the base model's sampling client: the judge samples there (`sample(version=0)`).
 The SDK is imported lazily, and nothing touches the network before `start()`.
@@ -26,7 +34,6 @@ The SDK is imported lazily, and nothing touches the network before `start()`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -35,18 +42,32 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from clawbridge.backends.costs import CostMeter, Usage
 from clawbridge.backends.remote import RetryPolicy, call
-from clawbridge.loss import batch_tokens, ppo_token_losses, sum_loss_scale
+from clawbridge.backends.tinkerlike import (
+    TEMPERATURE_ONE,
+    Samplers,
+    StateIndex,
+    check_batch,
+    check_context,
+    completion_logprobs,
+    completion_tail,
+    platform_datum,
+    require_credentials,
+    sampler_state,
+    state_path,
+    step_metrics,
+    stop_list,
+    temperature_reason,
+    version_state,
+)
+from clawbridge.loss import sum_loss_scale
 from clawbridge.protocol import (
     BackendError,
-    ContextLengthExceeded,
     Priority,
     Routing,
     ScoreModel,
     UnknownVersion,
-    require_published,
 )
 from clawbridge.types import (
     Completion,
@@ -65,148 +86,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-KEEP_VERSIONS = 4  # sampling clients kept for requests admitted on older versions
-
-
-# --- pure helpers shared with the Fireworks backend (same Tinker-shaped data) -----------------
-
-
-def platform_datum(d: Datum, scale: float, types: Any) -> Any:
-    """Our Datum as a Tinker-shaped Datum: model_input = full[:-1], targets = full[1:],
-    sampling logprobs and (scaled) advantages on completion positions, zeros on the prompt."""
-    full = [*d.prompt_ids, *d.completion_ids]
-    pad = len(d.prompt_ids) - 1
-    n = len(full) - 1
-
-    def tensor(values: Sequence[float], dtype: str) -> Any:
-        return types.TensorData(data=list(values), dtype=dtype, shape=[n])
-
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={
-            "target_tokens": tensor(full[1:], "int64"),
-            "logprobs": tensor([0.0] * pad + [float(x) for x in d.logprobs], "float32"),
-            "advantages": tensor([0.0] * pad + [a * scale for a in d.advantages], "float32"),
-        },
-    )
-
-
-def completion_logprobs(d: Datum, output_logprobs: Sequence[float]) -> list[float]:
-    """The completion part of a datum's per-position target logprobs."""
-    return [float(x) for x in output_logprobs[len(d.prompt_ids) - 1 :]]
-
-
-def step_metrics(
-    batch: Sequence[Datum], new_logprobs: Sequence[Sequence[float]], spec: LossSpec,
-    seconds: float, grad_norm: float, extra: dict[str, float] | None = None,
-) -> StepMetrics:
-    """Loss, clip fraction and approximate KL of the step, from the logprobs the platform
-    computed in the forward pass (before the update), with the reference loss terms."""
-    new = torch.tensor([x for lp in new_logprobs for x in lp], dtype=torch.float64)
-    old = torch.tensor([x for d in batch for x in d.logprobs], dtype=torch.float64)
-    adv = torch.tensor([x for d in batch for x in d.advantages], dtype=torch.float64)
-    mask = torch.ones_like(new)
-    terms = ppo_token_losses(new, old, adv, mask, LossSpec(spec.clip_low, spec.clip_high))
-    n = max(len(new), 1)
-    return StepMetrics(
-        loss=float(terms.loss.sum()) / n, clip_fraction=float(terms.clipped.sum()) / n,
-        approx_kl=float(terms.approx_kl.sum()) / n, grad_norm=grad_norm,
-        tokens=batch_tokens(batch), samples=len(batch), seconds=seconds, extra=extra or {},
-    )
-
-
-def stop_list(params: SamplingParams, eos_id: int | None) -> list[str] | list[int] | None:
-    """Tinker's `stop` takes strings or token ids, not both. Token ids replace the default stop
-    set, so the EOS id is added back."""
-    if params.stop_token_ids:
-        ids = list(params.stop_token_ids)
-        if eos_id is not None and eos_id not in ids:
-            ids.append(eos_id)
-        return ids
-    return list(params.stop) if params.stop else None
-
-
-TEMPERATURE_ONE = (
-    "{platform} computes training and scoring logprobs at temperature 1 only (its losses see "
-    "target logprobs, not logits): sample with temperature 1 (the default) to train on {platform}, "
-    "or use --backend local|modal for tempered sampling"
-)
-
-
-def temperature_reason(datum: Datum, platform: str) -> str | None:
-    """Why `datum` cannot be trained on a platform whose losses see temperature-1 logprobs only
-    (a greedy turn, stored at temperature 0, is one): the trainer drops it with this reason
-    rather than retrying a batch that can never succeed."""
-    if datum.temperature == 1.0:
-        return None
-    return (f"sampled at temperature {datum.temperature:g}: {platform} trains temperature-1 samples only "
-            "(its loss sees target logprobs, not logits)")
-
-
-def check_batch(batch: Sequence[Datum], platform: str) -> None:
-    if not batch:
-        raise BackendError("train_step needs at least one datum")
-    if any(d.temperature != 1.0 for d in batch):
-        raise BackendError(TEMPERATURE_ONE.format(platform=platform))
-
-
-class StateIndex:
-    """Saved-state names -> (platform path, policy version), in a JSON file of the data directory
-    so a restarted process can `load_state(name)`; in memory when no file is given."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self._entries: dict[str, dict[str, Any]] = {}
-        if path is not None and path.exists():
-            self._entries = json.loads(path.read_text())
-
-    def put(self, name: str, where: str, version: int) -> None:
-        self._entries[name] = {"path": where, "version": version}
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self._entries, indent=1))
-
-    def path_of(self, name: str) -> str | None:
-        entry = self._entries.get(name)
-        return None if entry is None else str(entry["path"])
-
-    def get(self, name: str) -> tuple[str, int | None]:
-        if name in self._entries:
-            return str(self._entries[name]["path"]), int(self._entries[name]["version"])
-        if "://" in name or name.startswith(("accounts/", "gs://")):
-            return name, None
-        raise BackendError(f"no saved state named {name!r}: pass the path save_state returned")
-
-
-def version_state(version: int) -> str:
-    """The name of the training state kept with a published version, for `rollback`."""
-    return f"policy-v{version}"
-
-
-def rollback_path(states: StateIndex, version: int, newest: int) -> str:
-    """Where the training state of `version` lives, or UnknownVersion."""
-    require_published(version, newest)
-    path = states.path_of(version_state(version))
-    if path is None:
-        raise UnknownVersion(version, newest, f"policy@v{version} has no saved training state to roll back to "
-                                              "(it was published before rollback states were kept)")
-    return path
-
-
-def require_credentials(backend: str) -> None:
-    """Fail at once, with the fix, when the platform's credentials are missing or malformed."""
-    import os
-
-    from clawbridge.backends import doctor
-
-    checks = doctor.run_checks(os.environ, Path.home(), backend)
-    if not doctor.ready(checks, backend):
-        raise BackendError(f"{backend} is not ready:\n{doctor.report(checks)}")
-
-
-def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
-    if prompt_len + max_tokens > context_length:
-        raise ContextLengthExceeded(prompt_len, max_tokens, context_length)
+KEEP_LINEAGES = 4  # training clients of lineages switched away from, kept to switch back to at no cost
+__all__ = ["TinkerBackend", "check_context", "from_settings", "require_credentials", "version_state"]
 
 
 # --- the backend --------------------------------------------------------------------------------
@@ -241,8 +122,9 @@ class TinkerBackend(Routing):
         self.meter = meter or CostMeter.for_platform("tinker")
         self._tokenizer = tokenizer
         self._training: Any = None
-        self._samplers: dict[int, Any] = {}
-        self._paths: dict[int, str | None] = {0: None}
+        self._clean: str | None = None  # the state the training client is exactly (saved, not trained since)
+        self._parked: dict[str, Any] = {}  # state path -> the training client that is exactly it
+        self._samplers = Samplers()
         self._states = StateIndex(state_index)
         self._version = 0
 
@@ -283,18 +165,33 @@ class TinkerBackend(Routing):
             lambda: self.service.create_lora_training_client(self.base_model, rank=self.lora_rank, seed=self.seed),
             self.retry,
         )
-        self._samplers[0] = await call(
+        self._samplers.put(0, await call(
             "tinker create_sampling_client(base)",
             lambda: self.service.create_sampling_client(base_model=self.base_model), self.retry,
-        )
+        ))
         await self._save_state(version_state(0), 0)  # the fresh adapter: v0's, for rollback(0)
         log.info("tinker: LoRA rank %d on %s ready", self.lora_rank, self.base_model)
 
-    def _sampler(self, version: int | None) -> tuple[int, Any]:
-        v = self.route(version)
-        if v not in self._samplers:
-            raise BackendError(f"policy@v{v} is no longer served (kept: {sorted(self._samplers)})")
-        return v, self._samplers[v]
+    async def _sampler(self, version: int) -> Any:
+        """The sampling client of published `version`, opened again if it was dropped."""
+        return await self._samplers.of(version, self._version, self._open, (self.version,))
+
+    async def _open(self, version: int) -> Any:
+        """A sampling client on vK's weights: its persisted sampler weights where there are any,
+        else its training state loaded into a training client of its own (dropped after)."""
+        path = self._states.path_of(sampler_state(version))
+        if path is not None:
+            return await call("tinker create_sampling_client",
+                              lambda: self.service.create_sampling_client(model_path=path), self.retry)
+        state = self._states.path_of(version_state(version))
+        if state is None:
+            raise UnknownVersion(version, self._version, f"policy@v{version} is no longer served: neither its "
+                                                         "sampler weights nor its training state were kept")
+        client = await call("tinker create_training_client_from_state",
+                            lambda: self.service.create_training_client_from_state(state), self.retry)
+        log.info("tinker: policy@v%d opened again from its training state", version)
+        return await call("tinker save_weights_and_get_sampling_client",
+                          lambda: client.save_weights_and_get_sampling_client(), self.retry)
 
     async def sample(  # `priority`: ignored, Tinker's sampling client takes none
         self, prompt_ids: Sequence[int], params: SamplingParams, *, n: int = 1, version: int | None = None,
@@ -303,7 +200,8 @@ class TinkerBackend(Routing):
         from tinker import types
 
         check_context(len(prompt_ids), params.max_tokens, self.context_length)
-        v, sampler = self._sampler(version)
+        v = self.route(version)
+        sampler = await self._sampler(v)
         eos = getattr(self._tokenizer, "eos_token_id", None)
         sp = types.SamplingParams(
             max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -319,13 +217,13 @@ class TinkerBackend(Routing):
         out = [_completion(seq, v, params.top_logprobs) for seq in resp.sequences]
         self.meter.record("serve", Usage(prefill_tokens=len(prompt_ids), sampled_tokens=sum(len(c.tokens) for c in out)))
         if params.temperature == 0.0:  # greedy: record logprobs under temperature 1 (the protocol's)
-            out = [await self._rescored(prompt_ids, c, v) for c in out]
+            out = [await self._rescored(sampler, prompt_ids, c) for c in out]
         return out
 
-    async def _rescored(self, prompt_ids: Sequence[int], c: Completion, version: int) -> Completion:
+    async def _rescored(self, sampler: Any, prompt_ids: Sequence[int], c: Completion) -> Completion:
         if not c.tokens:
             return c
-        lps = await self._logprobs(self._samplers[version], prompt_ids, c.tokens)
+        lps = await self._logprobs(sampler, prompt_ids, c.tokens)
         return replace(c, logprobs=tuple(lps))
 
     async def sample_stream(
@@ -337,15 +235,15 @@ class TinkerBackend(Routing):
 
     async def score(
         self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *,
-        model: ScoreModel = "policy", temperature: float = 1.0,
+        model: ScoreModel = "policy", temperature: float = 1.0, version: int | None = None,
     ) -> list[float]:
-
+        """On the sampling client of `version` (None: the newest; "base": v0's)."""
         if temperature != 1.0:
             raise BackendError(TEMPERATURE_ONE.format(platform="Tinker"))
         if not prompt_ids or not completion_ids:
             raise BackendError("score needs a non-empty prompt and completion")
-        _, sampler = self._sampler(0 if model == "base" else None)
-        return await self._logprobs(sampler, prompt_ids, completion_ids)
+        v = 0 if model == "base" else self._version if version is None else version
+        return await self._logprobs(await self._sampler(v), prompt_ids, completion_ids)
 
     async def _logprobs(self, sampler: Any, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
         from tinker import types
@@ -357,10 +255,7 @@ class TinkerBackend(Routing):
             lambda: sampler.compute_logprobs(full, prompt_logprobs_last_n=k), self.retry,
         )
         self.meter.record("score", Usage(prefill_tokens=len(prompt_ids) + k))
-        tail = list(lps)[-k:]
-        if any(x is None for x in tail):
-            raise BackendError("Tinker returned no logprob for a completion token")
-        return [float(x) for x in tail]
+        return completion_tail(lps, k, "Tinker")
 
     def untrainable(self, datum: Datum) -> str | None:
         return temperature_reason(datum, "Tinker")
@@ -377,6 +272,7 @@ class TinkerBackend(Routing):
             raise BackendError("top-k distillation (opd_topk > 0) needs the teacher's logits inside the loss; "
                                "Tinker's built-in ppo loss cannot take them")
         check_batch(batch, "Tinker")
+        self._clean = None  # from here on the client is no longer the state it last saved
         started = time.monotonic()
         scale = sum_loss_scale(batch)
         data = [platform_datum(d, scale, types) for d in batch]
@@ -414,27 +310,28 @@ class TinkerBackend(Routing):
             saved = await call("tinker save_weights_for_sampler",
                                lambda: self._training.save_weights_for_sampler(f"policy-v{v}"), self.retry)
             path = saved.path
-        self._samplers[v] = sampler
-        self._paths[v] = path
+            self._states.put(sampler_state(v), saved.path, v)  # v's sampler can be opened again from it
         self._version = v  # requests admitted from now on get v; older ones keep their sampler
-        for old in [k for k in self._samplers if 0 < k <= v - KEEP_VERSIONS]:
-            del self._samplers[old]
+        self._samplers.put(v, sampler, spare=(self.version,))
         return PolicyVersion(v, path)
 
     async def rollback(self, version: int) -> PolicyVersion:
         """vK's training state into a new training client (weights only: a fresh optimizer),
         published as the next version."""
-        path = rollback_path(self._states, version, self._version)
+        path = state_path(self._states, version, self._version)
         self._training = await call(
             "tinker create_training_client_from_state",
             lambda: self.service.create_training_client_from_state(path), self.retry,
         )
+        self._clean = None
         published = await self.publish()
         log.info("tinker: policy@v%d is a rollback to policy@v%d", published.version, version)
         return published
 
     async def save_state(self, name: str) -> str:
-        return await self._save_state(name, self._version)
+        """`overwrite`: a lineage is saved under its one name each time it is left, by the one
+        training client it keeps."""
+        return await self._save_state(name, self._version, overwrite=True)
 
     async def restore(self, version: int, path: str | None) -> None:
         """After a restart: train on from `version` and serve it. Every publish saved the
@@ -449,15 +346,53 @@ class TinkerBackend(Routing):
             "tinker create_training_client_from_state_with_optimizer",
             lambda: self.service.create_training_client_from_state_with_optimizer(state), self.retry,
         )
-        self._samplers[version] = await call("tinker save_weights_and_get_sampling_client",
-                                             lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
-        self._paths[version] = path
+        self._clean = state
+        self._samplers.put(version, await call("tinker save_weights_and_get_sampling_client",
+                                               lambda: self._training.save_weights_and_get_sampling_client(), self.retry))
+        if path is not None:
+            self._states.put(sampler_state(version), path, version)
         self._version = version
 
-    async def _save_state(self, name: str, version: int) -> str:
+    async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:
+        """Train another lineage (`protocol.Lineages`) in a training client of its own: its state
+        (`save_state`'s name or path: weights and Adam's moments), or published `version`'s
+        weights (its `policy-vK` state, weights only; v0: a new LoRA run) with a fresh optimizer.
+        The client left is kept while it is exactly the state last saved of it, so switching back
+        to that state costs no call. What serves, and the versions' numbering, stay as they are."""
+        where: str | None = None
+        if state is not None:
+            where, _ = self._states.get(state)
+            if where == self._clean:
+                return  # the training client is that state already
+            client = self._parked.pop(where, None)
+            if client is None:
+                client = await call("tinker create_training_client_from_state_with_optimizer",
+                                    lambda: self.service.create_training_client_from_state_with_optimizer(where),
+                                    self.retry)
+        elif version == 0:
+            client = await call(
+                "tinker create_lora_training_client",
+                lambda: self.service.create_lora_training_client(self.base_model, rank=self.lora_rank, seed=self.seed),
+                self.retry)
+        else:
+            source = state_path(self._states, version, self._version)
+            client = await call("tinker create_training_client_from_state",
+                                lambda: self.service.create_training_client_from_state(source), self.retry)
+            if path is not None:
+                self._states.put(sampler_state(version), path, version)
+        if self._clean is not None:
+            self._parked[self._clean] = self._training
+            for old in list(self._parked)[:-KEEP_LINEAGES]:
+                del self._parked[old]
+        self._training, self._clean = client, where
+
+    async def _save_state(self, name: str, version: int, *, overwrite: bool = False) -> str:
         """A training state under `name`, indexed with the version whose weights it holds."""
-        saved = await call(f"tinker save_state({name})", lambda: self._training.save_state(name), self.retry)
+        saved = await call(f"tinker save_state({name})",
+                           lambda: self._training.save_state(name, overwrite=overwrite), self.retry)
         self._states.put(name, str(saved.path), version)
+        self._parked.pop(str(saved.path), None)  # a client kept for this path is no longer what it holds
+        self._clean = str(saved.path)
         return str(saved.path)
 
     async def load_state(self, name: str) -> None:
@@ -469,10 +404,11 @@ class TinkerBackend(Routing):
             lambda: self.service.create_training_client_from_state_with_optimizer(path), self.retry,
         )
         # The saved version serves the resumed weights again.
+        self._clean = path
         sampler = await call("tinker save_weights_and_get_sampling_client",
                              lambda: self._training.save_weights_and_get_sampling_client(), self.retry)
         self._version = max(version, 1) if version is not None else max(self._version, 1)
-        self._samplers[self._version] = sampler
+        self._samplers.put(self._version, sampler)
 
     async def close(self) -> None:
         close = getattr(self.service, "close", None)

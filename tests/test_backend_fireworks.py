@@ -144,3 +144,61 @@ async def test_dedicated_rollback_hot_loads_the_old_weights_as_a_full_checkpoint
     assert syncer.checkpoint_types == ["base", "delta", "base"]  # the chain restarts at the rollback
     (c,) = await b.sample(PROMPT, SamplingParams(max_tokens=3))
     assert c.version == 3
+
+
+async def test_an_older_version_is_scored_on_its_snapshot_and_the_trainers_on_forward(tokenizer, tmp_path) -> None:
+    """`score(version=K)`: the trainer's forward while it holds vK's weights, vK's sampler snapshot
+    otherwise; the snapshots stay in the index, so a restarted process opens them again."""
+    svc = FakeFiretitanService()
+    index = tmp_path / "fireworks_states.json"
+    b = FireworksBackend(connect=lambda: svc, base_model=BASE, tokenizer=tokenizer, retry=FAST, state_index=index)
+    await b.start()
+    completion = (17, 401, 2032)
+    optim = OptimSpec(learning_rate=5e-2)
+    await b.train_step(fixed_batch(), optim=optim)
+    await b.publish()
+    v1 = await b.score(PROMPT, completion)  # right after the publish: the trainer's forward
+    assert svc.faults.calls["compute_logprobs"] == 0
+    await b.train_step(fixed_batch(2), optim=optim)
+    assert await b.score(PROMPT, completion, version=1) == pytest.approx(v1, abs=1e-6)  # v1's snapshot
+    assert svc.faults.calls["compute_logprobs"] == 1
+    await b.publish()
+    assert await b.score(PROMPT, completion) != pytest.approx(v1, abs=1e-4)
+
+    restarted = FireworksBackend(connect=lambda: svc, base_model=BASE, tokenizer=tokenizer, retry=FAST,
+                                 state_index=index)
+    await restarted.start()
+    await restarted.restore(2, None)
+    assert 1 not in restarted._samplers
+    assert await restarted.score(PROMPT, completion, version=1) == pytest.approx(v1, abs=1e-6)
+    (c,) = await restarted.sample(PROMPT, SamplingParams(max_tokens=3, seed=4), version=1)
+    assert c.version == 1
+
+
+async def test_a_lineage_switch_loads_its_state_into_the_one_trainer_and_a_deployment_refuses_it(tokenizer) -> None:
+    from clawbridge.protocol import BackendError, Lineages
+
+    svc = FakeFiretitanService()
+    b = await serverless(tokenizer, svc)
+    assert isinstance(b, Lineages)
+    optim = OptimSpec(learning_rate=1e-2)
+    await b.train_step(fixed_batch(), optim=optim)
+    a = await b.save_state("lineage-a")
+    await b.switch(None, 0)  # v0's checkpoint: the fresh adapter
+    await b.train_step(fixed_batch(1), optim=optim)
+    await b.switch(a)
+    await b.train_step(fixed_batch(2), optim=optim)
+    assert svc.faults.calls["load_state"] == 1 and svc.faults.calls["load_state_with_optimizer"] == 1
+    assert b.newest == b.version == 0
+    straight = await serverless(tokenizer)
+    await straight.train_step(fixed_batch(), optim=optim)
+    await straight.train_step(fixed_batch(2), optim=optim)
+    assert max_diff(svc.platform.current_weights(), straight.service.platform.current_weights()) < 1e-6
+
+    d, _ = await dedicated(tokenizer, loading_requests=0)
+    with pytest.raises(BackendError, match="serves one adapter"):
+        await d.switch(None, 0)
+    await d.publish()
+    await d.train_step(fixed_batch(), optim=optim)
+    with pytest.raises(BackendError, match="dedicated deployment keeps one adapter"):
+        await d.score(PROMPT, (17, 401), version=1)

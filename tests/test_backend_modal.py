@@ -113,3 +113,36 @@ def test_remote_calls_without_credentials_fail_fast_with_auth_error(monkeypatch)
     monkeypatch.setenv("MODAL_CONFIG_PATH", "/nonexistent/.modal.toml")
     with pytest.raises(AuthError):
         modal_app.Engine(model="tiny-random").info.remote()
+
+
+async def test_a_cold_start_after_a_switch_serves_the_newest_and_trains_the_lineage_switched_to(
+    tokenizer, tmp_path
+) -> None:
+    """The Volume remembers the switch: a new container serves the newest version (not the last
+    checkpoint's) and trains on from what the switch loaded; versions keep one numbering."""
+    from clawbridge.protocol import Lineages
+
+    b, _ = await started(tokenizer, tmp_path)
+    assert isinstance(b, Lineages)
+    probe = fixed_batch()[0]
+    await b.train_step(fixed_batch(), optim=OptimSpec(learning_rate=5e-2))
+    assert (await b.publish()).version == 1
+    a = await b.save_state("lineage-a")
+    v1 = await b.score(probe.prompt_ids, probe.completion_ids)
+    await b.switch(None, 0)
+    await b.train_step(fixed_batch(2), optim=OptimSpec(learning_rate=5e-2))
+    assert (await b.publish()).version == 2
+    v2 = await b.score(probe.prompt_ids, probe.completion_ids)
+    assert await b.score(probe.prompt_ids, probe.completion_ids, version=1) == pytest.approx(v1, abs=1e-6)
+
+    cold, engine = await started(tokenizer, tmp_path)  # a new container on the same Volume
+    assert cold.version == 2
+    assert await cold.score(probe.prompt_ids, probe.completion_ids) == pytest.approx(v2, abs=1e-5)
+    assert await cold.score(probe.prompt_ids, probe.completion_ids, version=1) == pytest.approx(v1, abs=1e-5)
+    container = engine.obj._cached_user_cls_instance()
+    trainable = await container.backend.engine.trainable_state()
+    fresh = [float(w.abs().max()) for k, w in trainable.items() if "lora_B" in k]
+    assert fresh and max(fresh) == 0  # B's adapter as the switch made it: fresh (B's step was never saved)
+    await cold.switch(a)  # and A's state is on the Volume too
+    assert (await cold.publish()).version == 3
+    assert await cold.score(probe.prompt_ids, probe.completion_ids) == pytest.approx(v1, abs=1e-5)

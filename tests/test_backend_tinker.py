@@ -4,6 +4,7 @@ real `tinker.types` in and out, the platform's summed PPO loss on a tiny LoRA mo
 from __future__ import annotations
 
 import pytest
+import tinker
 import torch
 from clawbridge.backends.costs import BudgetExceeded, CostMeter, Prices
 from clawbridge.backends.remote import PermanentBackendError, RetryPolicy
@@ -240,3 +241,105 @@ async def test_a_sampler_weights_path_is_not_a_training_state(tokenizer) -> None
     b._version = 1
     with pytest.raises(PermanentBackendError, match="no training weights"):
         await b.rollback(1)
+
+
+async def test_switching_back_to_a_lineage_takes_up_its_training_client_again(tokenizer, tmp_path) -> None:
+    """One training client per lineage: the one left is kept while it is exactly the state just
+    saved of it, so the switch back costs no call; a state saved earlier is loaded into a new client."""
+    from clawbridge.protocol import Lineages
+
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service, state_index=tmp_path / "index.json")
+    assert isinstance(b, Lineages)
+    optim = OptimSpec(learning_rate=1e-2)
+    await b.train_step(fixed_batch(), optim=optim)
+    early = await b.save_state("a-early")
+    await b.train_step(fixed_batch(2), optim=optim)
+    a = await b.save_state("a")
+    a_weights = service.platform.current_weights()
+    await b.switch(None, 0)  # B: a new LoRA run
+    assert service.faults.calls["create_lora_training_client"] == 2
+    await b.train_step(fixed_batch(1), optim=optim)
+    assert (await b.publish()).version == 1
+    loads = service.faults.calls["create_training_client_from_state_with_optimizer"]
+    await b.switch(a)
+    await b.switch(a)  # already that state: nothing to do
+    assert service.faults.calls["create_training_client_from_state_with_optimizer"] == loads
+    await b.train_step(fixed_batch(2), optim=optim)  # A's own run, weights and moments as it left them
+    assert max_diff(service.platform.current_weights(), a_weights) > 0
+    continued = service.platform.current_weights()
+
+    straight = await started(tokenizer, service=FakeTinkerService())  # A alone, never switched
+    for batch in (fixed_batch(), fixed_batch(2), fixed_batch(2)):
+        await straight.train_step(batch, optim=optim)
+    assert max_diff(continued, straight._training._platform.current_weights()) < 1e-6
+
+    await b.switch("a-early")  # a state no client holds any more: loaded into a new one
+    assert service.faults.calls["create_training_client_from_state_with_optimizer"] == loads + 1
+    assert b.newest == b.version == 1
+    assert early.endswith("a-early")
+
+
+async def test_a_version_no_longer_open_is_opened_again_for_the_request_that_names_it(tokenizer, tmp_path) -> None:
+    """Several users' versions serve at once: only the samplers used last stay open, and after a
+    restart none but the restored one is. Any other is opened again from its training state (or
+    its persisted sampler weights), and opening it leaves the trainable weights alone."""
+    service = FakeTinkerService()
+    index = tmp_path / "index.json"
+    b = await started(tokenizer, service=service, state_index=index, persist_every=2)
+    probe = SamplingParams(max_tokens=4, seed=5)
+    completion = (17, 401, 2032)
+    seen = {}
+    for v in (1, 2, 3):
+        await b.train_step(fixed_batch(v), optim=OptimSpec(learning_rate=1e-2))
+        assert (await b.publish()).version == v
+        seen[v] = (await b.sample(PROMPT, probe), await b.score(PROMPT, completion))
+
+    restarted = make_backend(tokenizer, service=service, state_index=index, persist_every=2)
+    await restarted.start()
+    await restarted.restore(3, None)
+    restarted._samplers.keep = 2  # v0's and one more: every other version is opened on request
+    froms = service.faults.calls["create_training_client_from_state"]
+    for v in (1, 2, 1):
+        assert (await restarted.sample(PROMPT, probe, version=v), await restarted.score(PROMPT, completion, version=v)) \
+            == seen[v]
+    # v1 from its training state, twice (dropped in between); v2 from its persisted sampler weights
+    assert service.faults.calls["create_training_client_from_state"] == froms + 2
+    assert service.faults.calls["create_sampling_client"] == 3  # v0's at each start, then v2's
+    assert restarted._samplers.versions() == [0, 1, 3]  # the newest stays open
+    # the clients that opened v1 were runs of their own: the trainable one is v3's still, moments too
+    await restarted.train_step(fixed_batch(4), optim=OptimSpec(learning_rate=1e-2))
+
+    straight = await started(tokenizer, service=FakeTinkerService())
+    for v in (1, 2, 3, 4):
+        await straight.train_step(fixed_batch(v), optim=OptimSpec(learning_rate=1e-2))
+    assert max_diff(service.platform.current_weights(), straight._training._platform.current_weights()) < 1e-6
+
+
+async def test_behind_the_redaction_hook_switch_and_versioned_scores_reach_tinker(tokenizer) -> None:
+    from clawbridge.backends.redact import protect
+    from clawbridge.protocol import Lineages
+
+    b = protect(await started(tokenizer), True)
+    assert isinstance(b, Lineages)
+    completion = (17, 401, 2032)
+    base = await b.score(PROMPT, completion)
+    await b.train_step(fixed_batch(), optim=OptimSpec(learning_rate=5e-2))
+    await b.publish()
+    await b.switch(None, 0)
+    assert await b.score(PROMPT, completion, version=0) == pytest.approx(base, abs=1e-6)
+    assert await b.score(PROMPT, completion, version=1) != pytest.approx(base, abs=1e-4)
+
+
+async def test_a_lineage_saved_again_under_its_name_replaces_its_state(tokenizer) -> None:
+    """The learner saves a lineage under one name each time it leaves it, from the client it keeps:
+    the state is overwritten (a name reused without `overwrite` is refused by the service)."""
+    service = FakeTinkerService()
+    b = await started(tokenizer, service=service)
+    first = await b.save_state("lineage-a")
+    await b.train_step(fixed_batch(), optim=OptimSpec(learning_rate=1e-2))
+    assert await b.save_state("lineage-a") == first
+    trained = service.platform.current_weights()
+    assert max_diff(service.platform.states[first][0], trained) == 0  # the state saved last
+    with pytest.raises(tinker.ConflictError, match="already exists"):
+        await b._training.save_state("lineage-a")

@@ -348,3 +348,116 @@ async def test_a_multi_turn_episode_trains_on_the_exact_sampled_tokens_of_every_
     await backend.publish()
     assert sum(await backend.score(PROMPT, t1.tokens)) > sum(t1.logprobs) + 0.01
     assert sum(await backend.score(prompt2, t2.tokens)) > sum(t2.logprobs) + 0.01
+
+
+# --- several users' adapters (protocol.Lineages): one numbering, versions scored by number -------
+
+
+async def test_an_older_version_scores_as_it_did_when_it_was_the_newest(backend: Backend) -> None:
+    from clawbridge.protocol import BackendError
+
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=10, seed=71))
+    push = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    optim = OptimSpec(learning_rate=1e-2)
+    v0_scores = await backend.score(PROMPT, c.tokens)
+    await backend.train_step([push], LossSpec(), optim)
+    assert (await backend.publish()).version == 1
+    v1_scores = await backend.score(PROMPT, c.tokens)
+    await backend.train_step([push], LossSpec(), optim)
+    assert (await backend.publish()).version == 2
+    v2_scores = await backend.score(PROMPT, c.tokens)
+    assert max(abs(a - b) for a, b in zip(v2_scores, v1_scores, strict=True)) > 1e-3
+    assert close(await backend.score(PROMPT, c.tokens, version=1), v1_scores, tol=1e-5)
+    assert close(await backend.score(PROMPT, c.tokens, version=0), v0_scores, tol=1e-5)
+    assert close(await backend.score(PROMPT, c.tokens, version=2), v2_scores, tol=1e-5)
+    # "base" is the base whatever the version; None is the newest, even while an older one serves
+    assert close(await backend.score(PROMPT, c.tokens, model="base", version=2), v0_scores, tol=1e-5)
+    backend.serve(1)
+    assert close(await backend.score(PROMPT, c.tokens), v2_scores, tol=1e-5)
+    backend.serve(None)
+    with pytest.raises(BackendError):
+        await backend.score(PROMPT, c.tokens, version=3)  # never published
+
+
+async def _lineage_a(backend: Backend) -> tuple[Datum, Datum, OptimSpec]:
+    """Lineage A's first step and publish, on a sample of the base; its second step's datum."""
+    (c,) = await backend.sample(PROMPT, SamplingParams(max_tokens=10, seed=61))
+    optim = OptimSpec(learning_rate=1e-2)
+    first = Datum(PROMPT, c.tokens, c.logprobs, (1.0,) * len(c.tokens))
+    await backend.train_step([first], LossSpec(), optim)
+    assert (await backend.publish()).version == 1
+    return first, Datum(PROMPT, c.tokens, c.logprobs, tuple((-1.0) ** i for i in range(len(c.tokens)))), optim
+
+
+async def test_two_lineages_train_apart_over_one_numbering_of_versions(case: BackendCase, backend: Backend,
+                                                                         tmp_path: Path) -> None:
+    from clawbridge.protocol import Lineages
+
+    assert isinstance(backend, Lineages)
+    first, second, optim = await _lineage_a(backend)
+    a_state = await backend.save_state("lineage-a")
+    tokens = first.completion_ids
+    va_scores = await backend.score(PROMPT, tokens, version=1)
+    probe = SamplingParams(max_tokens=8, seed=62)
+    (va_sample,) = await backend.sample(PROMPT, probe, version=1)
+
+    # B, a fresh adapter: nothing published or served changes, and B's first step starts from the base
+    await backend.switch(None, 0)
+    assert backend.newest == backend.version == 1
+    (o,) = await backend.sample(OTHER_PROMPT, SamplingParams(max_tokens=10, seed=63), version=0)
+    pull = Datum(OTHER_PROMPT, o.tokens, o.logprobs, tuple(-1.0 - 0.1 * i for i in range(len(o.tokens))))
+    base = torch.tensor(await backend.score(OTHER_PROMPT, o.tokens, model="base"), dtype=torch.float64)
+    expected = ppo_loss(base, torch.tensor(o.logprobs, dtype=torch.float64),
+                        torch.tensor(pull.advantages, dtype=torch.float64), torch.ones(len(o.tokens), dtype=torch.float64),
+                        LossSpec())
+    metrics = await backend.train_step([pull], LossSpec(), optim)
+    assert metrics.loss == pytest.approx(float(expected), abs=_tol / 20)
+    assert (await backend.publish()).version == 2  # one numbering: B's first version is v2
+    assert backend.newest == backend.version == 2
+
+    # A's version is A's still: scored and sampled by number, untouched by B's step
+    assert close(await backend.score(PROMPT, tokens, version=1), va_scores, tol=1e-5)
+    assert max(abs(a - b) for a, b in zip(await backend.score(PROMPT, tokens, version=2), va_scores, strict=True)) > 1e-3
+    (again,) = await backend.sample(PROMPT, probe, version=1)
+    assert again.version == 1 and again.tokens == va_sample.tokens
+    assert close(again.logprobs, va_sample.logprobs, tol=1e-5)
+
+    # back to A from its state: its next step is the step A would have taken without B between
+    await backend.switch(a_state)
+    assert backend.newest == backend.version == 2
+    got = await backend.train_step([second], LossSpec(), optim)
+    assert (await backend.publish()).version == 3
+    got_lp = await backend.score(PROMPT, tokens, version=3)
+    assert close(await backend.score(PROMPT, tokens, version=1), va_scores, tol=1e-5)
+
+    reference = await case.make(tmp_path / "reference")  # one lineage, never switched
+    try:
+        ref_first, ref_second, _ = await _lineage_a(reference)
+        assert ref_first == first
+        want = await reference.train_step([ref_second], LossSpec(), optim)
+        await reference.publish()
+        want_lp = await reference.score(PROMPT, tokens)
+    finally:
+        await reference.close()
+    assert want.grad_norm > 0
+    for field in ("loss", "clip_fraction", "approx_kl", "grad_norm"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-5, abs=1e-7), field
+    assert close(got_lp, want_lp, tol=1e-5)
+
+
+async def test_a_lineage_switched_to_from_a_published_version_trains_on_from_its_weights(backend: Backend) -> None:
+    """`switch(None, K)`: vK's weights with a fresh optimizer; the newest stays the newest."""
+    first, second, optim = await _lineage_a(backend)
+    tokens = first.completion_ids
+    v1_scores = await backend.score(PROMPT, tokens)
+    await backend.train_step([first], LossSpec(), optim)
+    assert (await backend.publish()).version == 2
+    await backend.switch(None, 0)  # another lineage, from the base
+    await backend.switch(None, 1)  # and A's again, from v1's weights
+    assert backend.newest == 2
+    metrics = await backend.train_step([second], LossSpec(), optim)
+    expected = ppo_loss(torch.tensor(v1_scores, dtype=torch.float64), torch.tensor(second.logprobs, dtype=torch.float64),
+                        torch.tensor(second.advantages, dtype=torch.float64),
+                        torch.ones(len(tokens), dtype=torch.float64), LossSpec())
+    assert metrics.loss == pytest.approx(float(expected), abs=_tol / 20)
+    assert (await backend.publish()).version == 3

@@ -245,7 +245,7 @@ async def test_a_kill_on_a_cloud_fake_loses_no_update_and_reuses_no_version(
     states_after = json.loads(index.read_text()) if index.exists() else {}
     weights_after = adapters(data / "volume" / "engine") if platform == "modal" else {}
     assert all(weights_after[n] == d for n, d in weights_before.items()), "published weights overwritten"
-    assert all(states_after[name] == entry for name, entry in states_before.items()), "saved states overwritten"
+    assert all(states_after[name] == entry for name, entry in states_before.items()), ("saved states overwritten", {n: (e, states_after.get(n)) for n, e in states_before.items() if states_after.get(n) != e})
     highest_before = max([newest.version] + [int(e["version"]) for e in states_before.values()]
                          + [int(n[1:]) for n in weights_before])
     assert all(v > highest_before for v in new_versions), (new_versions, highest_before)

@@ -12,6 +12,7 @@ it after its own retries: `SamplingRequestError(final_status=425)`) while an ada
 from __future__ import annotations
 
 import itertools
+import warnings
 from concurrent.futures import Future
 from typing import Any
 
@@ -65,6 +66,15 @@ class FakeSampler:
             ])
 
         return self._platform.submit("sample", work)
+
+    def compute_logprobs(self, prompt: types.ModelInput) -> Future[list[float | None]]:
+        """The prompt's logprobs on the snapshot (the SDK samples one token with prompt logprobs,
+        and warns that `training_client.forward()` is the recommended way)."""
+        warnings.warn("We don't recommend using the sampling client to compute logprobs. "
+                      "Please use training_client.forward() instead.", UserWarning, stacklevel=2)
+        tokens = prompt.to_ints()
+        return self._platform.submit("compute_logprobs",
+                                     lambda: self._platform.prompt_logprobs(tokens, self._weights))
 
     def close(self) -> None:
         self.closed = True

@@ -19,7 +19,7 @@ import tinker
 from tinker import types
 from tinker.lib.public_interfaces.api_future import AwaitableConcurrentFuture
 
-from .torch_platform import TinyPlatform
+from .torch_platform import Run, TinyPlatform
 
 PPO_KEYS = {"target_tokens", "logprobs", "advantages"}
 
@@ -106,11 +106,23 @@ class FakeSamplingClient:
 
 
 class FakeTrainingClient:
-    def __init__(self, service: FakeTinkerService, base_model: str) -> None:
+    """A training client is a training run of its own on the service: its work runs on its run's
+    weights and optimizer, whatever other clients did meanwhile."""
+
+    def __init__(self, service: FakeTinkerService, base_model: str, run: Run) -> None:
         self._service = service
         self._platform = service.platform
         self.base_model = base_model
+        self._run = run
         self._ids = itertools.count(1)
+        self._saved: set[str] = set()  # checkpoint names this run has saved
+
+    def _submit(self, op: str, work: Any) -> AwaitableConcurrentFuture[Any]:
+        def on_run() -> Any:
+            self._platform.activate(self._run)
+            return work()
+
+        return _future(self._platform, op, on_run)
 
     def _items(self, data: list[types.Datum], keys: set[str]) -> list[Any]:
         items = []
@@ -147,7 +159,7 @@ class FakeTrainingClient:
             outs, loss = self._platform.forward_backward(items, loss_fn, cfg)
             return self._output(outs, loss)
 
-        return _future(self._platform, "forward_backward", work)
+        return self._submit("forward_backward", work)
 
     def forward(
         self, data: list[types.Datum], loss_fn: types.LossFnType, loss_fn_config: dict[str, float] | None = None
@@ -158,7 +170,7 @@ class FakeTrainingClient:
             outs, loss = self._platform.forward_backward(items, loss_fn, dict(loss_fn_config or {}), backward=False)
             return self._output(outs, loss)
 
-        return _future(self._platform, "forward", work)
+        return self._submit("forward", work)
 
     def optim_step(self, optim_params: types.AdamParams | None = None, *, adam_params: types.AdamParams | None = None) -> AwaitableConcurrentFuture[types.OptimStepResponse]:
         p = optim_params or adam_params or types.AdamParams()
@@ -170,7 +182,7 @@ class FakeTrainingClient:
             )
             return types.OptimStepResponse(metrics=metrics)
 
-        return _future(self._platform, "optim_step", work)
+        return self._submit("optim_step", work)
 
     def save_weights_and_get_sampling_client(self, name: str | None = None, kind: str = "snapshot", **_: Any) -> AwaitableConcurrentFuture[FakeSamplingClient]:
         def work() -> FakeSamplingClient:
@@ -179,7 +191,7 @@ class FakeTrainingClient:
             self._platform.snapshots[path] = weights
             return FakeSamplingClient(self._platform, weights, path)
 
-        return _future(self._platform, "save_weights_and_get_sampling_client", work)
+        return self._submit("save_weights_and_get_sampling_client", work)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, **_: Any) -> AwaitableConcurrentFuture[types.SaveWeightsForSamplerResponse]:
         def work() -> types.SaveWeightsForSamplerResponse:
@@ -187,15 +199,21 @@ class FakeTrainingClient:
             self._platform.snapshots[path] = self._platform.current_weights()
             return types.SaveWeightsForSamplerResponse(path=path)
 
-        return _future(self._platform, "save_weights_for_sampler", work)
+        return self._submit("save_weights_for_sampler", work)
 
-    def save_state(self, name: str, ttl_seconds: int | None = None, **_: Any) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   **_: Any) -> AwaitableConcurrentFuture[types.SaveWeightsResponse]:
+        """A name is a checkpoint of this run's: saved again, it is refused unless `overwrite`."""
+
         def work() -> types.SaveWeightsResponse:
+            if name in self._saved and not overwrite:
+                raise status_error(409, f"checkpoint {name!r} already exists (overwrite=True replaces it)")
+            self._saved.add(name)
             path = f"tinker://fake-run/weights/{name}"
             self._platform.save_state(path)
             return types.SaveWeightsResponse(path=path)
 
-        return _future(self._platform, "save_state", work)
+        return self._submit("save_state", work)
 
     def get_tokenizer(self) -> Any:
         from clawbridge.local_gpu import models
@@ -223,8 +241,7 @@ class FakeTinkerService:
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None, **_: Any) -> AwaitableConcurrentFuture[FakeTrainingClient]:
         self._check_model(base_model)
         def work() -> FakeTrainingClient:
-            self.platform.new_run()  # a new run starts from a fresh adapter, as on the service
-            return FakeTrainingClient(self, base_model)
+            return FakeTrainingClient(self, base_model, self.platform.new_run())  # a fresh adapter
 
         return _future(self.platform, "create_lora_training_client", work)
 
@@ -246,8 +263,9 @@ class FakeTinkerService:
                     response=httpx.Response(400, request=httpx.Request("POST", "https://tinker.fake")),
                     body=None,
                 )
+            run = self.platform.new_run()  # a run of its own, with the state's weights (and moments)
             self.platform.load_state(path, with_optimizer=with_optimizer)
-            return FakeTrainingClient(self, self.known_models[0])
+            return FakeTrainingClient(self, self.known_models[0], run)
 
         return _future(self.platform, op, work)
 

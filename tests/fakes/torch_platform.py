@@ -17,7 +17,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,8 +61,20 @@ class SampledSeq:
     top: list[list[tuple[int, float]]] | None = None
 
 
+@dataclass
+class Run:
+    """One training run's own state (a training client's, on Tinker), kept aside while another
+    run holds the model: its weights (None: a fresh adapter's), optimizer and pending gradients."""
+
+    weights: Weights | None = None
+    optimizer: torch.optim.AdamW | None = None
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    grad_tokens: int = 0
+
+
 class TinyPlatform:
-    """One training run: the policy, its optimizer, and the snapshots it has published."""
+    """The training runs (one model; the active run's weights in it, the others' kept aside), the
+    active run's optimizer, and the snapshots they have published."""
 
     def __init__(self, *, rank: int = 8, alpha: int = 16, seed: int = 0, eos_id: int = 2) -> None:
         torch.manual_seed(seed)
@@ -74,6 +86,7 @@ class TinyPlatform:
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.initial = self.current_weights()  # what a new LoRA run starts from (B = 0)
         self.optimizer: torch.optim.AdamW | None = None
+        self.active: Run | None = None  # the run whose weights, optimizer and gradients are the model's
         self.snapshots: dict[str, Weights] = {}
         self.states: dict[str, tuple[Weights, dict[str, Any] | None]] = {}
         self.faults = Faults()
@@ -105,14 +118,27 @@ class TinyPlatform:
     def current_weights(self) -> Weights:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
-    def new_run(self) -> None:
-        """A new LoRA training run: fresh adapter weights (the base model's function), fresh
-        optimizer. Snapshots and saved states of earlier runs stay."""
-        with self.lock, torch.no_grad():
+    def new_run(self) -> Run:
+        """A new LoRA training run, now the active one: fresh adapter weights (the base model's
+        function), fresh optimizer. Other runs, snapshots and saved states stay."""
+        run = Run()
+        with self.lock:
+            self.activate(run)
+        return run
+
+    def activate(self, run: Run) -> None:
+        """Make `run` the model's (its work comes next): the active run's state is set aside."""
+        if run is self.active:
+            return
+        if self.active is not None:
+            left = self.active
+            left.weights, left.optimizer, left.grad_tokens = self.current_weights(), self.optimizer, self._grad_tokens
+            left.grads = {n: p.grad for n, p in self.params.items()}
+        with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(self.initial[n])
-            self.optimizer = None
-            self._grad_tokens = 0
+                p.copy_((run.weights or self.initial)[n])
+                p.grad = run.grads.get(n)
+        self.optimizer, self._grad_tokens, self.active = run.optimizer, run.grad_tokens, run
 
     @contextmanager
     def using(self, weights: Weights | None) -> Iterator[None]:
