@@ -94,6 +94,7 @@ class Running:
     # several proxies on one store (PostgreSQL): the trainer lease and the serving version
     coordinator: Coordinator | None = None
     resumed: Resumed | None = None  # what `resume` loaded before the first request
+    lineages: UserLineages | None = None  # each user's own adapter (docs/learning.md#each-user-their-own-adapter)
 
 
 BackgroundTask = Callable[[Running], Coroutine[Any, Any, None]]
@@ -116,7 +117,7 @@ def learner_task(learner: Learner) -> BackgroundTask:
     async def learn(running: Running, resumed: Resumed | None) -> None:
         learner.on_preferences = serves_preferences(running.proxy)  # a preference heard is served at once
         bind_learner(learner, running.backend, running.store, running.renderer, resumed=resumed,
-                     lineages=running.proxy.lineages)
+                     lineages=running.lineages)
         await learner.run()
 
     async def run(running: Running) -> None:
@@ -128,8 +129,8 @@ def learner_task(learner: Learner) -> BackgroundTask:
 
         async def take_over() -> None:  # the store moved on while another process trained
             resumed = await resume(running.backend, running.store)
-            if running.proxy.lineages is not None:
-                await settle_start(running.proxy.lineages, resumed)
+            if running.lineages is not None:
+                await settle_start(running.lineages, resumed)
             await learn(running, resumed)
 
         await coordinator.lead(take_over)
@@ -446,7 +447,7 @@ async def serve(
     port = server.servers[0].sockets[0].getsockname()[1]
     host = "127.0.0.1" if settings.serving.host in ("0.0.0.0", "::") else settings.serving.host
     base_url = f"http://{host}:{port}"
-    running = Running(settings, backend, store, proxy, renderer, base_url, server, coordinator, resumed)
+    running = Running(settings, backend, store, proxy, renderer, base_url, server, coordinator, resumed, lineages)
     if not quiet:
         print(banner(settings, backend, proxy, base_url), flush=True)
         if coordinator is not None:

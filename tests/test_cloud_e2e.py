@@ -55,7 +55,7 @@ def test_cloud_backend_serves_judges_and_trains_through_the_proxy(make_backend, 
     live = LiveServer(settings, backend, hooks=learner_hooks(learner)).start()
     try:
         assert live.running is not None
-        bind_learner(learner, backend, live.running.store)
+        bind_learner(learner, backend, live.running.store, lineages=live.running.lineages)  # as the server binds it
         client = OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         headers = {"X-Session-Id": "e2e"}

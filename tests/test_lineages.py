@@ -269,6 +269,6 @@ async def test_the_two_users_demo_gives_each_users_gain_and_the_crosstalk(tmp_pa
             assert u["version"] == 0 or store.policy_version(u["version"]).user == name
     for name in ("alice", "bob"):
         with Store.open(settings.model_copy(update={"data_dir": settings.data_dir / f"alone-{name}"}).db_url) as solo:
-            assert [st.user for st in solo.training_steps()] == [name]
+            assert {st.user for st in solo.training_steps()} == {name}  # the other never talked there
     rows = dict(two_users.result_table(result))
     assert any("crosstalk" in v for v in rows.values())

@@ -74,7 +74,7 @@ def test_rollback_under_streaming_load_serves_the_old_weights_as_a_new_version(t
     store = live.running.store
     try:
         judged_samples(store, 6)
-        bind_learner(learner, backend, store)
+        bind_learner(learner, backend, store, lineages=live.running.lineages)  # as the server binds it
         trainer = learner.trainer
         assert trainer is not None
         assert live.call(trainer.step_once(), timeout=120).version == 1

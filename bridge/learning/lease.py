@@ -154,7 +154,7 @@ class Coordinator:
         """The version each user is served in this process (one adapter: everyone the backend's)."""
         if self.lineages is None:
             return {DEFAULT_USER: self.backend.version}
-        return {user: lineage.backend.version for user, lineage in self.lineages.by_user.items()}
+        return self.lineages.served()
 
     async def _announce(self) -> None:
         users = self.serving()

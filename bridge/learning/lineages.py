@@ -372,6 +372,10 @@ class UserLineages:
         """The version a request of `user`'s is served by, pinned at admission."""
         return self.get(user).backend.version
 
+    def served(self) -> dict[str, int]:
+        """The version each user with a lineage is served now."""
+        return {user: lineage.backend.version for user, lineage in self.by_user.items()}
+
     def trainer(self, lineage: Lineage) -> Trainer:
         if lineage.trainer is None:
             if self.make_trainer is None:

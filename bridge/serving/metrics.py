@@ -109,8 +109,8 @@ async def status(proxy: Proxy, caller: Caller = OPERATOR) -> dict[str, Any]:
         "turn_counts": dict(proxy.sessions.counts),
         "spool": proxy.durable.status(),
     }
-    if proxy.lineages is not None and len(proxy.lineages.by_user) > 1:  # the version each user is served
-        out["users"] = {user: lineage.backend.version for user, lineage in sorted(proxy.lineages.by_user.items())}
+    if proxy.lineages is not None and len(served := proxy.lineages.served()) > 1:  # the version each user is served
+        out["users"] = dict(sorted(served.items()))
     try:
         out["store"] = asdict(await proxy.store.run(proxy.store.stats))
     except Exception as e:  # the status page must work while the store is unhappy

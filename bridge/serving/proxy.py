@@ -51,7 +51,6 @@ from starlette.routing import BaseRoute
 
 if TYPE_CHECKING:
     from clawbridge.config import Settings
-    from clawbridge.learning.lineages import UserLineages
     from clawbridge.store import Store
 
 log = logging.getLogger(__name__)
@@ -175,18 +174,15 @@ class Proxy:
         self.durable = Durable(store, spool, landed=self._landed)
         self.durable.handlers.update(self.hooks.spool_handlers)
         self.standing = instructing.Standing(settings.serving.instant_preferences)  # the root sets its source
-        # each user's own version (`learning.lineages`; the root sets it): None, everyone the backend's
-        self.lineages: UserLineages | None = None
+        self.lineages: users.UserVersions | None = None  # each user's own version (the root sets it)
 
-    def version_for(self, user: str | None) -> int:
-        """The version `user`'s request is served by, pinned at admission: their own lineage's."""
+    def version_for(self, user: str | None) -> int:  # what `user`'s request is served by: their own adapter's
         return self.backend.version if self.lineages is None else self.lineages.serving(user)
 
     # --- the edge ---------------------------------------------------------------------------
 
     async def restore_sessions(self) -> int:
-        """At start: the conversations open before a restart continue (their next states
-        included), rebuilt from the store's recent turns of every open, unexpired session."""
+        """At start: open conversations continue across a restart, rebuilt from the store's recent turns."""
         since = datetime.now(UTC) - timedelta(seconds=self.settings.serving.session_idle_timeout_s)
         turns = await self.store.run(self.store.open_session_turns, since)
         restored = self.sessions.restore(turns)

@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from clawbridge.serving.wire import APIError
 from starlette.requests import Request
@@ -183,3 +183,16 @@ def not_yours(session_id: str) -> APIError:
     """Another user's session, named: refused, saying nothing of whose it is."""
     return APIError(403, f"Session `{session_id}` belongs to another user: name a session of your own "
                     "(or none).", param="session_id", code="session_of_another_user")
+
+
+class UserVersions(Protocol):
+    """Which version serves each user: their own adapter's (the root sets
+    `learning.lineages.UserLineages`, docs/learning.md#each-user-their-own-adapter)."""
+
+    def serving(self, user: str | None) -> int:
+        """The version a request of `user`'s is served by now."""
+        ...
+
+    def served(self) -> dict[str, int]:
+        """The version each user with a lineage is served now."""
+        ...
