@@ -61,7 +61,7 @@ class LocalBackend(Routing):
         background_share: float = 0.25,
     ) -> None:
         spec = models.resolve(model, cache_dir)
-        self._registered: set[str] = set()  # published versions registered as adapters (`adapter_for`)
+        self._registered: dict[str, asyncio.Future[None]] = {}  # versions registered as adapters (`adapter_for`)
         self.model_name = served_model_name or spec.name
         self.context_length = spec.context_length
         # what /v1/models suggests agents ask for: on CPU each token is a decode step of a
@@ -203,10 +203,17 @@ class LocalBackend(Routing):
         batch through the stack's per-row gather (docs/engine.md#many-adapters-one-base-model-registered-adapters),
         resident under `adapter_memory_mb`, the least recently used evicted and read back."""
         key = f"policy@v{version}"
-        if key not in self._registered:
+        registering = self._registered.get(key)
+        if registering is None:  # once: a second request waits for the first one's registration
             folder = Path(path) if path else adapters.folder(self.engine.data_dir / "adapters", version)
-            await self.engine.register_adapter(key, folder, version=version)
-            self._registered.add(key)
+            registering = self._registered[key] = asyncio.ensure_future(
+                self.engine.register_adapter(key, folder, version=version))
+        try:
+            await asyncio.shield(registering)
+        except Exception:
+            if self._registered.get(key) is registering:  # the next request tries again
+                del self._registered[key]
+            raise
         return key
 
     async def switch(self, state: str | None = None, version: int = 0, path: str | None = None) -> None:

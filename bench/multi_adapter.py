@@ -29,8 +29,9 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from clawbridge.backends.local import LocalBackend
@@ -68,35 +69,29 @@ async def batch_rate(engine: Engine, prompts: list[list[int]], tokens: int,
     decodes. The CPU clock is the steadier under other processes' load, and counts all the
     engine's work only with one intra-op thread (`--threads 1`)."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
-    assert engine._thread is not None and engine._thread.ident is not None
-    clock = time.pthread_getcpuclockid(engine._thread.ident)
-    stamps: list[list[tuple[float, float]]] = [[] for _ in prompts]
-
-    async def one(i: int) -> None:
-        async for _chunk in engine.sample_stream(prompts[i], params, version=versions[i], adapter=adapters[i]):
-            stamps[i].append((time.perf_counter(), time.clock_gettime(clock)))
-
-    await asyncio.gather(*(one(i) for i in range(len(prompts))))
-    start = max((s[0] for s in stamps), key=lambda t: t[0])
-    end = min((s[-1] for s in stamps), key=lambda t: t[0])
-    counted = sum(1 for s in stamps for t in s if start[0] < t[0] <= end[0])
-    if end[0] <= start[0]:
-        return float("nan"), float("nan")
-    return counted / (end[0] - start[0]), counted / (end[1] - start[1])
+    return await rows_rate(engine, [lambda i=i: engine.sample_stream(prompts[i], params, version=versions[i],
+                                                                     adapter=adapters[i]) for i in range(len(prompts))])
 
 
 async def views_rate(views: list[LineageBackend], prompts: list[list[int]], tokens: int) -> tuple[float, float]:
     """`batch_rate` through each user's own lineage (`learning.lineages`): row i as user i is served."""
-    engine = views[0].shared.engine  # type: ignore[attr-defined]
     params = SamplingParams(max_tokens=tokens, temperature=0.0)
+    engine = views[0].shared.engine  # type: ignore[attr-defined]
+    return await rows_rate(engine, [lambda i=i: views[i].sample_stream(prompts[i], params) for i in range(len(prompts))])
+
+
+async def rows_rate(engine: Engine, streams: list[Callable[[], AsyncIterator[Any]]]) -> tuple[float, float]:
+    """The rows' tokens counted while all of them decode (from the last row's first token to the
+    first row's last), by the wall clock and by the engine thread's CPU clock."""
+    assert engine._thread is not None and engine._thread.ident is not None
     clock = time.pthread_getcpuclockid(engine._thread.ident)
-    stamps: list[list[tuple[float, float]]] = [[] for _ in prompts]
+    stamps: list[list[tuple[float, float]]] = [[] for _ in streams]
 
     async def one(i: int) -> None:
-        async for _chunk in views[i].sample_stream(prompts[i], params):
+        async for _chunk in streams[i]():
             stamps[i].append((time.perf_counter(), time.clock_gettime(clock)))
 
-    await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    await asyncio.gather(*(one(i) for i in range(len(streams))))
     start = max((s[0] for s in stamps), key=lambda t: t[0])
     end = min((s[-1] for s in stamps), key=lambda t: t[0])
     counted = sum(1 for s in stamps for t in s if start[0] < t[0] <= end[0])

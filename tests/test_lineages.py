@@ -85,11 +85,21 @@ async def test_each_users_steps_train_their_own_adapter_from_the_base(tmp_path: 
         assert await probe(backend, v_bob) != pytest.approx(alice_before, abs=1e-4)
         # each user's rows run on their own version as a registered adapter (one batch, a per-row
         # gather), with the logprobs their version scores; the default user's on the version itself
-        params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)
-        drawn = await asyncio.gather(*(lineages.get(u).backend.sample(PROBE_PROMPT, params) for u in ("alice", "bob")))
-        assert [c[0].version for c in drawn] == [1, 2]
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=1)
+        users = ("alice", "bob") * 4  # the first requests on each arrive together: one registration each
+        registered, register = [], backend.engine.register_adapter
+
+        async def counted(key: str, *a: object, **kw: object) -> None:
+            registered.append(key)
+            await register(key, *a, **kw)  # type: ignore[arg-type]
+
+        backend.engine.register_adapter = counted  # type: ignore[method-assign]
+        drawn = await asyncio.gather(*(lineages.get(u).backend.sample(PROBE_PROMPT, params) for u in users))
+        # registering a key again while a request runs on it is refused (AdapterInUse): once each
+        assert sorted(registered) == ["policy@v1", "policy@v2"]
+        assert [c[0].version for c in drawn] == [1, 2] * 4
         assert {"policy@v1", "policy@v2"} <= set(backend.engine.adapter_stats().resident_keys)
-        for [c], v in zip(drawn, (1, 2), strict=True):
+        for [c], v in zip(drawn, (1, 2) * 4, strict=True):
             assert await backend.score(PROBE_PROMPT, c.tokens, version=v) == pytest.approx(list(c.logprobs), abs=1e-4)
     finally:
         for b, s in ((backend, store), (ref_backend, ref_store)):
@@ -272,3 +282,32 @@ async def test_the_two_users_demo_gives_each_users_gain_and_the_crosstalk(tmp_pa
             assert {st.user for st in solo.training_steps()} == {name}  # the other never talked there
     rows = dict(two_users.result_table(result))
     assert any("crosstalk" in v for v in rows.values())
+
+
+async def test_each_users_candidate_is_gated_against_their_own_twin(tmp_path: Path, tokenizer) -> None:
+    """The gate asks the twin with the candidate's own user's preferences, never another's, and
+    what users share is asked once (v0's answers, cached by version and instruction)."""
+    from clawbridge.learning.learner import Learner
+    from clawbridge.server import bind_learner
+    from clawbridge.store import Preference
+
+    backend, store, lineages = await started(tmp_path, batch_size=2)
+    settings = settings_for(tmp_path, batch_size=2, gate="on", gate_probes=4, gate_probes_max=4, gate_max_tokens=4)
+    learner = Learner(settings)
+    bind_learner(learner, backend, store, lineages=lineages)
+    try:
+        for user, text in (("alice", "Answer in one short sentence."), ("bob", "Use bullet points.")):
+            store.save_preferences([Preference(text, 2, ("t1", "t2"), 0, state="applied", kind="length")], user)
+        judged(store, tokenizer, "alice", 2, word="sunny")
+        judged(store, tokenizer, "bob", 2, word="rainy")
+        while await learner.step_once() is not None:
+            pass
+        asked = {d.user: d.asked for d in store.history().decisions}
+        assert asked == {"alice": "Answer in one short sentence.", "bob": "Use bullet points."}
+        assert {d.user for d in store.history("bob").decisions} == {"bob"}
+        gate = learner.trainer.promotion.gate  # type: ignore[union-attr]
+        assert gate is not None and all(t.promotion.gate is gate for t in learner.trainers())  # one gate for all
+        assert sum(1 for version, instruction in gate.answers if version == 0 and instruction is None) == 1
+    finally:
+        await backend.close()
+        store.close()
