@@ -84,6 +84,7 @@ def _without_seconds(record: dict[str, Any]) -> dict[str, Any]:
 def install(trace: Trace) -> None:
     from clawbridge.backends.local import LocalBackend
     from clawbridge.learning.gate import Gate
+    from clawbridge.learning.lineages import LineageBackend
 
     _record(trace, LocalBackend, "train_step", lambda a, r: {
         "datums": _plain(a[0]), "loss": _plain(a[1]), "optim": _plain(a[2]),
@@ -93,6 +94,7 @@ def install(trace: Trace) -> None:
         _record(trace, LocalBackend, verb, lambda a, r: {"args": _plain(a), "version": r.version})
     _record(trace, LocalBackend, "restore", lambda a, r: {"args": _plain(a)})
     _record(trace, LocalBackend, "serve", lambda a, r: {"args": _plain(a)})
+    _record(trace, LineageBackend, "serve", lambda a, r: {"args": _plain(a)})  # a user's lineage pins its own
     _record(trace, Gate, "evaluate", lambda a, r: {"decision": _without_seconds(_plain(r.record()))})
 
 
@@ -171,6 +173,7 @@ async def _replay(data_dir: Path, model: str, scenario_name: str, steps: int, se
 async def _learn(settings: Any, learner: Any, steps: int, *, episodes: bool) -> None:
     from clawbridge.backends.local import LocalBackend
     from clawbridge.demo.rounds import threads
+    from clawbridge.learning.lineages import UserLineages
     from clawbridge.server import bind_learner
     from clawbridge.store import Store
 
@@ -178,7 +181,9 @@ async def _learn(settings: Any, learner: Any, steps: int, *, episodes: bool) -> 
     await backend.start()
     store = Store.open(settings.db_url)
     try:
-        bind_learner(learner, backend, store)
+        lineages = UserLineages(backend, store)  # as the server binds the learner: the user's own lineage
+        await lineages.load()
+        bind_learner(learner, backend, store, lineages=lineages)
         assert learner.parts is not None
         settle = learner.parts.episodes.run_once if episodes else learner.parts.collector.run_once
         settled = 0

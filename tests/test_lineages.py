@@ -271,9 +271,11 @@ async def test_the_two_users_demo_gives_each_users_gain_and_the_crosstalk(tmp_pa
         lo, hi = u["truly_interval"]
         assert -1 <= lo <= u["truly_after"] - u["truly_before"] <= hi <= 1
         assert u["crosstalk"] == pytest.approx(u["other_after"] - u["other_control"], abs=1e-3)
+        clo, chi = u["crosstalk_interval"]
+        assert -1 <= clo <= u["crosstalk"] <= chi <= 1 and 0 <= u["truly_control"] <= 1
     from clawbridge.store import Store
     with Store.open(settings.db_url) as store:  # each user's step trained their own lineage
-        assert sorted(st.user for st in store.training_steps()) == ["alice", "bob"]
+        assert {st.user for st in store.training_steps()} == {"alice", "bob"}
         assert {v.user for v in store.versions() if v.version} == {"alice", "bob"}
         for name, u in (("alice", alice), ("bob", bob)):  # each is served their own version (v0: held back)
             assert u["version"] == 0 or store.policy_version(u["version"]).user == name

@@ -77,6 +77,8 @@ class UserResult:
     other_before: float  # the other's preference, truly satisfied, on v0
     other_after: float  # ... on this user's last version, with the other user beside them
     other_control: float | None = None  # ... on this user's last version when they were alone (--control)
+    crosstalk_interval: tuple[float, float] | None = None  # its 95 % interval, paired by prompt
+    truly_control: float | None = None  # this user's own preference when they were alone
     examples: list[dict[str, str]] = field(default_factory=list)
 
     @property
@@ -86,12 +88,14 @@ class UserResult:
         return None if self.other_control is None else self.other_after - self.other_control
 
     def as_json(self) -> dict[str, Any]:
+        opt = lambda x: None if x is None else r4(x)  # noqa: E731
         return {"scenario": self.scenario, "version": self.version, "truly_before": r4(self.truly_before),
                 "truly_after": r4(self.truly_after), "truly_interval": [r4(x) for x in self.truly_interval],
                 "other_scenario": self.other_scenario, "other_before": r4(self.other_before),
-                "other_after": r4(self.other_after),
-                "other_control": None if self.other_control is None else r4(self.other_control),
-                "crosstalk": None if self.crosstalk is None else r4(self.crosstalk), "examples": self.examples}
+                "other_after": r4(self.other_after), "other_control": opt(self.other_control),
+                "crosstalk": opt(self.crosstalk),
+                "crosstalk_interval": None if self.crosstalk_interval is None else [r4(x) for x in self.crosstalk_interval],
+                "truly_control": opt(self.truly_control), "examples": self.examples}
 
 
 @dataclass
@@ -157,8 +161,9 @@ class Run:
         self.batch = running.settings.training.batch_size
 
     async def play(self) -> dict[str, Measured]:
-        before = {s.name: await self._rates(s.name, 0) for s in self.played}
         total = self.rounds + 2
+        self.report("measuring policy@v0 for each user", 0, total)
+        before = {s.name: await self._rates(s.name, 0) for s in self.played}
         for rnd in range(self.rounds):
             self.report(f"round {rnd + 1}/{self.rounds}: {' and '.join(self.asked)} talk", rnd + 1, total)
             stepped = {n: await self._steps(n) for n in self.asked}
@@ -255,14 +260,17 @@ async def run_two_users(settings: Settings, *, pair: Pair | None = None, rounds:
             solo = settings.model_copy(update={"data_dir": Path(settings.data_dir) / f"alone-{side.name}"})
             alone.update((await _run(solo, [side], n, report, step_timeout_s))[1])
     users: dict[str, UserResult] = {}
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     for side in both:
-        m = measured[side.name]
+        m, alone_m = measured[side.name], alone.get(side.name)
         _, lo, hi = paired_interval(m.before, m.after)
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         users[side.name] = UserResult(
             side.own.name, m.version, mean(m.before), mean(m.after), (lo, hi), side.other.name,
-            mean(m.other_before), mean(m.other_after),
-            mean(alone[side.name].other_after) if side.name in alone else None, m.examples)
+            mean(m.other_before), mean(m.other_after), examples=m.examples)
+        if alone_m is not None:  # the same prompts and seeds: the difference pairs by prompt
+            users[side.name].other_control = mean(alone_m.other_after)
+            users[side.name].crosstalk_interval = paired_interval(alone_m.other_after, m.other_after)[1:]
+            users[side.name].truly_control = mean(alone_m.after)
     return TwoUsersResult(model, n, users, time.monotonic() - t0)
 
 
@@ -273,8 +281,11 @@ def result_table(result: TwoUsersResult) -> list[tuple[str, str]]:
         rows.append((f"{name} ({u.scenario}): truly satisfied, their own v{u.version}",
                      f"{u.truly_before:.0%} → {u.truly_after:.0%} (Δ {100 * (u.truly_after - u.truly_before):+.0f} "
                      f"[{100 * lo:+.0f}, {100 * hi:+.0f}])"))
-        control = "" if u.other_control is None else (
-            f"; alone {u.other_control:.0%}: crosstalk {100 * (u.crosstalk or 0.0):+.0f} points")
+        control = ""
+        if u.other_control is not None and u.crosstalk_interval is not None and u.truly_control is not None:
+            clo, chi = u.crosstalk_interval
+            control = (f"; alone {u.other_control:.0%}: crosstalk {100 * (u.crosstalk or 0.0):+.0f} "
+                       f"[{100 * clo:+.0f}, {100 * chi:+.0f}] points (their own, alone: {u.truly_control:.0%})")
         rows.append((f"{name}'s model on the other's preference ({u.other_scenario})",
                      f"v0 {u.other_before:.0%} → {u.other_after:.0%}{control}"))
     rows.append(("wall time", f"{result.seconds / 60:.1f} min"))

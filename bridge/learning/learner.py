@@ -322,9 +322,10 @@ class Learner:
             out.update(episode_groups_trained=ep.groups_trained, episode_groups_dropped=ep.groups_dropped,
                        episodes_expired=ep.episodes_expired, episode_samples=ep.samples)
         if self.trainer is not None:
-            decisions = self.trainer.promotion.decisions
-            out["gate_accepted"] = float(sum(d.decision == "accepted" for d in decisions))
-            out["gate_rejected"] = float(sum(d.decision == "rejected" for d in decisions))
+            every = [d for t in self.trainers() for d in t.promotion.decisions]  # every user's adapter's
+            out["gate_accepted"] = float(sum(d.decision == "accepted" for d in every))
+            out["gate_rejected"] = float(sum(d.decision == "rejected" for d in every))
+            decisions = self.trainer.promotion.decisions  # the last one's figures: the default user's
             if decisions:
                 out["gate_last_candidate"] = float(decisions[-1].candidate)
                 out["gate_last_accepted"] = 1.0 if decisions[-1].decision == "accepted" else 0.0
