@@ -95,9 +95,10 @@ def test_the_one_gpu_stack_serves_trains_publishes_and_stops_everything(tmp_path
             return turns[-1].version
 
         assert chat("before") == 0
-        server.call(stack.train_step([Datum((1, 2, 3), (4, 5), (-10.4, -10.4), (1.0, 1.0))],
-                                     optim=OptimSpec(learning_rate=1e-2)))
-        published = server.call(stack.publish())
+        trains = server.running.lineages.default.backend  # type: ignore[union-attr]  # as the learner trains it
+        server.call(trains.train_step([Datum((1, 2, 3), (4, 5), (-10.4, -10.4), (1.0, 1.0))],
+                                      optim=OptimSpec(learning_rate=1e-2)))
+        published = server.call(trains.publish())
         assert published.version == 1 and (tmp_path / "adapters" / "v1" / "adapter_config.json").exists()
         assert chat("after") == 1
     finally:

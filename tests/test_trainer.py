@@ -258,7 +258,8 @@ def test_no_request_fails_while_versions_are_published_under_concurrent_load(tmp
     for t in threads:
         t.start()
     try:
-        trainer = Trainer(settings.training, backend, store)
+        default = live.running.lineages.default  # type: ignore[union-attr]  # as the server's learner trains
+        trainer = Trainer(settings.training, default.backend, default.store)  # type: ignore[arg-type]
         published = []
         for _ in range(3):
             result = live.call(trainer.step_once(), timeout=120)

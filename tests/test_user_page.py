@@ -80,9 +80,9 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
         judged(store, ids[0], reward, hint)
         [pref] = store.update_preferences(lambda known, t=text, tid=ids[0]: prefs.merge(known, [(t, tid)], 0), user)
         p.prefs[user] = pref.id
-    store.record_policy_version(PolicyVersionRow(version=1, copy_of=0))
+    store.record_policy_version(PolicyVersionRow(version=1, copy_of=0, user="bob"))  # bob's own adapter
     store.record_gate_decision(GateRecord(1, 0, "accepted", "no worse", {"probe_candidate": 0.5}, "twin",
-                                          f"{ALICE_PREF}\n{BOB_PREF}"))
+                                          BOB_PREF, user="bob"))
     yield p
     server.stop()
 
@@ -158,14 +158,15 @@ def test_now_and_progress_show_a_user_their_own_counts_reactions_hints_and_prefe
     out = progress.json()
     assert [p["text"] for p in out["preferences"]] == [BOB_PREF] and {p["user"] for p in out["preferences"]} == {"bob"}
     assert [h["hint"] for h in out["hints"]] == [BOB_HINT]
-    v0, v1 = out["versions"][:2]
+    v0, v1 = out["versions"]
     assert v0["reactions"] == {"judged": 1, "up": 0, "down": 1, "neutral": 0, "mean_reward": -1.0}
-    # the shared adapter's versions and gate decisions are shown, without the instruction the gate
-    # asked with: it is made of every user's preferences
-    assert v1["gate"]["decision"] == "accepted" and v1["gate"]["asked"] is None
+    # their own adapter's versions and gate decisions, with the instruction their twin was asked
+    # (their own preferences)
+    assert v1["user"] == "bob" and v1["gate"]["decision"] == "accepted" and v1["gate"]["asked"] == BOB_PREF
     assert ALICE_PREF not in progress.text and ALICE_HINT not in progress.text
+    assert [v["version"] for v in page.get("/ui/api/progress", ALICE).json()["versions"]] == [0]  # not bob's
     everyone = page.get("/ui/api/progress", ADMIN).json()
-    assert everyone["versions"][1]["gate"]["asked"] == f"{ALICE_PREF}\n{BOB_PREF}"
+    assert everyone["versions"][1]["gate"]["asked"] == BOB_PREF and everyone["versions"][1]["user"] == "bob"
     assert everyone["versions"][0]["reactions"]["judged"] == 2
 
 
@@ -278,7 +279,7 @@ def test_clawbridge_status_of_one_user_counts_theirs_alone(data_dir: Path, capsy
     assert bob["turns: main / side / untagged / opted out"].startswith("1 / ")
     assert bob["samples"].startswith("pending 0 · judged 1 ") and everyone["samples"].startswith("pending 0 · judged 3 ")
     assert bob["preferences"].startswith("1 heard;") and everyone["preferences"].startswith("2 heard;")
-    assert bob["policy version (one adapter for every user)"] == everyone["policy version"] == "v0"
+    assert bob["policy version of their own adapter"] == everyone["policy version"] == "v0"
     bad = CliRunner().invoke(app, ["status", "--data-dir", str(data_dir), "--user", "../alice"])
     assert bad.exit_code == 2 and "no user's name" in bad.output
 
