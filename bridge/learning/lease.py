@@ -171,8 +171,8 @@ class Coordinator:
 
     async def _follow(self) -> None:
         """Serve what the trainer announced: each user's version (the default user's alone from
-        a trainer that announced one), loaded from its published weights in ascending order, so
-        the newest published ends up the newest here too."""
+        a trainer that announced one): the versions that changed loaded from their published
+        weights in ascending order, the newest announced last, so it stays the newest here too."""
         try:
             value = await self.store.run(self.store.get_meta, SERVING_KEY)
             if not value:
@@ -186,7 +186,10 @@ class Coordinator:
                     log.error("the %s backend cannot serve another process's policy@v%d", self.backend.name, version)
                     self.followed = version
                 return
-            for v in sorted(set(wanted.values())):
+            serving = self.serving()
+            changed = {v for u, v in wanted.items() if serving.get(u, 0) != v}
+            # only what changed is loaded, the newest last: it stays the newest here too
+            for v in sorted(changed | {max(wanted.values())}):
                 row = await self.store.run(self.store.policy_version, v)
                 await self.backend.restore(v, row.path if row is not None else None)
             self.backend.serve(None)  # a version this process held at start (`server.serve`) is not its to hold

@@ -251,7 +251,7 @@ class LineageBackend(Routing):
 
     async def load_state(self, name: str) -> None:
         """`resume`'s checkpoint of this lineage: its weights and optimizer become the trainable ones."""
-        if isinstance(self.shared, Lineages) and self.board.per_user:
+        if isinstance(self.shared, Lineages):
             await self.shared.switch(name)
         else:
             await self.shared.load_state(name)
